@@ -1,0 +1,27 @@
+"""megamoe: one fused, trainable Mixture-of-Experts operator (the Mega MoE).
+
+The contract (every implementation computes this):
+
+    fused_moe(x[T,H], w13[E,2I,H], w2[E,H,I], topk_weights[T,k], topk_ids[T,k], impl=...) -> y[T,H]
+
+    y[t] = sum_j topk_weights[t,j] * W2[e] @ ( silu(G[e] @ x[t]) * (U[e] @ x[t]) ),  e = topk_ids[t,j]
+    w13[e] = [G[e]; U[e]]   gate rows first, then up rows (vLLM's and transformers' layout)
+    topk_ids[t,j] == -1  ->  that slot contributes nothing
+
+Shape legend (suffixes in names): T tokens, H hidden, I expert intermediate, E experts, k top-k,
+W expert-parallel world size; e.g. x_TH, w13_E2IH, w2_EHI, topk_ids_Tk.
+
+Implementations (`impl=`):
+  "megamoe"    the fused Triton kernel on CUDA; on CPU a torch implementation with the same
+               semantics and the same fixed reduction order (megamoe/fused.py)
+  "reference"  the unfused path: permute -> grouped GEMM -> SwiGLU -> grouped GEMM -> weighted
+               un-permute (megamoe/ref.py)
+Routing (fp32 router logits -> softmax/sigmoid -> top-k -> optional renormalisation) is the
+separate, differentiable `route` (megamoe/routing.py).
+"""
+
+from megamoe.contract import IMPLS, check_impl, check_moe_inputs
+from megamoe.routing import route
+from megamoe.moe import fused_moe
+
+__all__ = ["IMPLS", "check_impl", "check_moe_inputs", "fused_moe", "route"]

@@ -1,0 +1,86 @@
+"""The MoE contract's input checks, shared by every implementation.
+
+    fused_moe(x[T,H], w13[E,2I,H], w2[E,H,I], topk_weights[T,k], topk_ids[T,k]) -> y[T,H]
+
+Every check runs before any compute and raises ValueError/TypeError naming the argument, the
+expected and the actual value. The id range check reads the ids (one reduction); it is the only
+check that looks at data, and it can be switched off with ``check_ids=False`` where a host
+synchronisation is unwanted (CUDA-graph capture).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+IMPLS = ("megamoe", "reference")
+"""Implementations of the contract in this library. (`stock` belongs to the host frameworks.)"""
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    T: int
+    H: int
+    I: int  # noqa: E741  (the legend's name)
+    E: int
+    k: int
+
+
+def _need(cond: bool, exc: type[Exception], msg: str) -> None:
+    if not cond:
+        raise exc(msg)
+
+
+def check_impl(impl: str) -> str:
+    _need(isinstance(impl, str) and impl in IMPLS, ValueError,
+          f"impl: expected one of {IMPLS}, got {impl!r}")
+    return impl
+
+
+def check_moe_inputs(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor,
+                     topk_weights_Tk: torch.Tensor, topk_ids_Tk: torch.Tensor,
+                     *, check_ids: bool = True) -> MoEShape:
+    """Validate the contract's five tensors; return the sizes of the shape legend."""
+    named = {"x": x_TH, "w13": w13_E2IH, "w2": w2_EHI,
+             "topk_weights": topk_weights_Tk, "topk_ids": topk_ids_Tk}
+    for name, t in named.items():
+        _need(isinstance(t, torch.Tensor), TypeError,
+              f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    for name, want in (("x", 2), ("w13", 3), ("w2", 3), ("topk_weights", 2), ("topk_ids", 2)):
+        _need(named[name].dim() == want, ValueError,
+              f"{name}: expected {want} dimensions, got shape {tuple(named[name].shape)}")
+    for name in ("x", "w13", "w2", "topk_weights"):
+        _need(named[name].dtype in FLOAT_DTYPES, TypeError,
+              f"{name}: expected a floating dtype in {FLOAT_DTYPES}, got {named[name].dtype}")
+    _need(topk_ids_Tk.dtype in INDEX_DTYPES, TypeError,
+          f"topk_ids: expected an integer dtype in {INDEX_DTYPES}, got {topk_ids_Tk.dtype}")
+    _need(w13_E2IH.dtype == x_TH.dtype and w2_EHI.dtype == x_TH.dtype, TypeError,
+          f"w13, w2: expected the dtype of x ({x_TH.dtype}), got {w13_E2IH.dtype} and {w2_EHI.dtype}")
+    devices = {name: t.device for name, t in named.items()}
+    _need(len(set(devices.values())) == 1, ValueError,
+          f"all tensors must be on one device, got {', '.join(f'{n}={d}' for n, d in devices.items())}")
+
+    T, H = x_TH.shape
+    E, two_I, H13 = w13_E2IH.shape
+    _need(H13 == H, ValueError, f"w13: expected shape [E, 2I, H={H}] (H of x), got {tuple(w13_E2IH.shape)}")
+    _need(two_I % 2 == 0 and two_I > 0, ValueError,
+          f"w13: expected an even, positive second dimension 2I, got {two_I}")
+    I = two_I // 2  # noqa: E741
+    _need(tuple(w2_EHI.shape) == (E, H, I), ValueError,
+          f"w2: expected shape [E={E}, H={H}, I={I}] (from w13 and x), got {tuple(w2_EHI.shape)}")
+    _need(topk_ids_Tk.shape[0] == T, ValueError,
+          f"topk_ids: expected shape [T={T}, k] (T of x), got {tuple(topk_ids_Tk.shape)}")
+    k = topk_ids_Tk.shape[1]
+    _need(k >= 1, ValueError, f"topk_ids: expected k >= 1 columns, got {tuple(topk_ids_Tk.shape)}")
+    _need(tuple(topk_weights_Tk.shape) == (T, k), ValueError,
+          f"topk_weights: expected shape [T={T}, k={k}] (as topk_ids), got {tuple(topk_weights_Tk.shape)}")
+    _need(E >= 1 and H >= 1, ValueError, f"w13: expected E >= 1 and H >= 1, got shape {tuple(w13_E2IH.shape)}")
+    if check_ids and topk_ids_Tk.numel() > 0:
+        lo, hi = int(topk_ids_Tk.min()), int(topk_ids_Tk.max())
+        _need(lo >= -1 and hi < E, ValueError,
+              f"topk_ids: expected ids in [-1, E={E}), got min {lo}, max {hi}")
+    return MoEShape(T=T, H=H, I=I, E=E, k=k)
