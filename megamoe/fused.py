@@ -1,0 +1,414 @@
+"""The `megamoe` implementation: routing metadata -> one persistent Triton kernel (CUDA), or the
+torch implementation with the same semantics and reduction order (CPU); fused backward.
+
+Layers (CONVENTIONS.md): kernels (megamoe/kernels/moe_kernels.py) -> launchers (`_launch_*`) ->
+`fused_moe_fwd` / `fused_moe_bwd` (plain functions returning tensors; tests and benchmarks call
+them) -> the torch.library op `megamoe::fused_moe` with its fake implementation and autograd ->
+`megamoe_moe` (used by `megamoe.fused_moe(..., impl="megamoe")`).
+
+Semantics shared by every backend (so sampler and trainer see one function, bit-for-bit on one
+device): per slot, GEMM1 in fp32 accumulation, SwiGLU in fp32, the activation h rounded to the
+input dtype; GEMM2 in fp32 accumulation, times the routing weight in fp32, the slot row rounded to
+the input dtype; then each token's K slot rows summed in slot order (j = 0..K-1) in fp32 and
+rounded once. No float atomics anywhere, so results are deterministic and a token's output does not
+depend on the other tokens of the batch (tile and block sizes never depend on T).
+
+Memory. The backward saves only the op's inputs (x, w13, w2, topk_weights, topk_ids) and recomputes
+GEMM1 and the routing metadata: 0 bytes of saved activations per token beyond x itself (the
+unfused path saves its permuted x, gate/up, activation and expert outputs: about
+(H + 3I + H) * K * 2 bytes per token in bf16). Transient backward workspace, freed on return:
+per token K * (2I + I + H) elements of the input dtype plus K * ceil(I / BN1) fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.nn.functional as F
+
+from megamoe import alloc
+from megamoe.contract import check_moe_inputs
+
+
+# ---------------------------------------------------------------------------------------------
+# routing metadata (device-side, no host synchronisation)
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class RoutingMeta:
+    sorted_slot: torch.Tensor   # int32 [N]   slot indices (t*K + j) in expert order; -1 slots last
+    expert_start: torch.Tensor  # int32 [E]   first sorted row of each expert
+    expert_count: torch.Tensor  # int32 [E]   rows of each expert
+    tile_expert: torch.Tensor   # int32 [R_max]
+    tile_start: torch.Tensor    # int32 [R_max]
+    tile_end: torch.Tensor      # int32 [R_max]
+    num_tiles: torch.Tensor     # int32 [1]   R (valid tiles), on the device
+    r_max: int                  # host-side upper bound of R, from shapes only
+
+
+def routing_metadata(topk_ids_Tk: torch.Tensor, E: int, BM: int) -> RoutingMeta:
+    """Per-expert counts, offsets, the expert-sorted slot permutation and the row-tile table.
+
+    Only shapes reach the host: R (the number of BM-row tiles, sum_e ceil(count_e / BM)) stays on
+    the device and is read by the kernel; the table is sized by the bound ceil(N / BM) + E.
+    """
+    dev = topk_ids_Tk.device
+    ids = topk_ids_Tk.reshape(-1).to(torch.int32)
+    N = ids.numel()
+    ids = torch.where(ids < 0, torch.full_like(ids, E), ids)
+    counts = torch.zeros(E + 1, dtype=torch.int32, device=dev).scatter_add_(
+        0, ids.long(), torch.ones_like(ids))
+    sorted_slot = torch.sort(ids, stable=True).indices.to(torch.int32)
+    count_e = counts[:E]
+    start_e = (torch.cumsum(counts, 0, dtype=torch.int32) - counts)[:E]
+    tiles_e = (count_e + (BM - 1)) // BM
+    tiles_cum = torch.cumsum(tiles_e, 0, dtype=torch.int32)
+    r_max = (N + BM - 1) // BM + E
+    r = torch.arange(r_max, dtype=torch.int32, device=dev)
+    tile_e = torch.searchsorted(tiles_cum, r, right=True).to(torch.int32)
+    ec = tile_e.clamp(max=E - 1).long()
+    first = tiles_cum[ec] - tiles_e[ec]
+    tile_start = start_e[ec] + (r - first) * BM
+    tile_end = torch.minimum(tile_start + BM, start_e[ec] + count_e[ec])
+    return RoutingMeta(sorted_slot, start_e.contiguous(), count_e.contiguous(), tile_e,
+                       tile_start.to(torch.int32), tile_end.to(torch.int32),
+                       tiles_cum[-1:].contiguous(), r_max)
+
+
+# ---------------------------------------------------------------------------------------------
+# configuration and workspace
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    BM: int = 128
+    BN1: int = 64
+    BK1: int = 64
+    BN2: int = 128
+    BK2: int = 64
+    BT: int = 32
+    BH: int = 256
+    num_warps: int = 8
+    num_stages: int = 3
+    lag: int | None = None          # None: one wave of programs (see _default_lag)
+    programs: int | None = None     # None: one per SM
+    # weight-gradient kernel
+    BMW: int = 128
+    BNW: int = 128
+    BKR: int = 64
+    dw_warps: int = 8
+    dw_stages: int = 3
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def default_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
+    """Tile sizes depend on dtype and device only, never on T (batch invariance)."""
+    if device.type != "cuda":  # the interpreter: small tiles, one program
+        return KernelConfig(BM=16, BN1=16, BK1=16, BN2=16, BK2=16, BT=8, BH=32, programs=1,
+                            BMW=16, BNW=16, BKR=16)
+    if dtype == torch.float32:
+        return KernelConfig(BM=64, BN1=32, BK1=32, BN2=64, BK2=32, BT=16, BH=128, num_warps=4,
+                            num_stages=2, BMW=64, BNW=64, BKR=32, dw_warps=4, dw_stages=2)
+    return KernelConfig()
+
+
+_CONFIG_OVERRIDE: KernelConfig | None = None
+
+
+def set_config(cfg: KernelConfig | None) -> None:
+    """Benchmarks and tuning only: force a config (None restores the defaults)."""
+    global _CONFIG_OVERRIDE
+    _CONFIG_OVERRIDE = cfg
+
+
+def _config(x: torch.Tensor) -> KernelConfig:
+    return _CONFIG_OVERRIDE or default_config(x.dtype, x.device)
+
+
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # earlier counter buffers a captured CUDA graph may still use
+
+
+def _counters(device: torch.device, r_max: int) -> torch.Tensor:
+    """int32 [3 + r_max], zero, per (device, stream); the kernel leaves it zero again.
+
+    Allocated (zeroed) once and grown only outside CUDA-graph capture: warm the op up with the
+    largest batch before capturing.
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < 3 + r_max:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"megamoe: the counter workspace must grow to {3 + r_max} entries during CUDA-graph "
+                "capture; run the op once eagerly with the largest batch before capturing")
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(3 + max(r_max, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+def _num_programs(device: torch.device, cfg: KernelConfig) -> int:
+    if cfg.programs is not None:
+        return cfg.programs
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _default_lag(programs: int, n1: int, n2: int) -> int:
+    # A phase-2 item is handed out LAG groups after its tile's phase-1 items: about one wave of
+    # programs later, so its wait is usually already satisfied.
+    return max(1, -(-programs // (n1 + n2)) + 1)
+
+
+def _check_backend(x: torch.Tensor, backend: str) -> None:
+    if backend == "triton":
+        if x.device.type == "cuda":
+            return
+        if x.device.type == "cpu" and _interpreting():
+            if x.dtype != torch.float32:
+                raise ValueError(f"x: the Triton interpreter runs fp32 only (its bf16 tl.dot is wrong), got {x.dtype}")
+            return
+        raise ValueError(f"backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 on CPU), got device {x.device}")
+    if backend != "torch":
+        raise ValueError(f"backend: expected 'triton' or 'torch', got {backend!r}")
+
+
+def _pick_backend(x: torch.Tensor, backend: str | None) -> str:
+    backend = backend or ("triton" if x.is_cuda else "torch")
+    _check_backend(x, backend)
+    return backend
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: exact fp32 products (Triton would otherwise use TF32 on the tensor cores)
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton launchers
+# ---------------------------------------------------------------------------------------------
+def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, meta: RoutingMeta, T, H, I, K,
+                       cfg: KernelConfig):
+    from megamoe.kernels.moe_kernels import _moe_persistent_kernel
+
+    N = T * K
+    dev, dtype = x.device, x.dtype
+    n1 = -(-I // cfg.BN1)
+    n2 = -(-H // cfg.BN2)
+    act = alloc.empty(max(N, 1), (2 * I) if is_bwd else I, dtype=dtype, device=dev)
+    hw = alloc.empty(max(N, 1), I, dtype=dtype, device=dev) if is_bwd else act
+    dtw_part = alloc.empty(max(N, 1), n1, dtype=torch.float32, device=dev) if is_bwd else tw
+    slot_out = alloc.empty(max(N, 1), H, dtype=dtype, device=dev)
+    out = alloc.empty(T, H, dtype=dtype, device=dev)
+    ctr = _counters(dev, meta.r_max)
+    programs = _num_programs(dev, cfg)
+    lag = cfg.lag if cfg.lag is not None else _default_lag(programs, n1, n2)
+    _moe_persistent_kernel[(programs,)](
+        x, w13, w2, tw, ids, dy if dy is not None else x,
+        meta.sorted_slot, meta.tile_expert, meta.tile_start, meta.tile_end, meta.num_tiles,
+        act, hw, dtw_part, slot_out, out, ctr, ctr[3:],
+        T, H, I, K, lag,
+        IS_BWD=is_bwd, BM=cfg.BM, BN1=cfg.BN1, BK1=cfg.BK1, BN2=cfg.BN2, BK2=cfg.BK2,
+        BT=cfg.BT, BH=cfg.BH, DOT_PRECISION=_dot_precision(dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, act, hw, dtw_part
+
+
+def _launch_dw(x, dy, dgu, hw, meta: RoutingMeta, E, H, I, K, cfg: KernelConfig):
+    from megamoe.kernels.moe_kernels import _moe_bwd_dw_kernel
+
+    dw13 = alloc.empty(E, 2 * I, H, dtype=x.dtype, device=x.device)
+    dw2 = alloc.empty(E, H, I, dtype=x.dtype, device=x.device)
+    per_e = (-(-2 * I // cfg.BMW)) * (-(-H // cfg.BNW)) + (-(-H // cfg.BMW)) * (-(-I // cfg.BNW))
+    _moe_bwd_dw_kernel[(E * per_e,)](
+        x, dy, dgu, hw, meta.sorted_slot, meta.expert_start, meta.expert_count, dw13, dw2, H, I, K,
+        BMW=cfg.BMW, BNW=cfg.BNW, BKR=cfg.BKR, DOT_PRECISION=_dot_precision(x.dtype),
+        num_warps=cfg.dw_warps, num_stages=cfg.dw_stages,
+    )
+    return dw13, dw2
+
+
+# ---------------------------------------------------------------------------------------------
+# torch implementation (CPU): the same semantics and reduction order
+# ---------------------------------------------------------------------------------------------
+_CPU_ROWS = 32  # fixed row block: a row's GEMM result never depends on how many rows share the call
+
+
+def _rows_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32 a[M,K] @ b[K,N], computed in fixed blocks of _CPU_ROWS rows (zero-padded)."""
+    M = a.shape[0]
+    pad = (-M) % _CPU_ROWS
+    if pad:
+        a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
+    out = torch.stack([blk @ b for blk in a.split(_CPU_ROWS)]) if a.shape[0] else a.new_zeros(0, _CPU_ROWS, b.shape[1])
+    return out.reshape(-1, b.shape[1])[:M]
+
+
+def _combine_slots(slot_out_NH: torch.Tensor, ids_Tk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    T, K = ids_Tk.shape
+    rows = slot_out_NH.reshape(T, K, -1)
+    acc = torch.zeros(T, rows.shape[-1], dtype=torch.float32, device=rows.device)
+    for j in range(K):  # slot order, fp32
+        acc += torch.where((ids_Tk[:, j] >= 0)[:, None], rows[:, j].float(), 0.0)
+    return acc.to(dtype)
+
+
+def _fwd_torch(x, w13, w2, tw, ids, meta: RoutingMeta, T, H, I, K):
+    dtype = x.dtype
+    slot_out = torch.zeros(T * K, H, dtype=dtype)
+    sorted_slot = meta.sorted_slot.long()
+    for e, (s, n) in enumerate(zip(meta.expert_start.tolist(), meta.expert_count.tolist())):
+        if n == 0:
+            continue
+        slot = sorted_slot[s:s + n]
+        gu = _rows_mm(x[slot // K].float(), w13[e].float().t())
+        h = (F.silu(gu[:, :I]) * gu[:, I:]).to(dtype)
+        o = _rows_mm(h.float(), w2[e].float().t()) * tw.reshape(-1)[slot].float()[:, None]
+        slot_out[slot] = o.to(dtype)
+    return _combine_slots(slot_out, ids, dtype)
+
+
+def _bwd_torch(dy, x, w13, w2, tw, ids, meta: RoutingMeta, T, H, I, K):
+    dtype = x.dtype
+    dx_slot = torch.zeros(T * K, H, dtype=dtype)
+    dw13 = torch.zeros_like(w13)
+    dw2 = torch.zeros_like(w2)
+    dtw = torch.zeros(T * K, dtype=torch.float32)
+    sorted_slot = meta.sorted_slot.long()
+    for e, (s, n) in enumerate(zip(meta.expert_start.tolist(), meta.expert_count.tolist())):
+        if n == 0:
+            continue
+        slot = sorted_slot[s:s + n]
+        tok = slot // K
+        xe = x[tok].float()
+        dye = dy[tok].float()
+        w = tw.reshape(-1)[slot].float()[:, None]
+        gu = _rows_mm(xe, w13[e].float().t())
+        g, u = gu[:, :I], gu[:, I:]
+        sg = torch.sigmoid(g)
+        h = (g * sg * u).to(dtype).float()
+        dA = _rows_mm(dye, w2[e].float())
+        dtw[slot] = (dA * h).sum(dim=1)
+        da = dA * w
+        dgu = torch.cat([da * u * sg * (1 + g * (1 - sg)), da * g * sg], dim=1).to(dtype)
+        hw = (h * w).to(dtype)
+        dx_slot[slot] = _rows_mm(dgu.float(), w13[e].float()).to(dtype)
+        dw13[e] = (dgu.float().t() @ xe).to(dtype)
+        dw2[e] = (dye.t() @ hw.float()).to(dtype)
+    dx = _combine_slots(dx_slot, ids, dtype)
+    dtw = torch.where(ids.reshape(-1) >= 0, dtw, 0.0)
+    return dx, dw13, dw2, dtw.reshape(T, K)
+
+
+# ---------------------------------------------------------------------------------------------
+# fused_moe_fwd / fused_moe_bwd
+# ---------------------------------------------------------------------------------------------
+def _prep(x, w13, w2, tw, ids):
+    return (x.contiguous(), w13.contiguous(), w2.contiguous(),
+            tw.contiguous().to(torch.float32), ids.contiguous())
+
+
+def fused_moe_fwd(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk, *,
+                  backend: str | None = None, check: bool = True) -> torch.Tensor:
+    """y[T,H]. backend: None (triton on CUDA, torch on CPU), "triton" (CUDA, or the interpreter
+    on CPU with TRITON_INTERPRET=1) or "torch". Never falls back: an unusable backend raises."""
+    if check:
+        s = check_moe_inputs(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk, check_ids=not x_TH.is_cuda)
+    else:
+        s = check_moe_inputs(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk, check_ids=False)
+    backend = _pick_backend(x_TH, backend)
+    x, w13, w2, tw, ids = _prep(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk)
+    if s.T == 0:
+        return x.new_zeros(0, s.H)
+    if backend == "torch":
+        meta = routing_metadata(ids, s.E, _CPU_ROWS)
+        return _fwd_torch(x, w13, w2, tw, ids, meta, s.T, s.H, s.I, s.k)
+    cfg = _config(x)
+    meta = routing_metadata(ids, s.E, cfg.BM)
+    out, *_ = _launch_persistent(False, x, w13, w2, tw, ids, None, meta, s.T, s.H, s.I, s.k, cfg)
+    return out
+
+
+def fused_moe_bwd(dy_TH, x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk, *,
+                  backend: str | None = None):
+    """(dx[T,H], dw13[E,2I,H], dw2[E,H,I], dtopk_weights[T,k]) for upstream gradient dy[T,H].
+
+    Recomputes GEMM1 from the saved inputs. Triton: one persistent launch (recompute + d(gate,up)
+    + per-slot dx + slot-order combine) and one weight-gradient launch.
+    """
+    s = check_moe_inputs(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk, check_ids=False)
+    if tuple(dy_TH.shape) != (s.T, s.H):
+        raise ValueError(f"dy: expected shape [T={s.T}, H={s.H}], got {tuple(dy_TH.shape)}")
+    backend = _pick_backend(x_TH, backend)
+    x, w13, w2, tw, ids = _prep(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk)
+    dy = dy_TH.contiguous().to(x.dtype)
+    if s.T == 0:
+        return (x.new_zeros(0, s.H), torch.zeros_like(w13), torch.zeros_like(w2),
+                topk_weights_Tk.new_zeros(0, s.k))
+    if backend == "torch":
+        meta = routing_metadata(ids, s.E, _CPU_ROWS)
+        dx, dw13, dw2, dtw = _bwd_torch(dy, x, w13, w2, tw, ids, meta, s.T, s.H, s.I, s.k)
+        return dx, dw13, dw2, dtw.to(topk_weights_Tk.dtype)
+    cfg = _config(x)
+    meta = routing_metadata(ids, s.E, cfg.BM)
+    dx, dgu, hw, dtw_part = _launch_persistent(True, x, w13, w2, tw, ids, dy, meta, s.T, s.H, s.I, s.k, cfg)
+    dw13, dw2 = _launch_dw(x, dy, dgu, hw, meta, s.E, s.H, s.I, s.k, cfg)
+    # partial dots per column block, summed in block order; rows back from expert order to slots
+    N = s.T * s.k
+    # (rows of -1 slots sit at the end of the sorted order, unwritten: masked below)
+    dtw_sorted = dtw_part[:N].sum(dim=1)
+    dtw = torch.empty(N, dtype=torch.float32, device=x.device).index_copy_(
+        0, meta.sorted_slot.long(), dtw_sorted)
+    dtw = torch.where(ids.reshape(-1) >= 0, dtw, 0.0)
+    return dx, dw13, dw2, dtw.reshape(s.T, s.k).to(topk_weights_Tk.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library op with fake implementation and autograd
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("megamoe::fused_moe", mutates_args=())
+def _fused_moe_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    return fused_moe_fwd(x, w13, w2, topk_weights, topk_ids, check=False)
+
+
+@_fused_moe_op.register_fake
+def _(x, w13, w2, topk_weights, topk_ids):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("megamoe::fused_moe_bwd", mutates_args=())
+def _fused_moe_bwd_op(dy: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return fused_moe_bwd(dy, x, w13, w2, topk_weights, topk_ids)
+
+
+@_fused_moe_bwd_op.register_fake
+def _(dy, x, w13, w2, topk_weights, topk_ids):
+    return x.new_empty(x.shape), w13.new_empty(w13.shape), w2.new_empty(w2.shape), \
+        topk_weights.new_empty(topk_weights.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, dy):
+    x, w13, w2, tw, ids = ctx.saved_tensors
+    dx, dw13, dw2, dtw = _fused_moe_bwd_op(dy, x, w13, w2, tw, ids)
+    return dx, dw13, dw2, dtw, None
+
+
+_fused_moe_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def megamoe_moe(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk) -> torch.Tensor:
+    """The differentiable `megamoe` implementation (inputs already checked by `megamoe.fused_moe`)."""
+    return _fused_moe_op(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk)
