@@ -251,3 +251,49 @@ def _moe_bwd_dw_kernel(
             acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
         dst = dw2_ptr + e.to(tl.int64) * (H * I) + om[:, None] * I + on[None, :]
         tl.store(dst, acc.to(dw2_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _moe_metadata_kernel(
+    sorted_ids_ptr, N, E, BM, R_MAX,
+    expert_start_ptr, expert_count_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
+    E_PAD: tl.constexpr, RB: tl.constexpr,
+):
+    """Routing metadata in one program, from the stably sorted ids: per-expert starts and counts
+    (a binary search per expert, log2(N) dependent loads instead of a pass over all N ids), and the
+    row-tile table. The -1 slots sort first, so every expert's rows start after them."""
+    bins = tl.arange(0, E_PAD)
+    is_e = bins < E
+    # lower_bound(sorted_ids, b) for b = 0..E (bin E gives the end of the last expert)
+    lo = tl.zeros((E_PAD,), dtype=tl.int32)
+    hi = tl.zeros((E_PAD,), dtype=tl.int32) + N
+    while tl.max(hi - lo, axis=0) > 0:
+        mid = (lo + hi) // 2
+        v = tl.load(sorted_ids_ptr + mid, mask=mid < hi, other=0)
+        go_right = (mid < hi) & (v < bins)
+        lo = tl.where(go_right, mid + 1, lo)
+        hi = tl.where(go_right | (mid >= hi), hi, mid)
+    start = lo
+    # count[e] = start[e+1] - start[e]: shift by one lane through a one-hot reduction
+    nxt = tl.sum(tl.where(bins[None, :] == bins[:, None] + 1, start[None, :], 0), axis=1)
+    cnt = tl.where(is_e, nxt - start, 0)
+    tl.store(expert_start_ptr + bins, start, mask=is_e)
+    tl.store(expert_count_ptr + bins, cnt, mask=is_e)
+    tiles = (cnt + BM - 1) // BM
+    tcum = tl.cumsum(tiles, axis=0)
+    first = tcum - tiles
+    tl.store(num_tiles_ptr, tl.sum(tiles, axis=0))
+    for r0 in range(0, R_MAX, RB):
+        r = r0 + tl.arange(0, RB)
+        e = tl.sum(((tcum[None, :] <= r[:, None]) & is_e[None, :]).to(tl.int32), axis=1)
+        sel = bins[None, :] == e[:, None]
+        f = tl.sum(tl.where(sel, first[None, :], 0), axis=1)
+        st = tl.sum(tl.where(sel, start[None, :], 0), axis=1)
+        ce = tl.sum(tl.where(sel, cnt[None, :], 0), axis=1)
+        ts = st + (r - f) * BM
+        te = tl.minimum(ts + BM, st + ce)
+        valid = e < E
+        rm = r < R_MAX
+        tl.store(tile_expert_ptr + r, e, mask=rm)
+        tl.store(tile_start_ptr + r, tl.where(valid, ts, 0), mask=rm)
+        tl.store(tile_end_ptr + r, tl.where(valid, te, 0), mask=rm)

@@ -1,0 +1,181 @@
+"""Times megamoe vs the unfused `reference` path vs Liger Kernel's fused_moe, in one process on a GPU.
+
+    python benchmarks/bench_moe.py                       # every shape, T in {64, 512, 4096, 16384}
+    python benchmarks/bench_moe.py --shapes qwen3 --tokens 4096 16384 --reps 50 --out results.md
+
+Forward and forward+backward, median over --reps repetitions timed with CUDA events, bf16.
+FLOPs: 6*T*k*H*I per forward (two GEMMs, gate+up counted as 2I), x3 for forward+backward.
+Decode (T=64) is also compared with its weight-read floor: bytes of the experts touched / the
+device copy bandwidth measured in the same process. Liger comes from `liger-kernel` (pure-Python
+Triton package); when it is not importable its columns say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from megamoe.fused import fused_moe_fwd  # noqa: E402
+from megamoe.moe import fused_moe  # noqa: E402
+from megamoe.ref import moe_unfused  # noqa: E402
+from megamoe.routing import route  # noqa: E402
+
+SHAPES = {  # name: (E, H, I, k)
+    "qwen3": (128, 2048, 768, 8),      # Qwen3-30B-A3B
+    "olmoe": (64, 2048, 1024, 8),      # OLMoE-1B-7B
+    "mixtral": (8, 4096, 14336, 2),    # Mixtral-8x7B
+    "dsv3": (32, 7168, 2048, 8),       # DeepSeek-V3 slice
+}
+
+
+def header() -> str:
+    try:
+        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                         cwd=os.path.dirname(__file__), stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        commit = "unknown"
+    import triton
+    return (f"GPU {torch.cuda.get_device_name()} | CUDA {torch.version.cuda} | torch {torch.__version__} | "
+            f"Triton {triton.__version__} | commit {commit} | {datetime.date.today().isoformat()}")
+
+
+def time_ms(fn, reps: int, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    """Device copy bandwidth in bytes/s, counting bytes read + written."""
+    a = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = time_ms(lambda: b.copy_(a), 20)
+    return 2 * a.numel() / (ms * 1e-3)
+
+
+def make_inputs(E, H, I, k, T, seed=0):  # noqa: E741
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H ** 0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, device="cuda", generator=g) / I ** 0.5).bfloat16()
+    logits = torch.randn(T, E, device="cuda", generator=g)
+    tw, ids = route(logits, k, renormalize=True)
+    return x, w13, w2, tw, ids
+
+
+def liger_fn():
+    try:
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+    except Exception as exc:  # noqa: BLE001
+        return None, f"not importable: {type(exc).__name__}: {exc}"
+    return LigerFusedMoEFunction, None
+
+
+def bench_shape(name, T, reps, impls, bw, lines, records):
+    E, H, I, k = SHAPES[name]  # noqa: E741
+    x, w13, w2, tw, ids = make_inputs(E, H, I, k, T)
+    flops = 6.0 * T * k * H * I
+    dy = torch.randn_like(x)
+    liger, liger_err = liger_fn()
+    ids32 = ids.to(torch.int32)
+    tw_bf = tw.to(x.dtype)
+
+    fwd = {
+        "megamoe": lambda: fused_moe_fwd(x, w13, w2, tw, ids, check=False),
+        "reference": lambda: moe_unfused(x, w13, w2, tw, ids, check_ids=False),
+    }
+    if liger is not None:
+        fwd["liger"] = lambda: liger.apply(x, w13, w2, ids32, tw_bf)
+
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, w13, w2)] + [tw.clone().requires_grad_(True)]
+
+    def fb(impl):
+        def run():
+            for t in leaves:
+                t.grad = None
+            lx, lw13, lw2, ltw = leaves
+            if impl == "megamoe":
+                y = fused_moe(lx, lw13, lw2, ltw, ids, impl="megamoe", check_ids=False)
+            elif impl == "reference":
+                y = moe_unfused(lx, lw13, lw2, ltw, ids, check_ids=False)
+            else:
+                y = liger.apply(lx, lw13, lw2, ids32, ltw.to(lx.dtype))
+            y.backward(dy)
+        return run
+
+    row = {"shape": name, "T": T, "E": E, "H": H, "I": I, "k": k}
+    for impl in impls:
+        if impl == "liger" and liger is None:
+            row[f"{impl}_fwd_ms"] = row[f"{impl}_fb_ms"] = None
+            row["liger_note"] = liger_err
+            continue
+        row[f"{impl}_fwd_ms"] = time_ms(fwd[impl], reps)
+        row[f"{impl}_fb_ms"] = time_ms(fb(impl), reps)
+    if T <= 512:
+        touched = int(torch.unique(ids).numel())
+        row["floor_ms"] = touched * 3 * H * I * 2 / bw * 1e3
+    records.append(row)
+
+    def tf(ms, mult):
+        return f"{flops * mult / (ms * 1e-3) / 1e12:6.0f}" if ms else "   n/a"
+
+    for mode, mult in (("fwd", 1), ("fb", 3)):
+        m = row.get(f"megamoe_{mode}_ms")
+        cells = []
+        for impl in impls:
+            ms = row.get(f"{impl}_{mode}_ms")
+            cells.append(f"{impl} {ms:8.3f} ms {tf(ms, mult)} TF/s" if ms else f"{impl}      n/a")
+        ratios = []
+        for base in impls:
+            if base != "megamoe" and row.get(f"{base}_{mode}_ms") and m:
+                ratios.append(f"{row[f'{base}_{mode}_ms'] / m:5.2f}x vs {base}")
+        floor = f" | floor {row['floor_ms']:.3f} ms ({m / row['floor_ms']:.2f}x)" if mode == "fwd" and "floor_ms" in row and m else ""
+        line = f"{name:8s} T={T:6d} {mode:3s} | " + " | ".join(cells) + " | " + ", ".join(ratios) + floor
+        print(line, flush=True)
+        lines.append(line)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--tokens", nargs="+", type=int, default=[64, 512, 4096, 16384])
+    ap.add_argument("--impls", nargs="+", default=["megamoe", "reference", "liger"])
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--out", default=None, help="write the table (markdown) and records (json) here")
+    args = ap.parse_args()
+    head = header()
+    print(head, flush=True)
+    bw = copy_bandwidth()
+    print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    lines, records = [], []
+    for name in args.shapes:
+        for T in args.tokens:
+            bench_shape(name, T, args.reps, args.impls, bw, lines, records)
+            torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(head + "\n\n```\n" + "\n".join(lines) + "\n```\n")
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+            json.dump({"header": head, "copy_bw": bw, "rows": records}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

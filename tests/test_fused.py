@@ -1,0 +1,197 @@
+"""The megamoe implementation: Triton kernels (interpreter on CPU, compiled on GPU) and the CPU
+torch implementation, forward and every gradient against the fp32 ground truth; batch invariance,
+determinism, CUDA graphs, NaN isolation, the torch.library op, and its refusals."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import megamoe
+from megamoe.fused import fused_moe_bwd, fused_moe_fwd
+from megamoe.ref import moe_ground_truth
+from megamoe.testing import TOLERANCES, assert_close, make_problem
+
+# (T, H, I, E, k, routing, drop_frac)
+EDGE_CASES = [
+    pytest.param(1, 32, 16, 4, 2, "random", 0.0, id="T1-H32-I16-E4-k2"),
+    pytest.param(19, 40, 24, 5, 1, "random", 0.0, id="T19-H40-I24-E5-k1"),
+    pytest.param(23, 36, 20, 6, 3, "random", 0.0, id="T23-H36-I20-E6-k3"),
+    pytest.param(17, 20, 12, 7, 2, "skip_odd", 0.0, id="T17-E7-empty-experts"),
+    pytest.param(21, 24, 16, 5, 3, "one_expert", 0.0, id="T21-E5-all-on-one"),
+    pytest.param(25, 32, 16, 6, 3, "random", 0.3, id="T25-k3-drop30"),
+]
+GPU_CASES = EDGE_CASES + [
+    pytest.param(1, 2048, 768, 128, 8, "random", 0.0, id="T1-qwen3"),
+    pytest.param(333, 1000, 300, 13, 3, "random", 0.1, id="T333-H1000-I300-E13-k3-drop"),
+    pytest.param(517, 512, 192, 64, 8, "random", 0.0, id="T517-E64-k8"),
+    pytest.param(300, 256, 128, 9, 2, "one_expert", 0.0, id="T300-all-on-one"),
+]
+
+
+def _check_all(p, dtype, backend, tol):
+    ref = p.leaves()
+    y_ref = moe_ground_truth(*ref.args())
+    g = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(7)).to(y_ref.device)
+    y_ref.backward(g)
+    y = fused_moe_fwd(*p.args(), backend=backend)
+    dx, dw13, dw2, dtw = fused_moe_bwd(g.to(dtype), *p.args(), backend=backend)
+    assert y.dtype == dtype and dx.dtype == dtype and dw13.dtype == dtype
+    assert_close("y", y, y_ref, tol)
+    for name, got in (("x", dx), ("w13", dw13), ("w2", dw2), ("topk_weights", dtw)):
+        assert_close(f"d{name}", got, getattr(ref, name).grad, tol, allow_zero_ref=False)
+    return y, dx
+
+
+@pytest.mark.parametrize("T,H,I,E,k,routing,drop", EDGE_CASES)
+def test_triton_interpreter_fp32(T, H, I, E, k, routing, drop, nan_fill):  # noqa: E741
+    """The Triton kernels themselves, on CPU under TRITON_INTERPRET=1 (one program, fp32)."""
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("interpreter test: runs on CPU machines (conftest sets TRITON_INTERPRET=1 there)")
+    p = make_problem(T, H, I, E, k, routing=routing, drop_frac=drop, seed=T)
+    _check_all(p, torch.float32, "triton", TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T,H,I,E,k,routing,drop", EDGE_CASES)
+def test_torch_backend(T, H, I, E, k, routing, drop, dtype, nan_fill):  # noqa: E741
+    p = make_problem(T, H, I, E, k, routing=routing, drop_frac=drop, seed=T, dtype=dtype)
+    _check_all(p, dtype, "torch", TOLERANCES[dtype])
+
+
+def test_dropped_token_gets_exact_zero():
+    p = make_problem(6, 24, 16, 4, 2, seed=3)
+    p.topk_ids[2] = -1
+    y = fused_moe_fwd(*p.args(), backend="torch")
+    dx, *_ = fused_moe_bwd(torch.randn_like(y), *p.args(), backend="torch")
+    assert torch.equal(y[2], torch.zeros_like(y[2])) and torch.equal(dx[2], torch.zeros_like(dx[2]))
+    assert y[1].abs().max() > 0
+
+
+def _batch_invariance(device, dtype, backend, sizes):
+    big = make_problem(max(sizes), 64 if device == "cpu" else 512, 32 if device == "cpu" else 256,
+                       8 if device == "cpu" else 16, 2 if device == "cpu" else 4, seed=11,
+                       dtype=dtype, device=device)
+    full = fused_moe_fwd(*big.args(), backend=backend)
+    for n in sizes:
+        for start in (0, max(sizes) - n):
+            part = fused_moe_fwd(big.x[start:start + n], big.w13, big.w2, big.topk_weights[start:start + n],
+                                 big.topk_ids[start:start + n], backend=backend)
+            assert torch.equal(part, full[start:start + n]), f"rows {start}:{start + n} differ from the full batch"
+    again = fused_moe_fwd(*big.args(), backend=backend)
+    assert torch.equal(again, full), "two runs differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpu_batch_invariant_and_deterministic(dtype):
+    _batch_invariance("cpu", dtype, "torch", [1, 7, 64])
+
+
+def test_opcheck():
+    p = make_problem(9, 24, 16, 5, 2, seed=5, drop_frac=0.2)
+    args = tuple(t.clone().requires_grad_(t.is_floating_point()) for t in p.args())
+    torch.library.opcheck(torch.ops.megamoe.fused_moe.default, args)
+    g = torch.randn(9, 24)
+    torch.library.opcheck(torch.ops.megamoe.fused_moe_bwd.default, (g,) + tuple(p.args()))
+
+
+def test_public_autograd_matches_fwd_bwd():
+    p = make_problem(13, 24, 16, 5, 2, seed=9)
+    leaves = p.leaves()
+    y = megamoe.fused_moe(*leaves.args(), impl="megamoe")
+    g = torch.randn_like(y)
+    y.backward(g)
+    dx, dw13, dw2, dtw = fused_moe_bwd(g, *p.args())
+    assert torch.equal(leaves.x.grad, dx) and torch.equal(leaves.w13.grad, dw13)
+    assert torch.equal(leaves.w2.grad, dw2) and torch.equal(leaves.topk_weights.grad, dtw)
+
+
+def test_triton_backend_refused_without_gpu_or_interpreter(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU refusal; this machine has a GPU")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    p = make_problem(4, 16, 16, 3, 1)
+    with pytest.raises(ValueError, match="backend='triton' needs a CUDA tensor"):
+        fused_moe_fwd(*p.args(), backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pb = make_problem(4, 16, 16, 3, 1, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="interpreter runs fp32 only"):
+        fused_moe_fwd(*pb.args(), backend="triton")
+    with pytest.raises(ValueError, match="backend: expected"):
+        fused_moe_fwd(*p.args(), backend="cuda")
+
+
+def test_nan_stays_in_its_token_cpu():
+    p = make_problem(12, 32, 16, 4, 2, seed=2)
+    p.x[5, 3] = float("nan")
+    y = fused_moe_fwd(*p.args(), backend="torch")
+    bad = ~torch.isfinite(y).all(dim=1)
+    assert bad.tolist() == [i == 5 for i in range(12)]
+
+
+# ------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T,H,I,E,k,routing,drop", GPU_CASES)
+def test_gpu_against_ground_truth(T, H, I, E, k, routing, drop, dtype, nan_fill):  # noqa: E741
+    p = make_problem(T, H, I, E, k, routing=routing, drop_frac=drop, seed=T, dtype=dtype, device="cuda")
+    _check_all(p, dtype, "triton", TOLERANCES[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_batch_invariant_and_deterministic(dtype):
+    _batch_invariance("cuda", dtype, "triton", [1, 7, 512])
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_matches_eager():
+    dev = "cuda"
+    p = make_problem(256, 512, 256, 16, 4, seed=1, dtype=torch.bfloat16, device=dev)
+    static = [t.clone() for t in p.args()]
+    fused_moe_fwd(*static, check=False)  # warm up: compile, allocate the counter workspace
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_fwd(*static, check=False)
+    for seed in range(5):
+        q = make_problem(256, 512, 256, 16, 4, seed=100 + seed, dtype=torch.bfloat16, device=dev)
+        for dst, src in zip(static, q.args()):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fused_moe_fwd(*q.args())), f"replay {seed} differs from eager"
+
+
+@pytest.mark.gpu
+def test_gpu_repeated_calls_do_not_hang_and_agree():
+    p = make_problem(1000, 512, 256, 32, 8, seed=4, dtype=torch.bfloat16, device="cuda")
+    first = fused_moe_fwd(*p.args())
+    for _ in range(200):
+        y = fused_moe_fwd(*p.args())
+    g = torch.randn_like(first)
+    grads = fused_moe_bwd(g, *p.args())
+    for _ in range(20):
+        again = fused_moe_bwd(g, *p.args())
+    torch.cuda.synchronize()
+    assert torch.equal(y, first)
+    assert all(torch.equal(a, b) for a, b in zip(grads, again))
+
+
+@pytest.mark.gpu
+def test_gpu_nan_stays_in_its_token():
+    p = make_problem(300, 256, 128, 8, 2, seed=6, dtype=torch.bfloat16, device="cuda")
+    p.x[17, 5] = float("nan")
+    p.x[250, 0] = float("inf")
+    y = fused_moe_fwd(*p.args())
+    bad = (~torch.isfinite(y).all(dim=1)).nonzero().flatten().tolist()
+    assert bad == [17, 250]
+
+
+@pytest.mark.gpu
+def test_gpu_opcheck():
+    p = make_problem(64, 128, 64, 8, 2, seed=5, dtype=torch.bfloat16, device="cuda")
+    args = tuple(t.clone().requires_grad_(t.is_floating_point()) for t in p.args())
+    torch.library.opcheck(torch.ops.megamoe.fused_moe.default, args)
