@@ -58,7 +58,9 @@ def grouped_mm(a_NK: torch.Tensor, b_EKM: torch.Tensor, counts_E: torch.Tensor,
             out.append(a_NK[start:start + n] @ b_EKM[e])
         start += n
     if not out:
-        return a_NK.new_zeros(0, b_EKM.shape[-1])
+        # No rows at all (T=0 or every slot -1): an empty product keeps `a` and `b` in the autograd
+        # graph, so their gradients are zeros rather than missing.
+        return a_NK[:0] @ b_EKM[0]
     return torch.cat(out)
 
 

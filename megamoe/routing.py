@@ -38,13 +38,16 @@ def route(router_logits_TE: torch.Tensor, top_k: int, scoring: str = "softmax",
 
     softmax: p = softmax(logits); weights = top-k of p (renormalised to sum 1 when asked).
     sigmoid: s = sigmoid(logits); weights = top-k of s (renormalised when asked; DeepSeek-V3 style).
-    Ties are broken by torch.topk (lower index first on every backend we run), the same on both
-    sides of an RL run because both call this function.
+    Weights come in descending order. Ties (equal scores, common with bf16 logits) go to the lower
+    expert index, by a stable descending sort: torch.topk leaves the choice among equal scores
+    unspecified, and on CPU it depends on E and k (torch 2.13). (vLLM's own router, which the
+    rollout uses, is not this function: its order and ties follow its own kernels.)
     """
     check_route_inputs(router_logits_TE, top_k, scoring, check_finite=check_finite)
     logits = router_logits_TE.float()
     scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
-    topk_weights_Tk, topk_ids_Tk = torch.topk(scores, top_k, dim=-1)
+    topk_ids_Tk = torch.sort(scores.detach(), dim=-1, descending=True, stable=True).indices[:, :top_k]
+    topk_weights_Tk = scores.gather(1, topk_ids_Tk)
     if renormalize:
         topk_weights_Tk = topk_weights_Tk / topk_weights_Tk.sum(dim=-1, keepdim=True)
     return topk_weights_Tk, topk_ids_Tk

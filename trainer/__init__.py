@@ -1,0 +1,12 @@
+"""trainer: FSDP2 training of Hugging Face MoE models whose experts run on megamoe.
+
+    config.py      TrainerWorkerConfig: the cfg dict rl/ hands to TrainerWorker, typed and checked
+    experts.py     megamoe in transformers' experts registry; Fp32Router (fp32 logits, megamoe.route)
+    model.py       load_model(dir, moe_impl): checkpoint checks (names, shapes), experts, router
+    batch.py       batch validation / truncation, rank shards, padded micro-batches
+    loss.py        GRPO/PPO loss, mismatch correction and metrics (pure functions; rl/ reuses them)
+    fsdp.py        fully_shard per decoder layer + root; full weights streamed one tensor at a time
+    checkpoint.py  atomic DCP checkpoints (model, optimizer, counters, RNG); latest_checkpoint
+    worker.py      TrainerWorker: one rank (rl/ wraps it with ray.remote)
+    testing.py     seeded batches and weight comparisons for the tests
+"""

@@ -1,0 +1,101 @@
+"""The `megamoe-rl` command line.
+
+    megamoe-rl --help
+    megamoe-rl make-model --out runs/tiny [--arch qwen3_moe|mixtral] [--layers 2] [--hidden 64]
+                          [--experts 8] [--topk 2] [--intermediate 32] [--vocab 512] [--seed 0]
+                          [--overwrite]
+
+Subcommands live in the SUBCOMMANDS registry below: name -> "module:add_<name>_parser". Each
+`add_<name>_parser(subparsers)` adds its parser and sets `handler=<function(args) -> int>` as a
+default; `main` parses and calls the handler. Adding a subcommand, e.g. `train` in rl/loop.py:
+
+    def add_train_parser(subparsers):                      # in rl/loop.py
+        p = subparsers.add_parser("train", help="run the RL loop")
+        p.set_defaults(handler=run_train)                  # run_train(args) -> exit code
+
+    "train": "rl.loop:add_train_parser",                   # one line in SUBCOMMANDS
+
+Every registered module is imported to build `--help`, so it must keep torch, vLLM, Ray and
+transformers imports inside its handler: `megamoe-rl --help` stays instant, and
+tests/test_make_model.py checks that it imports no torch. A handler reports a bad argument with
+`args.parser.error(message)` (usage + message, exit status 2) before doing any work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS: dict[str, str] = {
+    "make-model": "rl.cli:add_make_model_parser",
+    "train": "rl.train_cmd:add_train_parser",
+}
+
+
+def add_make_model_parser(subparsers) -> None:
+    from rl import make_model as mm  # light: its heavy imports sit inside make_model()
+
+    p = subparsers.add_parser(
+        "make-model", help="write a tiny random-init MoE checkpoint + tokenizer (offline, seeded)",
+        description=mm.__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="directory to create (new or empty)")
+    p.add_argument("--arch", default="qwen3_moe", choices=mm.ARCHS, help="default %(default)s")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers (default %(default)s)")
+    p.add_argument("--hidden", type=int, default=64,
+                   help=f"hidden size H, a multiple of {mm.HIDDEN_MULTIPLE} for vLLM CPU; sets the "
+                        "head layout (default %(default)s)")
+    p.add_argument("--experts", type=int, default=8, help="experts E per layer (default %(default)s)")
+    p.add_argument("--topk", type=int, default=2, help="experts k per token (default %(default)s)")
+    p.add_argument("--intermediate", type=int, default=32,
+                   help="expert intermediate size I (default %(default)s)")
+    p.add_argument("--vocab", type=int, default=None,
+                   help=f"tokenizer and embedding size in [{mm.MIN_VOCAB}, {mm.MAX_VOCAB}] "
+                        f"(default {mm.DEFAULT_VOCAB})")
+    p.add_argument("--seed", type=int, default=0, help="weight init seed (default %(default)s)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier make-model output in --out")
+    p.set_defaults(handler=run_make_model, parser=p)
+
+
+def run_make_model(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rl import make_model as mm
+
+    sizes = dict(arch=args.arch, layers=args.layers, hidden=args.hidden, experts=args.experts,
+                 topk=args.topk, intermediate=args.intermediate, vocab=args.vocab, seed=args.seed)
+    try:
+        mm.check_args(**sizes)
+        mm.check_out_dir(Path(args.out).absolute(), args.overwrite)
+    except ValueError as e:
+        args.parser.error(str(e))
+    out = mm.make_model(args.out, **sizes, overwrite=args.overwrite)
+    print(out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megamoe-rl", description="RL post-training of MoE models with one fused, trainable "
+                                       "MoE kernel shared by the vLLM sampler and the trainer.")
+    subparsers = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
+    for name, target in SUBCOMMANDS.items():
+        module, _, func = target.partition(":")
+        getattr(importlib.import_module(module), func)(subparsers)
+        if name not in subparsers.choices:
+            raise RuntimeError(f"SUBCOMMANDS[{name!r}]: {target} did not add a parser named {name!r}")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return int(args.handler(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

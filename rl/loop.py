@@ -1,0 +1,648 @@
+"""The RL loop on Ray: rollout and trainer actors in placement groups, one GRPO step at a time.
+
+    megamoe-rl train --config configs/tiny.yaml [a.b=value ...] [--resume]
+    rl.loop.train(cfg, resume=False) -> exit code
+
+Per step k (1-based; the prompts of step k are a pure function of the seed and k, rl/data.py):
+    prompts -> RolloutWorker.generate (G samples each, processed logprobs)
+            -> rewards (rl/rewards.py) -> group advantages (trainer/loss.py)
+            -> TrainerWorker.train_step on every rank (returns the loss and the sampler-trainer
+               mismatch measured on the same forward)
+            -> TrainerWorker.export_weights -> RolloutWorker.update_weights
+            -> one line of metrics.jsonl (+ TensorBoard, progress bar); a checkpoint every
+               trainer.checkpoint_every steps and at the end.
+
+Run folder (run.out_dir): config.yaml (resolved), metrics.jsonl, train.log, actors.json (pids of
+the actors, for operators and the fault tests), model/ (when made by model.make), plot.png,
+checkpoints/step_NNNNNN/ (the trainer's atomic DCP checkpoint) and checkpoints/latest.json, the
+pointer to the newest complete one, replaced atomically after the checkpoint is complete.
+
+Faults: a RolloutWorker that dies (its process is gone: RayActorError) is replaced in its bundle by
+a new one that gets the trainer's current weights, and the step's generation is retried, up to
+rollout.max_restarts times per run. A TrainerWorker that dies ends the run (exit 1) with the last
+checkpoint intact; `--resume` continues from it, and metrics.jsonl drops the lines of steps after
+it, which the resumed run writes again. Ctrl-C once: the current step finishes, a checkpoint is
+written, every actor is stopped (exit 130); Ctrl-C twice: actors are stopped at once and the last
+checkpoint stands.
+
+Placement: colocated puts one bundle per trainer rank in one placement group and the rollout
+workers into those bundles (round robin; each bundle reserves the sum of its actors' CPUs/GPUs);
+disaggregated gives the trainer ranks and the rollout workers placement groups of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+from rl.config import Config, to_dict, to_yaml
+
+log = logging.getLogger("megamoe.rl")
+
+EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+
+
+class TrainerDied(RuntimeError):
+    """A TrainerWorker process is gone; the run ends with the last checkpoint intact."""
+
+
+class RolloutFailed(RuntimeError):
+    """RolloutWorkers kept dying past rollout.max_restarts."""
+
+
+class RunDirError(ValueError):
+    """The run folder does not fit the request (a fresh run over an old one, a resume without a checkpoint)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Actor host: one class Ray wraps for both worker kinds, so the driver never imports the workers'
+# heavy modules and every actor can report its pid before it is busy.
+
+
+class WorkerHost:
+    """Builds `module:cls(*args, **kwargs)` inside the actor process and forwards calls to it."""
+
+    def __init__(self, target: str, args: tuple, kwargs: dict):
+        import importlib
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        module, _, name = target.partition(":")
+        self.worker = getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    def call(self, method: str, *args, **kwargs):
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _node_ip_and_port() -> tuple[str, int]:
+    import ray
+
+    return ray.util.get_node_ip_address(), _free_port()
+
+
+# ---------------------------------------------------------------------------------------------
+# The run folder.
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
+    pointer = checkpoints_dir(run_dir) / "latest.json"
+    if not pointer.exists():
+        return None
+    info = json.loads(pointer.read_text())
+    return int(info["step"]), checkpoints_dir(run_dir) / info["path"]
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def prepare_run_dir(cfg: Config, resume: bool) -> tuple[Path, int]:
+    """Check the run folder against `resume`; return (run_dir, completed steps)."""
+    run_dir = Path(cfg.run.out_dir).absolute()
+    has_run = (run_dir / "metrics.jsonl").exists() or checkpoints_dir(run_dir).exists()
+    if not resume:
+        if has_run:
+            raise RunDirError(f"run.out_dir: {run_dir} already holds a run (metrics.jsonl or checkpoints/); "
+                              f"pass --resume to continue it, or set run.out_dir to a new folder")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return run_dir, 0
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        raise RunDirError(f"--resume: {run_dir} holds no checkpoint (looked for "
+                          f"{checkpoints_dir(run_dir) / 'latest.json'}); start a fresh run without --resume")
+    step, path = latest
+    if not path.is_dir():
+        raise RunDirError(f"--resume: {checkpoints_dir(run_dir) / 'latest.json'} points at {path}, which is missing")
+    return run_dir, step
+
+
+def remove_run(cfg: Config) -> None:
+    """Delete the run in run.out_dir (for --overwrite); refuses folders that are not runs."""
+    import shutil
+
+    run_dir = Path(cfg.run.out_dir).absolute()
+    if not run_dir.exists():
+        return
+    if not (run_dir / "config.yaml").is_file():
+        raise RunDirError(f"--overwrite: {run_dir} holds no config.yaml, so it is not a run folder; "
+                          f"refusing to delete it")
+    shutil.rmtree(run_dir)
+
+
+def _log_config_changes(run_dir: Path, cfg: Config) -> None:
+    import yaml
+
+    old_path = run_dir / "config.yaml"
+    if not old_path.exists():
+        return
+
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict) and v:
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    old, new = flat(yaml.safe_load(old_path.read_text()) or {}), flat(to_dict(cfg))
+    changed = {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
+    for k, (a, b) in changed.items():
+        log.info("resume: %s changed from %r to %r", k, a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ray: cluster, placement groups, actors.
+
+
+@dataclasses.dataclass
+class Placement:
+    trainer_pg: object
+    trainer_bundles: list[int]
+    rollout_pg: object
+    rollout_bundles: list[int]
+    groups: list
+
+
+def _bundle(cpus: float, gpus: float) -> dict:
+    b = {}
+    if cpus > 0:
+        b["CPU"] = cpus
+    if gpus > 0:
+        b["GPU"] = gpus
+    return b
+
+
+def plan_bundles(cfg: Config) -> dict:
+    """The placement groups as plain data: {"trainer": [bundles], "rollout": [bundles] or None,
+    "trainer_bundles": [index per rank], "rollout_bundles": [index per worker]} (tested directly)."""
+    t, r = cfg.trainer, cfg.rollout
+    if cfg.ray.placement == "colocated":
+        bundles = [{"CPU": t.cpus_per_rank, "GPU": t.gpus_per_rank} for _ in range(t.world_size)]
+        where = [i % t.world_size for i in range(r.num_workers)]
+        for b in where:
+            bundles[b]["CPU"] += r.cpus_per_worker
+            bundles[b]["GPU"] += r.gpus_per_worker
+        return {"trainer": [_bundle(b["CPU"], b["GPU"]) for b in bundles], "rollout": None,
+                "trainer_bundles": list(range(t.world_size)), "rollout_bundles": where}
+    return {"trainer": [_bundle(t.cpus_per_rank, t.gpus_per_rank) for _ in range(t.world_size)],
+            "rollout": [_bundle(r.cpus_per_worker, r.gpus_per_worker) for _ in range(r.num_workers)],
+            "trainer_bundles": list(range(t.world_size)), "rollout_bundles": list(range(r.num_workers))}
+
+
+def _needed_cpus(plan: dict) -> float:
+    return sum(b.get("CPU", 0) for b in plan["trainer"] + (plan["rollout"] or []))
+
+
+def start_ray(cfg: Config, plan: dict) -> bool:
+    """Join cfg.ray.address / $RAY_ADDRESS, or start a local instance; True if we started it."""
+    import ray
+
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    env = {"VLLM_LOGGING_LEVEL": "WARNING", **cfg.ray.env}
+    runtime_env = {"env_vars": env}
+    if address:
+        log.info("joining the Ray cluster at %s", address)
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        return False
+    num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, math.ceil(_needed_cpus(plan)))
+    log.info("starting a local Ray instance with %d logical CPUs", num_cpus)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=True)
+    return True
+
+
+def place(plan: dict, timeout_s: float = 120.0) -> Placement:
+    import ray
+    from ray.util.placement_group import placement_group
+
+    groups = [placement_group(plan["trainer"], strategy="PACK", name="megamoe-trainer")]
+    if plan["rollout"] is not None:
+        groups.append(placement_group(plan["rollout"], strategy="PACK", name="megamoe-rollout"))
+    for pg, what in zip(groups, ("trainer", "rollout")):
+        try:
+            ray.get(pg.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"placement group for the {what} ({plan[what] or plan['trainer']}) was not placed "
+                               f"within {timeout_s:.0f}s; the cluster has {ray.available_resources()} available "
+                               f"(lower trainer.cpus_per_rank / rollout.cpus_per_worker / *gpus*, or add nodes)") from None
+    return Placement(trainer_pg=groups[0], trainer_bundles=plan["trainer_bundles"],
+                     rollout_pg=groups[-1], rollout_bundles=plan["rollout_bundles"], groups=groups)
+
+
+def _strategy(pg, index: int):
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index,
+                                            placement_group_capture_child_tasks=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop.
+
+
+class Loop:
+    """State of one `train` invocation; `run()` drives it (see the module docstring)."""
+
+    def __init__(self, cfg: Config, run_dir: Path, start_step: int, model_dir: Path):
+        from rl.data import PromptSource
+        from rl.rewards import RewardScorer, load_rewards
+
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.step = start_step
+        self.model_dir = model_dir
+        self.scorer = RewardScorer(load_rewards(cfg.reward))
+        self.source = PromptSource.from_config(cfg.data, seed=cfg.run.seed)
+        self.tokenizer = None
+        if cfg.data.chat_template:
+            from transformers import AutoTokenizer
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.plan = plan_bundles(cfg)
+        self.placement: Placement | None = None
+        self.trainers: list = []
+        self.rollouts: list = []
+        self.restarts = 0
+        self.weights_dirty = start_step > 0  # trainer weights differ from model_dir's
+        self.stop_requested = False
+        self.pids: dict[str, list[int]] = {"trainer": [], "rollout": []}
+
+    # -- actors ------------------------------------------------------------------------------
+    def _host(self, num_cpus: float, num_gpus: float, pg, bundle: int):
+        import ray
+
+        # max_restarts=0: a dead worker is replaced by the loop, which knows the current weights.
+        return ray.remote(WorkerHost).options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0,
+                                              scheduling_strategy=_strategy(pg, bundle))
+
+    def _trainer_cfg(self) -> dict:
+        c = to_dict(self.cfg)["trainer"]
+        del c["worker"]
+        c.update(temperature=self.cfg.rollout.temperature, dtype=self.cfg.model.dtype, seed=self.cfg.run.seed)
+        return c
+
+    def start_trainers(self) -> None:
+        import ray
+
+        t = self.cfg.trainer
+        pl = self.placement
+        addr, port = ray.get(ray.remote(_node_ip_and_port).options(
+            num_cpus=0, scheduling_strategy=_strategy(pl.trainer_pg, pl.trainer_bundles[0])).remote())
+        cfg = self._trainer_cfg()
+        self.trainers = []
+        for rank in range(t.world_size):
+            host = self._host(t.cpus_per_rank, t.gpus_per_rank, pl.trainer_pg, pl.trainer_bundles[rank])
+            self.trainers.append(host.remote(t.worker,
+                                             (rank, t.world_size, addr, port, str(self.model_dir), t.moe_impl, cfg), {}))
+
+    def _new_rollout(self, i: int):
+        r = self.cfg.rollout
+        pl = self.placement
+        host = self._host(r.cpus_per_worker, r.gpus_per_worker, pl.rollout_pg, pl.rollout_bundles[i])
+        kwargs = dict(dtype=self.cfg.model.dtype, seed=self.cfg.run.seed + i, max_model_len=r.max_model_len,
+                      kv_cache_memory_bytes=r.kv_cache_bytes, **r.engine_kwargs)
+        return host.remote(r.worker, (str(self.model_dir), r.moe_impl), kwargs)
+
+    def start_rollouts(self) -> None:
+        self.rollouts = [self._new_rollout(i) for i in range(self.cfg.rollout.num_workers)]
+
+    def wait_for_actors(self) -> None:
+        """Block until every actor is built (their constructors run concurrently); record the pids."""
+        import ray
+
+        self.pids["trainer"] = ray.get([a.pid.remote() for a in self.trainers])
+        self.pids["rollout"] = ray.get([a.pid.remote() for a in self.rollouts])
+        self.write_pids()
+
+    def write_pids(self) -> None:
+        _write_atomic(self.run_dir / "actors.json", json.dumps(self.pids) + "\n")
+
+    def _trainer_call(self, method: str, *args):
+        """Call `method` on every trainer rank (each runs collectives); rank 0's result."""
+        import ray
+
+        refs = [t.call.remote(method, *args) for t in self.trainers]
+        try:
+            return ray.get(refs)[0]
+        except ray.exceptions.RayActorError as e:
+            raise TrainerDied(f"a TrainerWorker died during {method} at step {self.step + 1}: {e}") from e
+
+    def restart_rollout(self, i: int, why: BaseException) -> None:
+        import ray
+
+        self.restarts += 1
+        if self.restarts > self.cfg.rollout.max_restarts:
+            raise RolloutFailed(f"RolloutWorker {i} died again ({why}); rollout.max_restarts="
+                                f"{self.cfg.rollout.max_restarts} restarts are used up") from why
+        log.warning("RolloutWorker %d died (%s); restarting it with the current weights (restart %d of %d)",
+                    i, type(why).__name__, self.restarts, self.cfg.rollout.max_restarts)
+        try:
+            ray.kill(self.rollouts[i], no_restart=True)
+        except Exception:  # noqa: BLE001 - it is dead already; kill only releases the handle
+            pass
+        self.rollouts[i] = self._new_rollout(i)
+        self.pids["rollout"][i] = ray.get(self.rollouts[i].pid.remote())
+        self.write_pids()
+        if self.weights_dirty:
+            named = ray.put(self._trainer_call("export_weights"))
+            ray.get(self.rollouts[i].call.remote("update_weights", named))
+
+    def push_weights(self) -> float:
+        import ray
+
+        t0 = time.perf_counter()
+        named = ray.put(self._trainer_call("export_weights"))
+        for i, w in enumerate(list(self.rollouts)):
+            try:
+                ray.get(w.call.remote("update_weights", named))
+            except ray.exceptions.RayActorError as e:
+                self.restart_rollout(i, e)  # the new worker gets these weights
+        return time.perf_counter() - t0
+
+    def generate(self, prompts: list[str], sampling: dict) -> list[dict]:
+        """G samples per prompt over all rollout workers, ordered prompt-major; retried on worker death."""
+        import ray
+
+        n = self.cfg.rollout.n
+        k = len(self.rollouts)
+        bounds = [(len(prompts) * j // k, len(prompts) * (j + 1) // k) for j in range(k)]
+        while True:
+            refs = [w.call.remote("generate", prompts[a:b], n, sampling) for w, (a, b) in zip(self.rollouts, bounds)]
+            outs, dead = [], None
+            for j, ref in enumerate(refs):
+                try:
+                    outs.append(ray.get(ref))
+                except ray.exceptions.RayActorError as e:
+                    dead = dead or (j, e)
+            if dead is None:
+                break
+            self.restart_rollout(*dead)  # another dead worker, if any, is found by the retry
+        samples = []
+        for (a, _), out in zip(bounds, outs):
+            for s in out:
+                samples.append({**s, "prompt_index": a + s["prompt_index"]})
+        samples.sort(key=lambda s: s["prompt_index"])  # stable: keeps each prompt's sample order
+        counts = [0] * len(prompts)
+        for s in samples:
+            counts[s["prompt_index"]] += 1
+        if any(c != n for c in counts):
+            raise RuntimeError(f"RolloutWorker.generate returned {counts} samples per prompt, expected n={n} each")
+        return samples
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save_checkpoint(self) -> float:
+        t0 = time.perf_counter()
+        root = checkpoints_dir(self.run_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        name = f"step_{self.step:06d}"
+        self._trainer_call("save_checkpoint", str(root / name))
+        _write_atomic(root / "latest.json", json.dumps({"step": self.step, "path": name}) + "\n")
+        keep = self.cfg.trainer.keep_checkpoints
+        steps = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name != name)
+        import shutil
+        for old in steps[: max(0, len(steps) - (keep - 1))]:
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint %s written in %.1f s", root / name, time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    # -- one step ----------------------------------------------------------------------------
+    def run_step(self) -> dict:
+        import ray
+        from trainer.loss import group_advantages
+
+        from rl.data import apply_chat_template
+        from rl.metrics import summarize
+
+        cfg = self.cfg
+        t_step = time.perf_counter()
+        batch = self.source.batch(self.step, cfg.run.prompts_per_step)
+        prompts = batch.prompts
+        if self.tokenizer is not None:
+            prompts = apply_chat_template(self.tokenizer, prompts)
+        sampling = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
+                    "max_tokens": cfg.rollout.max_tokens, "seed": cfg.run.seed * 1_000_003 + self.step}
+
+        t0 = time.perf_counter()
+        samples = self.generate(prompts, sampling)
+        t_rollout = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        idx = [s["prompt_index"] for s in samples]
+        texts = [s["text"] for s in samples]
+        columns = {k: [v[i] for i in idx] for k, v in batch.columns.items()}
+        rewards = self.scorer([batch.prompts[i] for i in idx], texts, columns)
+        adv = group_advantages(rewards.total, cfg.rollout.n, scale_by_std=cfg.reward.scale_by_std,
+                               eps=cfg.reward.eps).tolist()
+        t_reward = time.perf_counter() - t0
+
+        train_batch = {"prompt_ids": [s["prompt_ids"] for s in samples],
+                       "completion_ids": [s["completion_ids"] for s in samples],
+                       "sampler_logprobs": [s["logprobs"] for s in samples], "advantages": adv}
+        t0 = time.perf_counter()
+        train_metrics = self._trainer_call("train_step", ray.put(train_batch))
+        t_train = time.perf_counter() - t0
+        self.weights_dirty = True
+        self.step += 1
+
+        t_sync = self.push_weights()
+
+        comp_tokens = sum(len(s["completion_ids"]) for s in samples)
+        all_tokens = comp_tokens + sum(len(s["prompt_ids"]) for s in samples)
+        groups = [rewards.total[g:g + cfg.rollout.n] for g in range(0, len(samples), cfg.rollout.n)]
+        m = {**summarize(rewards.total, "reward")}
+        for name, vals in rewards.per_fn.items():
+            m[f"reward/{name}/mean"] = sum(vals) / len(vals)
+        m["reward/errors"] = sum(rewards.errors.values())
+        m["reward/errors_total"] = sum(self.scorer.errors_total.values())
+        m["reward/zero_std_groups_frac"] = sum(max(g) == min(g) for g in groups) / len(groups)
+        lens = [len(s["completion_ids"]) for s in samples]
+        m["completion/len_mean"] = sum(lens) / len(lens)
+        m["completion/len_max"] = max(lens)
+        m["completion/at_max_tokens_frac"] = sum(n >= cfg.rollout.max_tokens for n in lens) / len(lens)
+        for k, v in train_metrics.items():
+            m[k if "/" in k else f"train/{k}"] = v
+        m["throughput/rollout_tokens_per_s"] = comp_tokens / max(t_rollout, 1e-9)
+        m["throughput/train_tokens_per_s"] = all_tokens / max(t_train, 1e-9)
+        m["time/rollout_s"] = t_rollout
+        m["time/reward_s"] = t_reward
+        m["time/train_s"] = t_train
+        m["time/weight_sync_s"] = t_sync
+        m["rollout/restarts_total"] = self.restarts
+        m["sample/completion"] = texts[0]
+        m["time/step_s"] = time.perf_counter() - t_step
+        return m
+
+    # -- the whole run -----------------------------------------------------------------------
+    def run(self) -> int:
+        from rl.metrics import truncate_jsonl
+
+        cfg = self.cfg
+        self.placement = place(self.plan)
+        self.start_trainers()
+        self.start_rollouts()
+        self.wait_for_actors()
+        if self.step > 0:
+            _, path = latest_checkpoint(self.run_dir)
+            self._trainer_call("load_checkpoint", str(path))
+            kept = truncate_jsonl(self.run_dir / "metrics.jsonl", self.step)
+            log.info("resumed from %s (step %d; metrics.jsonl keeps %d lines)", path, self.step, kept)
+            self.push_weights()
+
+        bar = None
+        if cfg.run.progress:
+            from tqdm import tqdm
+            bar = tqdm(total=cfg.run.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+        try:
+            return self._steps(bar)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _steps(self, bar) -> int:
+        from rl.metrics import MetricsLogger
+
+        cfg = self.cfg
+        with MetricsLogger(self.run_dir, tensorboard=cfg.run.tensorboard) as sink:
+            while self.step < cfg.run.steps:
+                if self.stop_requested:  # Ctrl-C before the first step: the last checkpoint stands
+                    log.warning("stopped by Ctrl-C before step %d; continue with --resume", self.step + 1)
+                    return EXIT_INTERRUPTED
+                m = self.run_step()
+                # Metrics first, then the checkpoint: a crash in between leaves a metrics line that a
+                # resume from the previous checkpoint drops and writes again, never a missing line.
+                sink.log(self.step, m)
+                every = cfg.trainer.checkpoint_every
+                if (every and self.step % every == 0) or self.step == cfg.run.steps or self.stop_requested:
+                    self.save_checkpoint()
+                line = (f"step {self.step}/{cfg.run.steps} reward {m['reward/mean']:.3f} "
+                        f"k3 {m.get('mismatch/k3_kl', float('nan')):.2e} "
+                        f"|dlogp| {m.get('mismatch/abs_logp_diff_mean', float('nan')):.2e} "
+                        f"rollout {m['throughput/rollout_tokens_per_s']:.0f} tok/s "
+                        f"train {m['throughput/train_tokens_per_s']:.0f} tok/s {m['time/step_s']:.1f} s")
+                if bar is not None:
+                    bar.set_postfix_str(line.split(" ", 2)[2], refresh=False)
+                    bar.update(1)
+                logging.getLogger("megamoe.rl.steps").info("%s", line)
+                if self.stop_requested:
+                    log.warning("stopped by Ctrl-C after step %d; continue with --resume", self.step)
+                    return EXIT_INTERRUPTED
+        return EXIT_OK
+
+    def shutdown(self) -> None:
+        import ray
+
+        for a in self.rollouts + self.trainers:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        if self.placement is not None:
+            from ray.util.placement_group import remove_placement_group
+            for pg in self.placement.groups:
+                try:
+                    remove_placement_group(pg)
+                except Exception:  # noqa: BLE001
+                    pass
+
+
+def resolve_model(cfg: Config, run_dir: Path) -> Path:
+    if cfg.model.path is not None:
+        path = Path(cfg.model.path).absolute()
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model.path: expected a HF checkpoint folder with config.json, got {str(path)!r}")
+        return path
+    path = run_dir / "model"
+    if not (path / "config.json").is_file():
+        from rl.make_model import make_model
+        make_model(path, **dataclasses.asdict(cfg.model.make))
+        log.info("made a random-initialised model in %s", path)
+    return path
+
+
+def _setup_logging(run_dir: Path) -> None:
+    fmt = logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s")
+    fh = logging.FileHandler(run_dir / "train.log")
+    fh.setFormatter(fmt)
+    root = logging.getLogger("megamoe")
+    root.setLevel(logging.INFO)
+    root.addHandler(fh)
+    if not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+               for h in root.handlers):
+        sh = logging.StreamHandler()
+        sh.setFormatter(fmt)
+        root.addHandler(sh)
+    # The per-step line goes to the file; the progress bar shows it on the terminal.
+    logging.getLogger("megamoe.rl.steps").propagate = False
+    logging.getLogger("megamoe.rl.steps").addHandler(fh)
+
+
+def train(cfg: Config, *, resume: bool = False) -> int:
+    """Run (or resume) the RL loop described by `cfg`; returns the exit code."""
+    run_dir, start_step = prepare_run_dir(cfg, resume)
+    _setup_logging(run_dir)
+    if resume:
+        _log_config_changes(run_dir, cfg)
+    _write_atomic(run_dir / "config.yaml", to_yaml(cfg))
+    if start_step >= cfg.run.steps:
+        log.info("the run already has %d steps (run.steps=%d); nothing to do", start_step, cfg.run.steps)
+        return EXIT_OK
+    model_dir = resolve_model(cfg, run_dir)
+    loop = Loop(cfg, run_dir, start_step, model_dir)
+
+    import ray
+
+    plan = loop.plan
+    started = start_ray(cfg, plan)
+
+    def on_sigint(signum, frame):
+        if loop.stop_requested:
+            raise KeyboardInterrupt
+        loop.stop_requested = True
+        log.warning("Ctrl-C: finishing step %d, writing a checkpoint, then stopping (Ctrl-C again to stop now)",
+                    loop.step + 1)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    code = EXIT_FAILED
+    try:
+        code = loop.run()
+    except KeyboardInterrupt:
+        last = latest_checkpoint(run_dir)
+        log.warning("stopped at once by Ctrl-C; the last checkpoint is %s", last[1] if last else "none")
+        code = EXIT_INTERRUPTED
+    except (TrainerDied, RolloutFailed) as e:
+        last = latest_checkpoint(run_dir)
+        log.error("%s. The run ends; the last checkpoint is %s; continue with --resume", e,
+                  f"step {last[0]} ({last[1]})" if last else "none (no step was checkpointed)")
+        code = EXIT_FAILED
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        loop.shutdown()
+        if started:
+            ray.shutdown()
+    if cfg.run.plot and (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").stat().st_size:
+        from rl.plot import plot_run
+        log.info("plot: %s", plot_run(run_dir))
+    return code

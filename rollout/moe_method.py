@@ -1,0 +1,54 @@
+"""The version-independent half of the vLLM MoE hook: what a routed-experts call computes, and a
+count of calls per implementation in the process that runs the model.
+
+vLLM's router has already chosen the experts when this runs: `topk_weights[T,k]` and
+`topk_ids[T,k]` arrive precomputed (with the model's scoring, renormalisation, grouped top-k and
+score-correction bias applied by vLLM), and vLLM's MoE runner adds shared experts and applies
+`routed_scaling_factor` after we return. So the hook computes exactly the contract of
+`megamoe.fused_moe` on vLLM's weight layout:
+
+    w13_weight [E, 2I, H]  gate rows first, then up rows  (= megamoe's w13)
+    w2_weight  [E, H, I]                                  (= megamoe's w2)
+
+Shape legend: T tokens, H hidden, I expert intermediate, E experts, k top-k.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import torch
+
+import megamoe
+
+# Calls of `routed_experts` in this process, per implementation ("megamoe", "reference").
+# Read in vLLM's worker process through rollout.extension (collective_rpc), never in the driver.
+_CALLS: collections.Counter[str] = collections.Counter()
+_LOCK = threading.Lock()
+
+
+def moe_calls() -> dict[str, int]:
+    with _LOCK:
+        return dict(_CALLS)
+
+
+def reset_moe_calls() -> None:
+    with _LOCK:
+        _CALLS.clear()
+
+
+# Kept out of torch.compile graphs on purpose: a traced call would run the Python counter only while
+# tracing, and megamoe's own dispatch (CPU torch path or Triton launch) is not dynamo-traceable code.
+# On CUDA, vLLM already wraps the MoE layer in an opaque custom op; there, CUDA-graph replays do not
+# run Python at all, so the counter then counts only eager (capture and warm-up) calls.
+@torch.compiler.disable
+def routed_experts(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor,
+                   topk_weights_Tk: torch.Tensor, topk_ids_Tk: torch.Tensor, impl: str) -> torch.Tensor:
+    """y[T,H] = megamoe.fused_moe(...) for vLLM's precomputed routing; counts the call."""
+    with _LOCK:
+        _CALLS[impl] += 1
+    # check_ids=False: vLLM's router produces ids in [0, E) by construction, and the range check reads
+    # the ids back to the host, which a CUDA-graph capture cannot contain.
+    return megamoe.fused_moe(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk,
+                             impl=impl, check_ids=False)

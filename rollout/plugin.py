@@ -1,0 +1,60 @@
+"""vLLM general plugin: make vLLM's MoE models compute their routed experts with megamoe.
+
+Registered in pyproject.toml under the `vllm.general_plugins` entry point, so vLLM calls
+`register()` in every one of its processes (driver, engine core, workers). Configuration comes
+from one environment variable that `rollout.worker.RolloutWorker` sets before it creates the
+engine, so every process vLLM spawns inherits it:
+
+    MEGAMOE_MOE_IMPL unset      the plugin does nothing: vLLM runs untouched
+    MEGAMOE_MOE_IMPL=megamoe    routed experts through megamoe.fused_moe(impl="megamoe")
+    MEGAMOE_MOE_IMPL=reference  routed experts through megamoe.fused_moe(impl="reference")
+    MEGAMOE_MOE_IMPL=stock      vLLM's own MoE kernels, with the weight-reload repair (adapter.py)
+
+Why this module imports nothing but the standard library: vLLM loads a plugin with
+`entry_point.load()` inside `try/except Exception: logger.exception(...)`, so an exception raised
+while *importing* this module is logged and swallowed, and the engine would quietly run vLLM's own
+MoE. `register()` itself is called outside that try, so everything that can fail (the value of the
+variable, importing megamoe and vLLM internals, the registration) happens inside `register()`,
+where an exception stops the engine from starting. A second line of defence is in
+`rollout.extension`: the worker extension refuses to import when the plugin did not run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+ENV_VAR = "MEGAMOE_MOE_IMPL"
+MOE_IMPLS = ("megamoe", "reference", "stock")
+
+logger = logging.getLogger(__name__)
+
+# What register() did in this process; read by rollout.extension (in vLLM's worker process).
+STATE: dict[str, object] = {"called": False, "impl": None, "registered": False}
+
+
+def configured_impl() -> str | None:
+    """The validated value of MEGAMOE_MOE_IMPL, or None when it is unset or empty."""
+    value = os.environ.get(ENV_VAR, "").strip()
+    if not value:
+        return None
+    if value not in MOE_IMPLS:
+        raise ValueError(f"{ENV_VAR}: expected one of {MOE_IMPLS} (or unset to leave vLLM alone), "
+                         f"got {value!r}")
+    return value
+
+
+def register() -> None:
+    """vLLM's entry point. Raises (and so stops engine start-up) when misconfigured or broken."""
+    STATE["called"] = True
+    impl = configured_impl()
+    STATE["impl"] = impl
+    if impl is None:
+        return
+    if STATE["registered"]:
+        return
+    from rollout import adapter  # heavy imports (vLLM internals, megamoe) happen here, loudly
+
+    adapter.register_moe_method(impl)
+    STATE["registered"] = True
+    logger.info("megamoe plugin: vLLM MoE layers use moe_impl=%s in process %d", impl, os.getpid())

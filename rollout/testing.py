@@ -1,0 +1,58 @@
+"""Test helpers for the rollout: the transformers-side numbers a RolloutWorker must reproduce.
+
+`processed_logprobs` recomputes, with a transformers model in fp32, the log-probabilities vLLM
+reports in "processed_logprobs" mode for sampled tokens: logits / temperature, then vLLM's top-k and
+top-p masks (same rule, same tie handling), then log_softmax. This is also what a trainer must
+compute to match the sampler.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def top_k_top_p_mask(logits_NV: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """vLLM's `apply_top_k_top_p_pytorch` rule on rows of logits (returns a masked copy).
+
+    top-k: keep logits >= the k-th largest. top-p: sort ascending, drop the prefix whose cumulative
+    probability is <= 1 - p, always keep the largest.
+    """
+    logits = logits_NV.clone()
+    if top_k is None and top_p is None:
+        return logits
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    if top_k is not None and top_k > 0:
+        kth = logits_sort[:, logits_sort.shape[1] - top_k].unsqueeze(1)
+        logits_sort.masked_fill_(logits_sort < kth, -float("inf"))
+    if top_p is not None and top_p < 1.0:
+        probs_sum = logits_sort.softmax(dim=-1).cumsum(dim=-1)
+        mask = probs_sum <= 1 - top_p
+        mask[:, -1] = False
+        logits_sort.masked_fill_(mask, -float("inf"))
+    return logits.scatter_(dim=-1, index=logits_idx, src=logits_sort)
+
+
+@torch.no_grad()
+def processed_logprobs(model: torch.nn.Module, prompt_ids: list[int], completion_ids: list[int],
+                       temperature: float = 1.0, top_p: float | None = None,
+                       top_k: int | None = None) -> list[float]:
+    """Log-probabilities of `completion_ids` after temperature/top-k/top-p, from one fp32 forward."""
+    ids = torch.tensor([list(prompt_ids) + list(completion_ids)], dtype=torch.long)
+    logits = model(input_ids=ids).logits[0].float()
+    start = len(prompt_ids) - 1
+    rows = logits[start:start + len(completion_ids)]
+    if temperature > 0:
+        rows = rows / temperature
+        rows = top_k_top_p_mask(rows, top_k, top_p)
+    logp = torch.log_softmax(rows, dim=-1)
+    return logp.gather(1, torch.tensor(completion_ids, dtype=torch.long)[:, None])[:, 0].tolist()
+
+
+def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    """Largest |a - b| over ragged lists of equal shape (raises on a shape mismatch)."""
+    if [len(x) for x in a] != [len(y) for y in b]:
+        raise AssertionError(f"shapes differ: {[len(x) for x in a]} vs {[len(y) for y in b]}")
+    diffs = [abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys)]
+    if not diffs:
+        raise AssertionError("nothing to compare")
+    return max(diffs)

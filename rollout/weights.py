@@ -1,0 +1,254 @@
+"""Weight updates: from the trainer's named tensors to the checkpoint tensors vLLM loads, validated.
+
+The checkpoint on disk defines what a complete, correct update is: every tensor name and shape in
+its safetensors files (`CheckpointSpec`). An update is a list of (name, tensor) in either naming:
+
+- the on-disk names (per-expert `...experts.{e}.gate_proj.weight [I,H]`, Mixtral's `w1/w3/w2` under
+  `block_sparse_moe`), or
+- the transformers 5 in-memory names (`model.state_dict()`): fused `...mlp.experts.gate_up_proj
+  [E,2I,H]` (gate rows first) and `...mlp.experts.down_proj [E,H,I]`, Mixtral's `.mlp.` for
+  `.block_sparse_moe.`, and `lm_head.weight` beside `model.embed_tokens.weight` when tied.
+
+`plan_update` translates every tensor to on-disk names (per-expert views of fused tensors, no copies)
+and checks *all* of them before anything is applied: unknown names, missing names, duplicates, shapes,
+dtypes and non-finite values are errors that name the tensor. Nothing is half-applied because nothing
+is applied until the whole plan is valid.
+
+Transport across vLLM's process boundary: tensors do not survive collective_rpc's serialisation in
+multiprocess mode, bytes do; `pack_buckets` turns the plan into safetensors blobs of bounded size and
+`unpack_buckets` turns them back.
+
+Shape legend: E experts, I expert intermediate, H hidden.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+# In-memory (transformers) name fragment -> on-disk fragment, per architecture.
+_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
+    "MixtralForCausalLM": ((".mlp.", ".block_sparse_moe."),),
+}
+# On-disk per-expert projection names: (gate, up, down).
+_EXPERT_NAMINGS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+_PER_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.weight$")
+_FUSED = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertGroup:
+    """The per-expert tensors of one MoE layer on disk."""
+    prefix: str          # e.g. "model.layers.0.mlp.experts"
+    num_experts: int     # E
+    intermediate: int    # I
+    hidden: int          # H
+    gate: str
+    up: str
+    down: str
+
+    def name(self, e: int, proj: str) -> str:
+        return f"{self.prefix}.{e}.{proj}.weight"
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSpec:
+    """Names and shapes of a local Hugging Face checkpoint's tensors (read from safetensors headers)."""
+    model_dir: str
+    architecture: str
+    shapes: Mapping[str, tuple[int, ...]]
+    tie_word_embeddings: bool
+    expert_groups: Mapping[str, ExpertGroup]  # by prefix
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> CheckpointSpec:
+        from safetensors import safe_open
+
+        model_dir = Path(model_dir)
+        config_path = model_dir / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"model_dir: expected a Hugging Face checkpoint with config.json, "
+                                    f"got {str(model_dir)!r}")
+        config = json.loads(config_path.read_text())
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"model_dir: expected *.safetensors files in {str(model_dir)!r}, found none")
+        shapes: dict[str, tuple[int, ...]] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    shapes[name] = tuple(st.get_slice(name).get_shape())
+        archs = config.get("architectures") or ["<none>"]
+        tie = bool(config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False)))
+        return cls(model_dir=str(model_dir), architecture=archs[0], shapes=shapes,
+                   tie_word_embeddings=tie, expert_groups=_expert_groups(shapes))
+
+    def numel(self) -> int:
+        total = 0
+        for shape in self.shapes.values():
+            n = 1
+            for d in shape:
+                n *= d
+            total += n
+        return total
+
+
+def _expert_groups(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, ExpertGroup]:
+    found: dict[str, dict[str, set[int]]] = {}
+    for name in shapes:
+        m = _PER_EXPERT.match(name)
+        if m:
+            found.setdefault(m["prefix"], {}).setdefault(m["proj"], set()).add(int(m["e"]))
+    groups = {}
+    for prefix, projs in found.items():
+        for gate, up, down in _EXPERT_NAMINGS:
+            if {gate, up, down} <= projs.keys():
+                experts = projs[gate]
+                E = max(experts) + 1
+                if not all(projs[p] == set(range(E)) for p in (gate, up, down)):
+                    continue  # holes in the expert numbering: leave the names to the exact-name path
+                I, H = shapes[f"{prefix}.0.{gate}.weight"]
+                groups[prefix] = ExpertGroup(prefix, E, I, H, gate, up, down)
+                break
+    return groups
+
+
+def _check_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(name, str):
+        raise TypeError(f"weight update: expected (str, torch.Tensor) pairs, got a name of type {type(name).__name__}")
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"tensor {name!r}: expected a torch.Tensor, got {type(t).__name__}")
+    if not t.dtype.is_floating_point:
+        raise TypeError(f"tensor {name!r}: expected a floating dtype, got {t.dtype}")
+    bad = int((~torch.isfinite(t.detach())).sum()) if t.numel() else 0
+    if bad:
+        raise ValueError(f"tensor {name!r}: {bad} non-finite value(s) (NaN/Inf); refusing the update")
+    return t.detach()
+
+
+def _translate(spec: CheckpointSpec, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """On-disk (name, tensor) pairs that `name` provides; raises naming the tensor if none."""
+    candidates = [name]
+    for src, dst in _RENAMES.get(spec.architecture, ()):
+        if src in name:
+            candidates.append(name.replace(src, dst))
+    for cand in candidates:
+        if cand in spec.shapes:
+            want = spec.shapes[cand]
+            if tuple(t.shape) != want:
+                raise ValueError(f"tensor {name!r}: expected shape {list(want)} (checkpoint tensor {cand!r}), "
+                                 f"got {list(t.shape)}")
+            return [(cand, t)]
+        m = _FUSED.match(cand)
+        if m and m["prefix"] in spec.expert_groups:
+            g = spec.expert_groups[m["prefix"]]
+            if m["kind"] == "gate_up_proj":
+                want = (g.num_experts, 2 * g.intermediate, g.hidden)
+                if tuple(t.shape) != want:
+                    raise ValueError(f"tensor {name!r}: expected shape [E={want[0]}, 2I={want[1]}, H={want[2]}] "
+                                     f"(fused gate rows then up rows of {g.prefix}), got {list(t.shape)}")
+                out = []
+                for e in range(g.num_experts):
+                    out.append((g.name(e, g.gate), t[e, : g.intermediate]))
+                    out.append((g.name(e, g.up), t[e, g.intermediate:]))
+                return out
+            want = (g.num_experts, g.hidden, g.intermediate)
+            if tuple(t.shape) != want:
+                raise ValueError(f"tensor {name!r}: expected shape [E={want[0]}, H={want[1]}, I={want[2]}] "
+                                 f"(fused down projections of {g.prefix}), got {list(t.shape)}")
+            return [(g.name(e, g.down), t[e]) for e in range(g.num_experts)]
+    raise ValueError(f"unexpected tensor {name!r}: the checkpoint at {spec.model_dir} ({spec.architecture}) has "
+                     "no tensor of that name, neither on disk nor as transformers' fused experts")
+
+
+def _describe_missing(spec: CheckpointSpec, missing: list[str]) -> list[str]:
+    """Missing on-disk names, with per-expert ones summarised under the fused name a trainer sends."""
+    out, seen = [], set()
+    for name in missing:
+        m = _PER_EXPERT.match(name)
+        g = spec.expert_groups.get(m["prefix"]) if m else None
+        if g is None:
+            out.append(repr(name))
+            continue
+        fused = "down_proj" if m["proj"] == g.down else "gate_up_proj"
+        in_memory = f"{g.prefix}.{fused}"
+        for src, dst in _RENAMES.get(spec.architecture, ()):
+            in_memory = in_memory.replace(dst, src)
+        if in_memory not in seen:
+            seen.add(in_memory)
+            projs = g.down if fused == "down_proj" else f"{g.gate}/{g.up}"
+            out.append(f"{in_memory!r} (on disk {g.prefix}.{{0..{g.num_experts - 1}}}.{projs}.weight)")
+    return out
+
+
+def plan_update(spec: CheckpointSpec, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+                ) -> list[tuple[str, torch.Tensor]]:
+    """Validate a complete weight update and translate it to on-disk names, in the checkpoint's order.
+
+    Raises TypeError/ValueError naming the offending tensor before returning anything.
+    """
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    provided: dict[str, tuple[str, torch.Tensor]] = {}  # on-disk name -> (source name, tensor)
+    tied_lm_head: torch.Tensor | None = None
+    for name, t in items:
+        t = _check_tensor(name, t)
+        if name == "lm_head.weight" and name not in spec.shapes and spec.tie_word_embeddings:
+            tied_lm_head = t  # transformers lists the tied head; the checkpoint stores it once
+            continue
+        for disk_name, view in _translate(spec, name, t):
+            if disk_name in provided:
+                raise ValueError(f"tensor {name!r} provides checkpoint tensor {disk_name!r}, which tensor "
+                                 f"{provided[disk_name][0]!r} already provided (duplicate)")
+            provided[disk_name] = (name, view)
+    missing = [n for n in spec.shapes if n not in provided]
+    if missing:
+        described = _describe_missing(spec, missing)
+        shown = ", ".join(described[:5])
+        more = f" and {len(described) - 5} more" if len(described) > 5 else ""
+        raise ValueError(f"weight update is missing {len(missing)} of the checkpoint's {len(spec.shapes)} "
+                         f"tensors: {shown}{more}")
+    if tied_lm_head is not None:
+        embed = provided.get("model.embed_tokens.weight")
+        if embed is None or tied_lm_head.shape != embed[1].shape or not torch.equal(tied_lm_head, embed[1]):
+            raise ValueError("tensor 'lm_head.weight': the checkpoint ties it to 'model.embed_tokens.weight', "
+                             "but the update gives it different values")
+    return [(n, provided[n][1]) for n in spec.shapes]
+
+
+def pack_buckets(named_tensors: list[tuple[str, torch.Tensor]],
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[bytes]:
+    """safetensors blobs of at most ~bucket_bytes each (a larger single tensor gets its own blob)."""
+    from safetensors.torch import save
+
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes: expected a positive number of bytes, got {bucket_bytes}")
+    blobs, bucket, size = [], {}, 0
+    for name, t in named_tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            blobs.append(save(bucket))
+            bucket, size = {}, 0
+        # A private contiguous CPU copy: views of one fused tensor share storage, which safetensors refuses.
+        bucket[name] = t.detach().to("cpu").contiguous().clone()
+        size += nbytes
+    if bucket:
+        blobs.append(save(bucket))
+    return blobs
+
+
+def unpack_buckets(blobs: Iterable[bytes]) -> list[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load
+
+    out = []
+    for i, blob in enumerate(blobs):
+        if not isinstance(blob, (bytes, bytearray)):
+            raise TypeError(f"weight bucket {i}: expected bytes, got {type(blob).__name__}")
+        out.extend(load(bytes(blob)).items())
+    return out

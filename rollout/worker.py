@@ -1,0 +1,261 @@
+"""RolloutWorker: a vLLM engine whose MoE layers run through megamoe, with in-place weight updates.
+
+    w = RolloutWorker("runs/tiny", moe_impl="megamoe", dtype="float32", seed=0)
+    samples = w.generate(["1 + 2 ="], n=4, sampling={"temperature": 0.8, "top_p": 0.9, "max_tokens": 16})
+    w.update_weights(trainer_state_dict_items)      # transformers names or on-disk names
+    w.moe_calls()                                   # {"megamoe": ...}, counted in vLLM's worker process
+
+A plain class; rl/ wraps it with `ray.remote` (one actor per engine). Each sample is a dict:
+prompt_index, prompt_ids, completion_ids, text, logprobs (of the sampled tokens, after temperature /
+top-k / top-p: vLLM's "processed_logprobs", what the trainer must reproduce), finish_reason.
+
+How the pieces meet: RolloutWorker sets MEGAMOE_MOE_IMPL before it creates the engine, so every
+process vLLM spawns runs rollout.plugin.register() with it; the plugin swaps vLLM's unquantized MoE
+method for rollout.adapter.MegaMoEMethod. After start-up the worker asks the engine's worker
+process (collective_rpc into rollout.extension) which implementation its MoE layers really use and
+refuses to continue if that is not what was asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from rollout import plugin, weights
+
+logger = logging.getLogger(__name__)
+
+# Sampling options whose effect on the distribution the trainer can reproduce (processed logprobs
+# are taken after exactly these). Penalties, logit bias and min_tokens would change the logits in
+# ways the trainer does not model, so they are refused rather than silently mismatched.
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "ignore_eos")
+_SEED_RANGE = 2**62
+
+
+def _check_moe_impl(moe_impl: object) -> str:
+    if moe_impl not in plugin.MOE_IMPLS:
+        raise ValueError(f"moe_impl: expected one of {plugin.MOE_IMPLS}, got {moe_impl!r}")
+    return moe_impl  # type: ignore[return-value]
+
+
+def _preflight_plugin() -> None:
+    """Run the plugin here, outside vLLM, so a broken entry point raises instead of being logged."""
+    from importlib.metadata import entry_points
+
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and "megamoe" not in [p.strip() for p in allowed.split(",")]:
+        raise RuntimeError(f"VLLM_PLUGINS={allowed!r} excludes the 'megamoe' plugin; vLLM would run its own MoE")
+    found = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "megamoe"]
+    if len(found) != 1:
+        raise RuntimeError(f"expected one 'megamoe' entry point in group vllm.general_plugins, found {len(found)} "
+                           "(is the project installed? pip install -e .)")
+    found[0].load()()
+
+
+class RolloutWorker:
+    def __init__(self, model_dir: str | os.PathLike, moe_impl: str = "megamoe", *, dtype: str = "float32",
+                 seed: int = 0, max_model_len: int = 512, kv_cache_memory_bytes: int = 256 << 20,
+                 enforce_eager: bool | None = None, enable_prefix_caching: bool = False,
+                 tensor_parallel_size: int = 1, bucket_bytes: int = weights.DEFAULT_BUCKET_BYTES,
+                 **engine_kwargs):
+        """Start a vLLM engine on the local checkpoint `model_dir` with its MoE layers on `moe_impl`.
+
+        enforce_eager: None means eager on CPU (no compile time for tiny test models) and vLLM's
+        default (CUDA graphs) on GPU.
+        enable_prefix_caching: off by default because a prompt whose prefix comes from the cache is
+        computed by a different kernel path than a fresh one, so its logprobs would depend on what the
+        engine ran before (measured on CPU fp32: ~5e-7 differences for the same seed); a seeded
+        generation is then bitwise reproducible. Turn it on for speed when that does not matter.
+        engine_kwargs go to `vllm.LLM` unchanged.
+        """
+        self.moe_impl = _check_moe_impl(moe_impl)
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed: expected a non-negative int, got {seed!r}")
+        self.model_dir = str(os.fspath(model_dir))
+        self.spec = weights.CheckpointSpec.from_dir(self.model_dir)
+        self.seed = seed
+        self.bucket_bytes = bucket_bytes
+        self._calls = 0
+        self._weights_broken: str | None = None
+        self.llm = None
+
+        # Before any vLLM process exists: every process the engine spawns inherits it.
+        os.environ[plugin.ENV_VAR] = self.moe_impl
+        _preflight_plugin()
+        from rollout import adapter
+
+        adapter.check_architectures([self.spec.architecture], where=f"model_dir {self.model_dir!r}")
+        from vllm import LLM
+
+        if enforce_eager is None:
+            enforce_eager = not torch.cuda.is_available()
+        kwargs = dict(model=self.model_dir, tokenizer=self.model_dir, dtype=dtype, seed=seed,
+                      max_model_len=max_model_len, enforce_eager=enforce_eager,
+                      enable_prefix_caching=enable_prefix_caching,
+                      **adapter.engine_kwargs(kv_cache_memory_bytes=kv_cache_memory_bytes,
+                                              tensor_parallel_size=tensor_parallel_size))
+        kwargs.update(engine_kwargs)
+        self.llm = LLM(**kwargs)
+        try:
+            self._check_engine()
+        except BaseException:
+            self.close()
+            raise
+        logger.info("RolloutWorker: %s on %s, MoE layers through moe_impl=%s (vLLM %s)",
+                    self.spec.architecture, self.model_dir, self.moe_impl, adapter.VLLM_VERSION)
+
+    def _check_engine(self) -> None:
+        for rank, s in enumerate(self.status()):
+            if s["pid"] == os.getpid():
+                raise RuntimeError("the vLLM model runs in the driver process; RolloutWorker needs vLLM's "
+                                   "multiprocess engine (unset VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+            if not s["registered"] or s["impl"] != self.moe_impl:
+                raise RuntimeError(f"vLLM worker {rank}: megamoe hook state {s}, expected impl {self.moe_impl!r}")
+            if s["hooked_moe_layers"] == 0 or s["layer_impls"] != [self.moe_impl]:
+                raise RuntimeError(f"vLLM worker {rank}: expected every MoE layer on moe_impl={self.moe_impl!r}, "
+                                   f"found {s['hooked_moe_layers']} hooked layer(s) with {s['layer_impls']}")
+
+    # -- engine introspection ------------------------------------------------------------------
+
+    def status(self) -> list[dict]:
+        """Per vLLM worker process: pid, vLLM version, hook state, number of hooked MoE layers, dtype."""
+        return self.llm.collective_rpc("megamoe_status")
+
+    def moe_calls(self) -> dict[str, int]:
+        """MoE-layer calls per implementation, counted in vLLM's (first) worker process."""
+        return self.llm.collective_rpc("megamoe_moe_calls")[0]
+
+    def reset_moe_calls(self) -> None:
+        self.llm.collective_rpc("megamoe_reset_moe_calls")
+
+    def read_experts(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [E,2I,H], w2 [E,H,I]) of one MoE layer as the engine's worker process holds them."""
+        from safetensors.torch import load
+
+        d = load(self.llm.collective_rpc("megamoe_read_experts", args=(layer_index,))[0])
+        return d["w13"], d["w2"]
+
+    # -- sampling ------------------------------------------------------------------------------
+
+    def _sampling_params(self, n: int, sampling: Mapping, num_prompts: int):
+        from vllm import SamplingParams
+
+        if not isinstance(sampling, Mapping):
+            raise TypeError(f"sampling: expected a dict, got {type(sampling).__name__}")
+        unknown = sorted(set(sampling) - set(SAMPLING_KEYS))
+        if unknown:
+            raise ValueError(f"sampling: unknown key(s) {unknown}; expected a subset of {SAMPLING_KEYS}")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n: expected an int >= 1, got {n!r}")
+        base = sampling.get("seed")
+        if base is None:
+            # Reproducible per worker: the c-th call of a worker built with seed s draws the same.
+            base = self.seed * 1_000_003 + self._calls
+        if isinstance(base, bool) or not isinstance(base, int):
+            raise ValueError(f"sampling['seed']: expected an int, got {base!r}")
+        opts = {k: v for k, v in sampling.items() if k != "seed"}
+        params = []
+        for i in range(num_prompts):
+            # vLLM gives the j-th of n samples seed + j, so prompt i starts at base + i*n.
+            seed = (base + i * n) % _SEED_RANGE
+            params.append(SamplingParams(n=n, seed=seed, logprobs=0, **opts))
+        return params
+
+    def generate(self, prompts: list[str], n: int = 1, sampling: Mapping | None = None) -> list[dict]:
+        """n samples per prompt, prompt-major; see the module docstring for the keys."""
+        if self._weights_broken:
+            raise RuntimeError(f"refusing to sample: {self._weights_broken}")
+        if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
+            raise TypeError("prompts: expected a list of str")
+        params = self._sampling_params(n, sampling or {}, len(prompts))
+        self._calls += 1
+        outputs = self.llm.generate(list(prompts), params, use_tqdm=False)
+        from rollout import adapter
+
+        samples = []
+        for i, out in enumerate(outputs):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                samples.append({
+                    "prompt_index": i,
+                    "prompt_ids": list(out.prompt_token_ids),
+                    "completion_ids": list(c.token_ids),
+                    "text": c.text,
+                    "logprobs": adapter.sampled_logprobs(c),
+                    "finish_reason": c.finish_reason,
+                })
+        return samples
+
+    def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
+        """Log-probabilities (temperature 1, no filtering) of given completions under the engine."""
+        from vllm import SamplingParams, TokensPrompt
+
+        if len(prompt_ids) != len(completion_ids):
+            raise ValueError(f"completion_ids: expected {len(prompt_ids)} lists (one per prompt), "
+                             f"got {len(completion_ids)}")
+        prompts = [TokensPrompt(prompt_token_ids=list(p) + list(c)) for p, c in zip(prompt_ids, completion_ids)]
+        outs = self.llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        result = []
+        for p, c, out in zip(prompt_ids, completion_ids, outs):
+            lps = out.prompt_logprobs
+            result.append([float(lps[len(p) + j][tok].logprob) for j, tok in enumerate(c)])
+        return result
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> dict:
+        """Replace every weight of the engine's model in place, or none of them.
+
+        Accepts the transformers state_dict names and shapes (fused experts) or the checkpoint's
+        on-disk names. Validated completely, here and again in the worker process, before anything is
+        applied: a missing, unexpected, mis-shaped or non-finite tensor raises ValueError/TypeError
+        naming it, and the engine keeps serving its previous weights.
+        """
+        t0 = time.perf_counter()
+        plan = weights.plan_update(self.spec, named_tensors)
+        blobs = weights.pack_buckets(plan, self.bucket_bytes)
+        update_id = uuid.uuid4().hex
+        try:
+            for i, blob in enumerate(blobs):
+                self.llm.collective_rpc("megamoe_stage_weights", args=(update_id, i, blob))
+        except BaseException:
+            self.llm.collective_rpc("megamoe_abort_weights", args=(update_id,))
+            raise
+        results = self.llm.collective_rpc("megamoe_commit_weights", args=(update_id, len(blobs)))
+        failed = [r for r in results if not r["ok"]]
+        if failed:
+            r = failed[0]
+            if any(f["stage"] == "apply" for f in failed):
+                self._weights_broken = (f"a weight update failed while being applied ({r['error']}); the model may "
+                                        "hold a mix of old and new weights until update_weights succeeds")
+                raise RuntimeError(self._weights_broken)
+            raise ValueError(f"weight update rejected by the vLLM worker, nothing applied: {r['error']}")
+        self._weights_broken = None
+        # Cached KV blocks were computed with the old weights.
+        self.llm.reset_prefix_cache()
+        return {"tensors": len(plan), "bytes": sum(len(b) for b in blobs), "buckets": len(blobs),
+                "seconds": time.perf_counter() - t0}
+
+    # -- lifetime ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Shut the engine's processes down (also done when the object is collected)."""
+        llm, self.llm = self.llm, None
+        if llm is None:
+            return
+        engine = getattr(llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None:
+            core.shutdown()
+        del llm, engine, core
+        import gc
+
+        gc.collect()
+
+    def __del__(self):
+        if getattr(self, "llm", None) is not None:
+            self.close()

@@ -1,0 +1,88 @@
+"""FSDP2 wrapping of a transformers CausalLM, and streaming full weights out of it.
+
+    apply_fsdp(model, mesh, compute_dtype=torch.bfloat16)   # one fully_shard per decoder layer + root
+    for name, tensor in iter_full_weights(model): ...       # every rank iterates; rank 0 gets tensors
+
+Precision: parameters stay fp32 (the master weights, and so the optimizer state); with a bf16
+compute dtype, FSDP2's MixedPrecisionPolicy all-gathers them in bf16 for forward/backward and
+reduce-scatters gradients in fp32. The router's logits are fp32 regardless (trainer/experts.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: expected decoder layers at model.model.layers")
+    return list(layers)
+
+
+def apply_fsdp(model: nn.Module, mesh, compute_dtype: torch.dtype = torch.float32, *,
+               reshard_after_forward: bool = True) -> nn.Module:
+    """fully_shard each decoder layer, then the root (embeddings, final norm, lm_head; tied weights
+    stay together in the root group). Returns the model (now an FSDPModule)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = None
+    if compute_dtype != torch.float32:
+        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mp is not None:
+        kwargs["mp_policy"] = mp
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def iter_full_weights(model: nn.Module, *, dtype: torch.dtype | None = None, to_cpu: bool = True,
+                      rank: int = 0, dst: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) in state_dict order with transformers' names, one tensor at a time.
+
+    Every rank must iterate (each DTensor.full_tensor() is a collective); only rank `dst` yields,
+    so at most one unsharded tensor exists at once. Tied parameters are sent once, under the first
+    name. Names are the checkpoint's, because neither FSDP2 nor our experts rename parameters.
+    """
+    seen: set[int] = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        # What the consumer holds must never alias live weights (the next optimizer step changes them
+        # in place): a plain parameter is cloned, and so is a DTensor whose full_tensor() is its own
+        # local shard (a one-rank mesh gathers nothing).
+        if isinstance(t, DTensor):
+            full = t.full_tensor()
+            if full.untyped_storage().data_ptr() == t.to_local().untyped_storage().data_ptr():
+                full = full.clone()
+        else:
+            full = t.detach().clone()
+        if rank != dst:
+            del full
+            continue
+        full = full.detach()
+        if dtype is not None:
+            full = full.to(dtype)
+        if to_cpu:
+            full = full.cpu()
+        yield name, full
+
+
+def buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group consecutive tensors into lists of about bucket_bytes (a tensor larger than that alone)."""
+    bucket, size = [], 0
+    for name, t in named:
+        bucket.append((name, t))
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket

@@ -1,0 +1,240 @@
+"""GRPO-style policy-gradient loss with PPO clipping and training-inference mismatch correction.
+
+Pure functions on padded tensors: `[B, L]` per-token values of B sequences (completion tokens
+only), with `mask_BL` (bool) marking real tokens. rl/metrics.py reuses the mismatch math.
+
+Three logprobs per completion token:
+  logp      the trainer's current policy (with gradient), log_softmax(logits / temperature)
+  old_logp  the trainer's policy before this train_step's first update (no gradient): the PPO
+            ratio's denominator; equal to logp.detach() in a single-update step
+  samp_logp the sampler's (vLLM's) processed logprob of the token it sampled
+
+Mismatch: r = exp(old_logp - samp_logp) is the importance ratio between the policy the trainer
+differentiates and the one that actually sampled; it would be 1 if both sides computed the same
+function. Corrections (`is_correction`): "tis" weights each token by min(r, cap) (truncated IS);
+"token_mask" drops tokens with r outside [low, high]; "seq_mask" drops whole sequences whose
+geometric-mean ratio exp(mean_t log r) is outside [low, high] (a length-independent sequence
+ratio, so long sequences are not masked just for being long); "metrics_only" and "none" leave
+the loss alone. The metrics are computed in every mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+IS_CORRECTIONS = ("none", "tis", "token_mask", "seq_mask", "metrics_only")
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+def pad_lists(rows: Sequence[Sequence[float]], dtype=torch.float32, value: float = 0.0):
+    """Ragged lists -> (values [B, L], mask [B, L] bool)."""
+    B = len(rows)
+    L = max((len(r) for r in rows), default=0)
+    out = torch.full((B, L), value, dtype=dtype)
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        if len(r):
+            out[i, : len(r)] = torch.as_tensor(list(r), dtype=dtype)
+            mask[i, : len(r)] = True
+    return out, mask
+
+
+def token_logprobs(logits_BLV: torch.Tensor, targets_BL: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / temperature)[target], in fp32 whatever the logits' dtype.
+
+    The sampler reports processed logprobs (after temperature), so the trainer divides by the same
+    temperature; without it the two differ systematically (ANCHORS.md, "raw vs processed").
+    """
+    logits = logits_BLV.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return torch.gather(F.log_softmax(logits, dim=-1), -1, targets_BL.long().unsqueeze(-1)).squeeze(-1)
+
+
+def group_advantages(rewards: Sequence[float] | torch.Tensor, group_size: int, *, scale_by_std: bool = True,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantages: (r - mean of its group) / (std of its group + eps); groups are consecutive.
+
+    std is the population std (unbiased=False): a group of identical rewards gets advantage 0.
+    """
+    r = torch.as_tensor(rewards, dtype=torch.float64)
+    if r.dim() != 1 or group_size < 1 or r.numel() % group_size:
+        raise ValueError(f"rewards: expected a flat list whose length is a multiple of group_size={group_size}, "
+                         f"got shape {tuple(r.shape)}")
+    g = r.view(-1, group_size)
+    adv = g - g.mean(dim=1, keepdim=True)
+    if scale_by_std:
+        adv = adv / (g.std(dim=1, unbiased=False, keepdim=True) + eps)
+    return adv.reshape(-1).float()
+
+
+# ---------------------------------------------------------------------------------------------
+# mismatch math (rl/metrics.py imports these)
+# ---------------------------------------------------------------------------------------------
+def log_ratio(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log r = trainer - sampler per token; 0 on padding (so exp gives 1 there)."""
+    return torch.where(mask, trainer_logp.float() - sampler_logp.float(), torch.zeros((), dtype=torch.float32))
+
+
+def k3_kl(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(sampler || trainer) from the sampler's own samples:
+    r - 1 - log r with r = p_trainer / p_sampler; >= 0, unbiased, 0 on padding."""
+    lr = log_ratio(trainer_logp, sampler_logp, mask)
+    return torch.expm1(lr) - lr
+
+
+def importance_ratio(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token r = p_trainer / p_sampler; 1 on padding."""
+    return torch.exp(log_ratio(trainer_logp, sampler_logp, mask))
+
+
+def sequence_log_ratio(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence mean over its tokens of log r: the log of the geometric-mean ratio, [B]."""
+    n = mask.sum(dim=1).clamp(min=1)
+    return log_ratio(trainer_logp, sampler_logp, mask).sum(dim=1) / n
+
+
+def masked_fraction(keep: torch.Tensor, mask: torch.Tensor) -> float:
+    """Fraction of real tokens that a correction dropped."""
+    n = int(mask.sum())
+    return float((mask & ~keep).sum()) / n if n else 0.0
+
+
+def mismatch_sums(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Additive / extremal statistics of the mismatch (fp64 scalars), so ranks can all-reduce them.
+
+    Keys ending in _sum and `tokens` add; `_max` take the max; `_min` the min.
+    """
+    lr = log_ratio(trainer_logp, sampler_logp, mask).double()
+    m = mask
+    r = torch.exp(lr)
+    big = torch.tensor(float("inf"), dtype=torch.float64)
+    return {
+        "tokens": m.sum().double(),
+        "k3_kl_sum": torch.where(m, torch.expm1(lr) - lr, 0.0).sum(),
+        "abs_logp_diff_sum": torch.where(m, lr.abs(), 0.0).sum(),
+        "abs_logp_diff_max": torch.where(m, lr.abs(), 0.0).max() if m.numel() else torch.zeros((), dtype=torch.float64),
+        "is_ratio_sum": torch.where(m, r, 0.0).sum(),
+        "is_ratio_max": torch.where(m, r, -big).max() if m.numel() else -big,
+        "is_ratio_min": torch.where(m, r, big).min() if m.numel() else big,
+    }
+
+
+def finish_mismatch(sums: dict[str, torch.Tensor | float]) -> dict[str, float]:
+    """mismatch_sums (possibly all-reduced) -> means and extremes."""
+    n = float(sums["tokens"])
+    d = max(n, 1.0)
+    out = {
+        "mismatch/k3_kl": float(sums["k3_kl_sum"]) / d,
+        "mismatch/abs_logp_diff_mean": float(sums["abs_logp_diff_sum"]) / d,
+        "mismatch/abs_logp_diff_max": float(sums["abs_logp_diff_max"]) if n else 0.0,
+        "mismatch/is_ratio_mean": float(sums["is_ratio_sum"]) / d if n else 1.0,
+        "mismatch/is_ratio_max": float(sums["is_ratio_max"]) if n else 1.0,
+        "mismatch/is_ratio_min": float(sums["is_ratio_min"]) if n else 1.0,
+    }
+    return out
+
+
+def mismatch_metrics(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """k3 KL, |delta logp| mean/max, importance ratio mean/min/max over the real tokens."""
+    return finish_mismatch(mismatch_sums(trainer_logp, sampler_logp, mask))
+
+
+def mismatch_correction(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, mode: str,
+                        *, cap: float = 2.0, low: float = 0.5, high: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [B,L] fp32, keep [B,L] bool) to multiply the per-token loss by; no gradient.
+
+    keep is always a subset of mask; weights are 1 except under "tis".
+    """
+    if mode not in IS_CORRECTIONS:
+        raise ValueError(f"is_correction: expected one of {IS_CORRECTIONS}, got {mode!r}")
+    with torch.no_grad():
+        lr = log_ratio(old_logp.detach(), sampler_logp, mask)
+        weights = torch.ones_like(lr)
+        keep = mask.clone()
+        if mode == "tis":
+            weights = torch.exp(lr).clamp(max=cap)
+        elif mode == "token_mask":
+            r = torch.exp(lr)
+            keep = mask & (r >= low) & (r <= high)
+        elif mode == "seq_mask":
+            seq_r = torch.exp(sequence_log_ratio(old_logp.detach(), sampler_logp, mask))
+            keep = mask & ((seq_r >= low) & (seq_r <= high))[:, None]
+    return weights, keep
+
+
+# ---------------------------------------------------------------------------------------------
+# the policy loss
+# ---------------------------------------------------------------------------------------------
+def policy_loss_terms(logp: torch.Tensor, old_logp: torch.Tensor, advantages_B: torch.Tensor, mask: torch.Tensor,
+                      weights: torch.Tensor, keep: torch.Tensor, *, clip_low: float, clip_high: float):
+    """Per-token clipped PPO surrogate (to minimise) and the clip indicator, zero off `keep`.
+
+        ratio = exp(logp - old_logp);  A = advantage of the token's sequence
+        loss_t = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)) * weight_t
+    """
+    ratio = torch.exp(logp - old_logp.detach())
+    adv = advantages_B.to(logp.dtype)[:, None]
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped) * weights
+    # where, not multiply: a NaN/Inf on a dropped or padded token must not leak into the sum.
+    per_token = torch.where(keep, per_token, torch.zeros((), dtype=per_token.dtype))
+    was_clipped = (clipped > unclipped) & mask
+    return per_token, was_clipped, ratio.detach()
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str, *, total_tokens: float, total_seqs: float) -> torch.Tensor:
+    """Sum of this shard's contribution to the (mini)batch loss.
+
+    token_mean: sum_t loss_t / total_tokens (all real tokens of the minibatch, every rank);
+    seq_mean_token_mean: sum_b (sum_t loss_bt / n_b) / total_seqs. Dropped tokens count in the
+    denominators, so a correction removes their gradient without up-weighting the rest.
+    """
+    if agg == "token_mean":
+        return per_token.sum() / max(total_tokens, 1.0)
+    if agg == "seq_mean_token_mean":
+        n = mask.sum(dim=1).clamp(min=1).to(per_token.dtype)
+        return (per_token.sum(dim=1) / n).sum() / max(total_seqs, 1.0)
+    raise ValueError(f"loss_agg: expected 'token_mean' or 'seq_mean_token_mean', got {agg!r}")
+
+
+def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, sampler_logp: torch.Tensor, advantages_B: torch.Tensor,
+              mask: torch.Tensor, *, is_correction: str = "tis", is_cap: float = 2.0, is_low: float = 0.5,
+              is_high: float = 2.0, clip_low: float = 0.2, clip_high: float = 0.2, agg: str = "token_mean",
+              total_tokens: float | None = None, total_seqs: float | None = None):
+    """The full loss of one shard: (loss scalar, stats dict of fp64 sums for all-reduce).
+
+    total_tokens / total_seqs default to this shard's own (single-process use).
+    """
+    weights, keep = mismatch_correction(old_logp, sampler_logp, mask, is_correction, cap=is_cap, low=is_low, high=is_high)
+    per_token, was_clipped, ratio = policy_loss_terms(logp, old_logp, advantages_B, mask, weights, keep,
+                                                      clip_low=clip_low, clip_high=clip_high)
+    tt = float(mask.sum()) if total_tokens is None else total_tokens
+    ts = float(mask.shape[0]) if total_seqs is None else total_seqs
+    loss = aggregate(per_token, mask, agg, total_tokens=tt, total_seqs=ts)
+    with torch.no_grad():
+        stats = {
+            "clipped_sum": was_clipped.sum().double(),
+            "dropped_sum": (mask & ~keep).sum().double(),
+            "is_weight_sum": torch.where(mask, weights, 0.0).sum().double(),
+            "ppo_ratio_sum": torch.where(mask, ratio, 0.0).sum().double(),
+        }
+        stats.update(mismatch_sums(old_logp.detach(), sampler_logp, mask))
+    return loss, stats
+
+
+def finish_stats(sums: dict[str, float]) -> dict[str, float]:
+    """All-reduced grpo_loss stats -> metrics."""
+    n = max(float(sums["tokens"]), 1.0)
+    out = finish_mismatch(sums)
+    out["loss/clip_frac"] = float(sums["clipped_sum"]) / n
+    out["mismatch/masked_frac"] = float(sums["dropped_sum"]) / n
+    out["mismatch/is_weight_mean"] = float(sums["is_weight_sum"]) / n
+    out["loss/ppo_ratio_mean"] = float(sums["ppo_ratio_sum"]) / n
+    return out

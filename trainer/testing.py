@@ -1,0 +1,61 @@
+"""Helpers for the trainer's tests: seeded batches, a free port, weight comparisons.
+
+Batches use token ids >= 3 (the tiny tokenizer's special tokens are 0..2) and sampler logprobs
+drawn near log(1/vocab), where a random-init model's logprobs sit, so the mismatch metrics are
+small but not zero.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_batch(n: int = 8, *, vocab: int = 512, seed: int = 0, prompt_len: tuple[int, int] = (2, 6),
+               completion_len: tuple[int, int] = (1, 7), group_size: int = 4) -> dict:
+    """A seeded batch: random prompts/completions, sampler logprobs, group-normalised advantages."""
+    from trainer.loss import group_advantages
+
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(lo: int, hi: int) -> list[int]:
+        length = int(torch.randint(lo, hi + 1, (1,), generator=g))
+        return torch.randint(3, vocab, (length,), generator=g).tolist()
+
+    prompts = [ids(*prompt_len) for _ in range(n)]
+    completions = [ids(*completion_len) for _ in range(n)]
+    base = -math.log(vocab)
+    sampler = [(base + 0.05 * torch.randn(len(c), generator=g)).tolist() for c in completions]
+    rewards = torch.rand(n, generator=g)
+    gs = group_size if n % group_size == 0 else 1
+    adv = group_advantages(rewards, gs, scale_by_std=gs > 1).tolist() if gs > 1 else (rewards - rewards.mean()).tolist()
+    return {"prompt_ids": prompts, "completion_ids": completions, "sampler_logprobs": sampler, "advantages": adv}
+
+
+def weights_rel_err(a: list[tuple[str, torch.Tensor]] | dict, b: list[tuple[str, torch.Tensor]] | dict) -> dict[str, float]:
+    """Per-tensor scale-free error ||a - b|| / ||b|| of two exports; their names must agree."""
+    from megamoe.testing import rel_err
+
+    a, b = dict(a), dict(b)
+    if a.keys() != b.keys():
+        raise AssertionError(f"exports differ in names: only in first {sorted(a.keys() - b.keys())}, "
+                             f"only in second {sorted(b.keys() - a.keys())}")
+    return {k: rel_err(a[k], b[k]) for k in a}
+
+
+def assert_same_weights(a, b) -> None:
+    """Bitwise equality of two exports, naming the first tensor that differs."""
+    a, b = dict(a), dict(b)
+    assert a.keys() == b.keys(), f"names differ: {sorted(a.keys() ^ b.keys())}"
+    for k in a:
+        if not torch.equal(a[k], b[k]):
+            diff = float((a[k].double() - b[k].double()).abs().max())
+            raise AssertionError(f"{k}: not bitwise equal (max abs diff {diff:.3e})")

@@ -1,0 +1,355 @@
+"""TrainerWorker: one rank of the FSDP2 trainer (a plain class; rl/ wraps it with ray.remote).
+
+    Worker = ray.remote(num_cpus=1)(TrainerWorker)
+    ranks = [Worker.remote(r, W, "127.0.0.1", port, model_dir, "megamoe", cfg) for r in range(W)]
+    metrics = ray.get([w.train_step.remote(batch) for w in ranks])[0]   # every rank gets the whole batch
+    named = ray.get([w.export_weights.remote() for w in ranks])[0]       # rank 0 returns the tensors
+
+All ranks must receive every call (train_step, logprobs, export_*, save/load_checkpoint): each one
+runs collectives. Every rank is handed the whole batch and works on its own contiguous shard.
+
+A step: validate the batch -> split into `minibatches` -> per minibatch, micro-batches of
+forward/backward (gradients accumulate; FSDP2 reduce-scatters them in fp32) -> global gradient
+norm and clipping -> if the loss and the norm are finite, AdamW steps; otherwise the step is
+skipped (logged, counted in `skipped_total`) and the weights and optimizer state stay the last
+good ones.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainer import checkpoint as ckpt
+from trainer.batch import BatchError, collate, micro_batches, shard_bounds, split_even, validate_batch
+from trainer.config import MOE_IMPLS, TrainerConfigError, TrainerWorkerConfig
+from trainer.experts import MOE_CALLS
+from trainer.fsdp import apply_fsdp, buckets, iter_full_weights
+from trainer.loss import finish_stats, grpo_loss, token_logprobs
+from trainer.model import load_model
+
+log = logging.getLogger("trainer")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class TrainerWorker:
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_dir: str,
+                 moe_impl: str, cfg: dict | None = None):
+        cfg = dict(cfg or {})
+        if moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl: expected one of {MOE_IMPLS}, got {moe_impl!r}")
+        if "moe_impl" in cfg and cfg["moe_impl"] != moe_impl:
+            raise TrainerConfigError(f"cfg['moe_impl']: expected {moe_impl!r} (the moe_impl argument), got {cfg['moe_impl']!r}")
+        if "world_size" in cfg and cfg["world_size"] != world_size:
+            raise TrainerConfigError(f"cfg['world_size']: expected {world_size} (the world_size argument), got {cfg['world_size']!r}")
+        self.cfg = c = TrainerWorkerConfig.from_dict(cfg)
+        if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
+            raise ValueError(f"rank, world_size: expected 0 <= rank < world_size, got rank={rank!r}, world_size={world_size!r}")
+        if not c.fsdp and world_size != 1:
+            raise TrainerConfigError(f"fsdp: expected True for world_size={world_size} (False means one unsharded rank)")
+        self.rank, self.world_size, self.moe_impl = rank, world_size, moe_impl
+        if c.num_threads:
+            torch.set_num_threads(c.num_threads)
+        self.device = self._pick_device(c.device)
+        dtype = c.dtype if c.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" and c.fsdp else "float32")
+        self.compute_dtype = _DTYPES[dtype]
+        if not c.fsdp and self.compute_dtype != torch.float32:
+            raise TrainerConfigError(f"dtype: expected 'float32' or 'auto' with fsdp=False (bf16 compute over fp32 "
+                                     f"master weights is FSDP2's mixed precision), got {c.dtype!r}")
+        torch.manual_seed(c.seed)
+
+        self._owns_pg = False
+        if c.fsdp:
+            self._init_process_group(master_addr, master_port)
+        self.model = load_model(model_dir, moe_impl, dtype=torch.float32, device=self.device)
+        self.vocab_size = self.model.config.vocab_size
+        pad = self.model.config.pad_token_id
+        self.pad_id = int(pad) if pad is not None and 0 <= int(pad) < self.vocab_size else 0
+        if c.activation_checkpointing:
+            # transformers' own per-decoder-layer checkpointing: parameter names stay unchanged.
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model.train()
+        if c.fsdp:
+            from torch.distributed.device_mesh import init_device_mesh
+            mesh = init_device_mesh(self.device.type, (world_size,))
+            apply_fsdp(self.model, mesh, self.compute_dtype)
+        self.optimizer = self._make_optimizer()
+        self.step = 0             # train_step calls
+        self.optimizer_steps = 0  # AdamW updates taken (the LR schedule's clock)
+        self.skipped_steps = 0    # updates skipped for a non-finite loss or gradient
+        self.truncated_total = 0
+        if rank == 0:
+            log.info("TrainerWorker: world_size=%d device=%s moe_impl=%s compute dtype=%s (fp32 master weights) "
+                     "fsdp=%s activation_checkpointing=%s", world_size, self.device, moe_impl, self.compute_dtype,
+                     c.fsdp, c.activation_checkpointing)
+
+    # -- setup -----------------------------------------------------------------------------------
+    def _pick_device(self, want: str) -> torch.device:
+        if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+            if not torch.cuda.is_available():
+                raise RuntimeError("device: 'cuda' was asked for, but torch.cuda.is_available() is False")
+            n = torch.cuda.device_count()
+            index = int(os.environ.get("LOCAL_RANK", self.rank)) % n if n > 1 else 0
+            torch.cuda.set_device(index)
+            return torch.device("cuda", index)
+        return torch.device("cpu")
+
+    def _init_process_group(self, addr: str, port: int) -> None:
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if dist.is_initialized():
+            if dist.get_world_size() != self.world_size or dist.get_rank() != self.rank:
+                raise RuntimeError(f"process group: already initialised with rank {dist.get_rank()} of "
+                                   f"{dist.get_world_size()}, expected rank {self.rank} of {self.world_size}")
+            return
+        dist.init_process_group(backend, init_method=f"tcp://{addr}:{int(port)}", rank=self.rank,
+                                world_size=self.world_size, timeout=datetime.timedelta(minutes=10))
+        self._owns_pg = True
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        c = self.cfg
+        return torch.optim.AdamW(self.model.parameters(), lr=self._lr(0), betas=(c.adam_beta1, c.adam_beta2),
+                                 eps=c.adam_eps, weight_decay=c.weight_decay)
+
+    def _lr(self, update: int) -> float:
+        """LR of optimizer update number `update` (0-based): linear warmup, then constant or cosine."""
+        c = self.cfg
+        if c.warmup_steps and update < c.warmup_steps:
+            return c.lr * (update + 1) / c.warmup_steps
+        if c.lr_schedule == "cosine":
+            progress = min(1.0, (update - c.warmup_steps) / max(1, c.total_steps - c.warmup_steps))
+            return c.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return c.lr
+
+    # -- collectives -----------------------------------------------------------------------------
+    @property
+    def _distributed(self) -> bool:
+        return dist.is_initialized() and self.cfg.fsdp
+
+    def _reduce(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """All-reduce a stats dict: *_max by max, *_min by min, the rest by sum."""
+        keys = sorted(sums)
+        vals = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64).reshape(()).cpu() for k in keys])
+        if self._distributed:
+            dev = self.device if self.device.type == "cuda" else torch.device("cpu")
+            mx = torch.tensor([1.0 if k.endswith("_max") else 0.0 for k in keys], dtype=torch.bool)
+            mn = torch.tensor([1.0 if k.endswith("_min") else 0.0 for k in keys], dtype=torch.bool)
+            add = ~(mx | mn)
+            t_sum = torch.where(add, vals, 0.0).to(dev)
+            t_max = torch.where(mx, vals, torch.where(mn, -vals, -math.inf)).to(dev)
+            dist.all_reduce(t_sum, op=dist.ReduceOp.SUM)
+            dist.all_reduce(t_max, op=dist.ReduceOp.MAX)
+            t_sum, t_max = t_sum.cpu(), t_max.cpu()
+            vals = torch.where(add, t_sum, torch.where(mx, t_max, -t_max))
+        return {k: float(v) for k, v in zip(keys, vals)}
+
+    # -- forward ---------------------------------------------------------------------------------
+    def _completion_logprobs(self, mb) -> torch.Tensor:
+        out = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+        logits = out.logits
+        V = logits.shape[-1]
+        picked = torch.gather(logits, 1, mb.positions.unsqueeze(-1).expand(-1, -1, V))
+        return token_logprobs(picked, mb.targets, self.cfg.temperature)
+
+    def _local(self, seqs: list) -> tuple[list, int]:
+        """This rank's shard of `seqs` and the largest shard any rank has."""
+        start, end = shard_bounds(len(seqs), self.world_size, self.rank)
+        return seqs[start:end], math.ceil(len(seqs) / self.world_size)
+
+    # -- public interface ------------------------------------------------------------------------
+    def train_step(self, batch: dict) -> dict:
+        """One optimizer update per minibatch of `batch`; returns metrics (identical on every rank)."""
+        c = self.cfg
+        seqs, n_trunc = validate_batch(batch, vocab_size=self.vocab_size, max_seq_len=c.max_seq_len,
+                                       truncate=c.truncate)
+        self.truncated_total += n_trunc
+        minis = split_even(seqs, min(c.minibatches, len(seqs)))
+        old_logp: dict[int, torch.Tensor] | None = None
+        if seqs[0].old_logp is not None:
+            old_logp = {s.index: torch.tensor(s.old_logp, dtype=torch.float32, device=self.device) for s in seqs}
+        elif len(minis) > 1:
+            # The PPO ratio's denominator: the policy before this step's first update.
+            old_logp = {}
+            with torch.no_grad():
+                for mini in minis:
+                    local, nmax = self._local(mini)
+                    for mb_seqs in micro_batches(local, nmax, c.micro_batch_size):
+                        mb = collate(mb_seqs, self.pad_id, self.device)
+                        lp = self._completion_logprobs(mb)
+                        for r, s in enumerate(mb.seqs):
+                            old_logp[s.index] = lp[r, : len(s.completion)].detach()
+
+        totals: dict[str, float] = {}
+        losses, norms, skipped = [], [], 0
+        for mini in minis:
+            total_tokens = float(sum(len(s.completion) for s in mini))
+            local, nmax = self._local(mini)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss_local = torch.zeros((), dtype=torch.float64)
+            stats_local: dict[str, torch.Tensor] = {}
+            for mb_seqs in micro_batches(local, nmax, c.micro_batch_size):
+                mb = collate(mb_seqs, self.pad_id, self.device)
+                logp = self._completion_logprobs(mb)
+                if old_logp is None:
+                    old = logp.detach()
+                else:
+                    old = torch.zeros_like(logp)
+                    for r, s in enumerate(mb.seqs):
+                        old[r, : len(s.completion)] = old_logp[s.index]
+                loss, st = grpo_loss(logp, old, mb.sampler_logp, mb.advantages, mb.mask,
+                                     is_correction=c.is_correction, is_cap=c.is_cap, is_low=c.is_low,
+                                     is_high=c.is_high, clip_low=c.clip_eps, clip_high=c.clip_high,
+                                     agg=c.loss_agg, total_tokens=total_tokens, total_seqs=float(len(mini)))
+                # FSDP2 averages gradients over the ranks; each rank's loss is its share of the global
+                # (minibatch) loss, so scaling by world_size makes the reduced gradient the global one.
+                (loss * self.world_size).backward()
+                loss_local += loss.detach().double().cpu()
+                for k, v in st.items():
+                    v = v.detach().cpu()
+                    if k not in stats_local:
+                        stats_local[k] = v
+                    elif k.endswith("_max"):
+                        stats_local[k] = torch.maximum(stats_local[k], v)
+                    elif k.endswith("_min"):
+                        stats_local[k] = torch.minimum(stats_local[k], v)
+                    else:
+                        stats_local[k] = stats_local[k] + v
+            red = self._reduce({**stats_local, "loss_sum": loss_local})
+            max_norm = c.grad_clip if c.grad_clip > 0 else math.inf
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
+            if hasattr(norm, "full_tensor"):
+                norm = norm.full_tensor()
+            norm = float(norm)
+            loss_value = red["loss_sum"]
+            if math.isfinite(loss_value) and math.isfinite(norm):
+                for group in self.optimizer.param_groups:
+                    group["lr"] = self._lr(self.optimizer_steps)
+                self.optimizer.step()
+                self.optimizer_steps += 1
+            else:
+                skipped += 1
+                self.skipped_steps += 1
+                if self.rank == 0:
+                    log.warning("train_step %d: skipped the update (loss=%s, grad_norm=%s); weights stay the last "
+                                "good ones; %d skipped so far", self.step, loss_value, norm, self.skipped_steps)
+            self.optimizer.zero_grad(set_to_none=True)
+            losses.append(loss_value)
+            norms.append(norm)
+            for k, v in red.items():
+                if k.endswith("_max"):
+                    totals[k] = max(totals.get(k, -math.inf), v)
+                elif k.endswith("_min"):
+                    totals[k] = min(totals.get(k, math.inf), v)
+                else:
+                    totals[k] = totals.get(k, 0.0) + v
+        self.step += 1
+        metrics = finish_stats(totals)
+        metrics.update({
+            "loss": sum(losses) / len(losses),
+            "grad_norm": sum(norms) / len(norms),
+            "lr": self._lr(max(self.optimizer_steps - 1, 0)),
+            "step": self.step,
+            "optimizer_steps": self.optimizer_steps,
+            "skipped": skipped,
+            "skipped_total": self.skipped_steps,
+            "tokens": totals["tokens"],
+            "sequences": len(seqs),
+            "truncated": n_trunc,
+        })
+        return metrics
+
+    def logprobs(self, batch: dict) -> list[list[float]]:
+        """The trainer's per-token logprobs of each completion (at the configured temperature), for
+        every sequence of the batch, on every rank. Needs only prompt_ids and completion_ids."""
+        c = self.cfg
+        seqs, _ = validate_batch(batch, vocab_size=self.vocab_size, max_seq_len=c.max_seq_len,
+                                 truncate=c.truncate, need_training_fields=False)
+        local, nmax = self._local(seqs)
+        out: dict[int, list[float]] = {}
+        with torch.no_grad():
+            for mb_seqs in micro_batches(local, nmax, c.micro_batch_size):
+                mb = collate(mb_seqs, self.pad_id, self.device)
+                lp = self._completion_logprobs(mb).cpu()
+                for r, s in enumerate(mb.seqs):
+                    out[s.index] = lp[r, : len(s.completion)].tolist()
+        if self._distributed:
+            gathered: list = [None] * self.world_size
+            dist.all_gather_object(gathered, out)
+            for part in gathered:
+                out.update(part)
+        return [out[s.index] for s in seqs]
+
+    def iter_weights(self, dtype: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full CPU tensor) one at a time on rank 0 (other ranks iterate, yielding nothing)."""
+        name = dtype or self.cfg.export_dtype
+        return iter_full_weights(self.model, dtype=_DTYPES[name] if name else None, rank=self.rank)
+
+    def export_weights(self, dtype: str | None = None) -> list[tuple[str, torch.Tensor]]:
+        """All weights as (transformers state_dict name, full tensor), on rank 0; [] on other ranks.
+
+        This holds the whole model on rank 0; `export_weight_buckets` streams it instead."""
+        return list(self.iter_weights(dtype))
+
+    def export_weight_buckets(self, bucket_bytes: int = 64 << 20, dtype: str | None = None):
+        """Generator of buckets (lists of (name, tensor), about bucket_bytes each) on rank 0.
+
+        Through Ray: `w.export_weight_buckets.options(num_returns="streaming").remote()` on every
+        rank; consume rank 0's stream bucket by bucket (e.g. into RolloutWorker.update_weights)."""
+        yield from buckets(self.iter_weights(dtype), bucket_bytes)
+
+    def save_checkpoint(self, path: str) -> str:
+        trainer_state = {"step": self.step, "optimizer_steps": self.optimizer_steps,
+                         "skipped_steps": self.skipped_steps, "truncated_total": self.truncated_total,
+                         "moe_impl": self.moe_impl, "seed": self.cfg.seed}
+        rank_state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if self.device.type == "cuda":
+            rank_state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return str(ckpt.save(path, self.model, self.optimizer, trainer_state, rank_state))
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Restore model, optimizer, LR-schedule clock, counters and RNG; returns the trainer state."""
+        path = Path(path)
+        if ckpt.is_complete(path):
+            import json
+            if not json.loads((path / ckpt.META).read_text()).get("has_optimizer_state", True):
+                self.optimizer = self._make_optimizer()  # the checkpoint predates the first update
+        trainer_state, rank_state, _ = ckpt.load(path, self.model, self.optimizer)
+        self.step = int(trainer_state["step"])
+        self.optimizer_steps = int(trainer_state["optimizer_steps"])
+        self.skipped_steps = int(trainer_state["skipped_steps"])
+        self.truncated_total = int(trainer_state.get("truncated_total", 0))
+        if rank_state is not None:
+            torch.set_rng_state(rank_state["torch"])
+            random.setstate(rank_state["python"])
+            if "cuda" in rank_state and self.device.type == "cuda":
+                torch.cuda.set_rng_state(rank_state["cuda"], self.device)
+        elif self.rank == 0:
+            log.warning("checkpoint %s was written by another world size: RNG states not restored", path)
+        return trainer_state
+
+    def moe_calls(self) -> dict[str, int]:
+        """Calls of megamoe's experts functions in this process (by impl)."""
+        return dict(MOE_CALLS)
+
+    def info(self) -> dict:
+        return {"rank": self.rank, "world_size": self.world_size, "device": str(self.device),
+                "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
+                "moe_impl": self.moe_impl, "step": self.step, "optimizer_steps": self.optimizer_steps,
+                "skipped_steps": self.skipped_steps,
+                "experts_implementation": self.model.config._experts_implementation}
+
+    def close(self) -> None:
+        if self._owns_pg and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_pg = False
+
+
+__all__ = ["BatchError", "TrainerWorker"]
