@@ -10,6 +10,12 @@ Extension points used (no vLLM file is edited, nothing of vLLM is monkey-patched
   registry; `MegaMoEMethod` (a subclass) is instantiated instead. Its `apply` receives the
   precomputed routing (`topk_weights`, `topk_ids`) and the layer's `w13_weight [E,2I,H]`,
   `w2_weight [E,H,I]`.
+- `PluggableLayer.register_oot(name="GateLinear")` (moe_impl megamoe / reference only): the MoE
+  gate of Qwen3-MoE and Mixtral is built as `MegaMoEGate`, which keeps its weight unpacked and
+  computes the router logits with `megamoe.router.router_logits` (fp32, batch invariant): the
+  function the trainer's Fp32Router calls. `MegaMoEMethod` then routes itself from those logits
+  with `megamoe.route` (vLLM's monolithic-method path), so sampler and trainer choose the same
+  experts with the same weights, bitwise, for the same hidden states.
 - `worker_extension_cls` (rollout.extension) for collective_rpc calls in the worker process.
 - `Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`: vLLM's in-place
   layer-wise reload, which re-runs each layer's `process_weights_after_loading` and copies the
@@ -26,10 +32,18 @@ from collections.abc import Iterable
 import torch
 import vllm
 from vllm.engine.arg_utils import EngineArgs
-from vllm.model_executor.custom_op import CustomOp, op_registry_oot
+from vllm.model_executor.custom_op import CustomOp, PluggableLayer, op_registry_oot
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
+try:  # vLLM >= 0.32: the MoE gate is a PluggableLayer ("GateLinear") that the MoE runner calls
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+except ImportError:  # older vLLM (the H200 machine's 0.26): vLLM's own gate, see trainer_routing()
+    GateLinear = None
+
+import megamoe
+from megamoe.router import router_logits as megamoe_router_logits
 from rollout import moe_method, plugin
 
 VLLM_VERSION = vllm.__version__
@@ -46,6 +60,7 @@ SUPPORTED_ARCHITECTURES = (
 )
 
 _OOT_NAME = "UnquantizedFusedMoEMethod"
+_GATE_OOT_NAME = "GateLinear"
 
 
 def check_architectures(architectures: Iterable[str] | None, where: str) -> str:
@@ -55,6 +70,20 @@ def check_architectures(architectures: Iterable[str] | None, where: str) -> str:
         raise ValueError(f"{where}: architecture {archs} is not supported by the megamoe rollout hook; "
                          f"supported: {SUPPORTED_ARCHITECTURES}")
     return supported[0]
+
+
+def trainer_routing() -> bool:
+    """Whether this vLLM lets the hook compute the router logits and top-k itself (the trainer's way).
+
+    Needs an out-of-tree-replaceable gate layer and the monolithic method path
+    (`apply_monolithic(layer, x, router_logits)`); without them megamoe / reference run on vLLM's own
+    routing, which differs from the trainer's in rounding and tie order (logged at registration).
+    """
+    if GateLinear is None or not issubclass(GateLinear, PluggableLayer):
+        return False
+    params = inspect.signature(FusedMoEMethodBase.apply_monolithic).parameters \
+        if hasattr(FusedMoEMethodBase, "apply_monolithic") else {}
+    return "router_logits" in params
 
 
 def _apply_takes_routing() -> bool:
@@ -90,18 +119,21 @@ class MegaMoEMethod(UnquantizedFusedMoEMethod):
         self.unquantized_backend = None
         self.experts_cls = None
         self.supports_pre_processed_weights = False
+        self.self_routed = False  # decided per layer in create_weights
         self._check_supported(moe)
 
     @staticmethod
     def _check_supported(moe) -> None:
-        from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-
+        """Refuse MoE layers whose math is not megamoe's contract (SwiGLU, no biases, all experts local)."""
+        activation = getattr(moe, "activation", "silu")
+        activation = str(getattr(activation, "value", activation)).lower()
+        parallel = getattr(moe, "moe_parallel_config", None)
         unsupported = {
-            "activation": (moe.activation != MoEActivation.SILU, f"{moe.activation} (only silu/SwiGLU)"),
-            "is_act_and_mul": (not moe.is_act_and_mul, "False (only gated experts)"),
-            "has_bias": (moe.has_bias, "True (expert biases)"),
-            "moe_parallel_config.use_ep": (moe.moe_parallel_config.use_ep, "True (expert parallel)"),
-            "is_lora_enabled": (moe.is_lora_enabled, "True (LoRA on experts)"),
+            "activation": (activation != "silu", f"{activation} (only silu, i.e. SwiGLU experts)"),
+            "is_act_and_mul": (not getattr(moe, "is_act_and_mul", True), "False (only gated experts)"),
+            "has_bias": (getattr(moe, "has_bias", False), "True (expert biases)"),
+            "moe_parallel_config.use_ep": (getattr(parallel, "use_ep", False), "True (expert parallel)"),
+            "is_lora_enabled": (getattr(moe, "is_lora_enabled", False), "True (LoRA on experts)"),
             "swiglu_limit": (getattr(moe, "swiglu_limit", None) is not None, "set (clamped SwiGLU)"),
         }
         bad = {k: why for k, (is_bad, why) in unsupported.items() if is_bad}
@@ -118,6 +150,20 @@ class MegaMoEMethod(UnquantizedFusedMoEMethod):
         if self.megamoe_impl != "stock" and getattr(layer, "apply_router_weight_on_input", False):
             raise NotImplementedError("megamoe rollout hook: apply_router_weight_on_input=True "
                                       "(Llama-4 style) is not supported; use moe_impl='stock'")
+        if self.megamoe_impl != "stock":
+            self.self_routed = trainer_routing() and self._plain_softmax_topk(layer)
+            if not self.self_routed:
+                logger.info("megamoe rollout hook: %s routes with vLLM's router (grouped / biased / scaled "
+                            "top-k), not megamoe.route", getattr(layer, "layer_name", "MoE layer"))
+
+    @staticmethod
+    def _plain_softmax_topk(layer) -> bool:
+        """The routing megamoe.route reproduces (Qwen3-MoE, Mixtral): softmax, top-k, optional renormalisation."""
+        return (getattr(layer, "scoring_func", "softmax") == "softmax"
+                and not getattr(layer, "use_grouped_topk", False)
+                and getattr(layer, "custom_routing_function", None) is None
+                and getattr(layer, "e_score_correction_bias", None) is None
+                and getattr(layer, "routed_scaling_factor", 1.0) == 1.0)
 
     def maybe_roundup_sizes(self, *args, **kwargs):
         if self.megamoe_impl == "stock":
@@ -147,7 +193,8 @@ class MegaMoEMethod(UnquantizedFusedMoEMethod):
     def is_monolithic(self) -> bool:
         if self.megamoe_impl == "stock":
             return super().is_monolithic
-        return False
+        # Monolithic: vLLM hands apply_monolithic the router logits instead of its own top-k.
+        return self.self_routed
 
     @property
     def supports_eplb(self) -> bool:
@@ -159,6 +206,42 @@ class MegaMoEMethod(UnquantizedFusedMoEMethod):
         return moe_method.routed_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
                                          self.megamoe_impl)
 
+    def select_experts(self, layer, router_logits):
+        """(topk_weights fp32 [T,k], topk_ids int64 [T,k]) the way the trainer's Fp32Router routes."""
+        # check_finite=False: the check would read the logits back to the host (no CUDA-graph capture).
+        return megamoe.route(router_logits, layer.top_k, "softmax", layer.renormalize, check_finite=False)
+
+    def apply_monolithic(self, layer, x, router_logits, input_ids=None):
+        if self.megamoe_impl == "stock":
+            return super().apply_monolithic(layer, x, router_logits, input_ids)
+        topk_weights, topk_ids = self.select_experts(layer, router_logits)
+        return moe_method.routed_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                                         self.megamoe_impl)
+
+
+class _UnpackedLinearMethod(UnquantizedLinearMethod):
+    """Leaves the gate weight as loaded: on CPU, vLLM would prepack it for its own GEMM and drop the
+    [E, H] tensor that megamoe.router.router_logits reads."""
+
+    def process_weights_after_loading(self, layer) -> None:
+        return None
+
+
+class MegaMoEGate(GateLinear or torch.nn.Module):  # the base only matters where GateLinear exists
+    """vLLM's MoE gate with megamoe's router logits: fp32, batch invariant, the trainer's function."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not self.is_unquantized or self.bias is not None:
+            raise NotImplementedError(f"megamoe rollout hook: gate {self.prefix!r} is quantized or has a bias; "
+                                      f"megamoe.router computes unquantized, bias-free gates (use moe_impl='stock')")
+        self.quant_method = _UnpackedLinearMethod()
+
+    def forward(self, x):
+        logits = megamoe_router_logits(x.reshape(-1, x.shape[-1]), self.weight)
+        logits = logits.reshape(*x.shape[:-1], logits.shape[-1])
+        return (logits, None) if self.return_bias else logits
+
 
 def register_moe_method(impl: str) -> None:
     """Make vLLM build `MegaMoEMethod` wherever it builds `UnquantizedFusedMoEMethod` (this process)."""
@@ -167,13 +250,23 @@ def register_moe_method(impl: str) -> None:
             f"vLLM {VLLM_VERSION}: UnquantizedFusedMoEMethod.apply{inspect.signature(UnquantizedFusedMoEMethod.apply)} "
             "does not receive precomputed routing (topk_weights, topk_ids); rollout/adapter.py supports "
             "the modular-kernel API of vLLM >= 0.26")
-    current = op_registry_oot.get(_OOT_NAME)
-    if current is MegaMoEMethod:
-        return
-    if current is not None:
-        raise RuntimeError(f"another plugin already replaced vLLM's {_OOT_NAME} with {current!r}; "
-                           "the megamoe hook cannot take its place")
-    CustomOp.register_oot(name=_OOT_NAME)(MegaMoEMethod)
+    if impl != "stock" and not trainer_routing():
+        logger.warning("vLLM %s: no pluggable MoE gate / monolithic method path; moe_impl=%s computes the "
+                       "experts but routes with vLLM's router logits and top-k, which are not bitwise the "
+                       "trainer's (megamoe.router + megamoe.route)", VLLM_VERSION, impl)
+    for name, cls in ((_OOT_NAME, MegaMoEMethod), (_GATE_OOT_NAME, MegaMoEGate)):
+        if cls is MegaMoEGate and (impl == "stock" or not trainer_routing()):
+            continue  # stock: vLLM's own gate, router and experts
+        current = op_registry_oot.get(name)
+        if current is cls:
+            continue
+        if current is not None:
+            raise RuntimeError(f"another plugin already replaced vLLM's {name} with {current!r}; "
+                               "the megamoe hook cannot take its place")
+        if cls is MegaMoEGate:
+            PluggableLayer.register_oot(name=name)(cls)
+        else:
+            CustomOp.register_oot(name=name)(cls)
 
 
 def hooked_moe_layers(model: torch.nn.Module) -> dict[str, str]:
@@ -199,8 +292,9 @@ def engine_kwargs(*, kv_cache_memory_bytes: int, tensor_parallel_size: int) -> d
         "logprobs_mode": "processed_logprobs",
         "worker_extension_cls": "rollout.extension.MegaMoEWorkerExtension",
         "kv_cache_memory_bytes": kv_cache_memory_bytes,
-        # One worker: run it inside the engine-core process (one process fewer to start). It is still
-        # a separate process from the driver, which is where the hook is checked.
+        # One worker: run it inside the engine-core process (one process fewer to start; vLLM CPU
+        # switches back to "mp" because of its OpenMP setup). Either way the model runs in a process
+        # other than the driver's, which RolloutWorker checks.
         "distributed_executor_backend": "uni" if tensor_parallel_size == 1 else "mp",
         "tensor_parallel_size": tensor_parallel_size,
     }

@@ -56,7 +56,7 @@ class MegaMoEWorkerExtension:
         from safetensors.torch import save
 
         model = adapter.worker_model(self)
-        layers = sorted(adapter.hooked_moe_layers(model))
+        layers = list(adapter.hooked_moe_layers(model))  # model order: layer 0 first
         if not 0 <= layer_index < len(layers):
             raise IndexError(f"layer_index: expected 0 <= layer_index < {len(layers)} (hooked MoE layers), "
                              f"got {layer_index}")

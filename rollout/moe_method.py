@@ -1,11 +1,11 @@
 """The version-independent half of the vLLM MoE hook: what a routed-experts call computes, and a
 count of calls per implementation in the process that runs the model.
 
-vLLM's router has already chosen the experts when this runs: `topk_weights[T,k]` and
-`topk_ids[T,k]` arrive precomputed (with the model's scoring, renormalisation, grouped top-k and
-score-correction bias applied by vLLM), and vLLM's MoE runner adds shared experts and applies
-`routed_scaling_factor` after we return. So the hook computes exactly the contract of
-`megamoe.fused_moe` on vLLM's weight layout:
+The experts are chosen before this runs: by `megamoe.route` on megamoe's fp32 router logits where
+the routing is plain softmax top-k (Qwen3-MoE, Mixtral, OLMoE; see adapter.MegaMoEMethod), or by
+vLLM's router otherwise (grouped top-k, score-correction bias, scaling: DeepSeek). vLLM's MoE runner
+adds shared experts and applies `routed_scaling_factor` after we return. So the hook computes exactly
+the contract of `megamoe.fused_moe` on vLLM's weight layout:
 
     w13_weight [E, 2I, H]  gate rows first, then up rows  (= megamoe's w13)
     w2_weight  [E, H, I]                                  (= megamoe's w2)

@@ -44,7 +44,7 @@ def score_completions(worker, prompt_ids: Sequence[Sequence[int]], completion_id
             requests.append(TokensPrompt(prompt_token_ids=list(p) + list(c[:j])))
             # seed: the sampled token is thrown away, but a seeded request keeps the run reproducible.
             params.append(SamplingParams(max_tokens=1, temperature=temperature, top_p=top_p, seed=0,
-                                         logprobs=0, logprob_token_ids=[int(tok)]))
+                                         logprobs=1, logprob_token_ids=[int(tok)]))
             where.append((i, j, int(tok)))
     out: list[list[float]] = [[0.0] * len(c) for c in completion_ids]
     if not requests:

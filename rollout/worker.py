@@ -18,6 +18,7 @@ refuses to continue if that is not what was asked for.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -72,6 +73,10 @@ class RolloutWorker:
         engine ran before (measured on CPU fp32: ~5e-7 differences for the same seed); a seeded
         generation is then bitwise reproducible. Turn it on for speed when that does not matter.
         engine_kwargs go to `vllm.LLM` unchanged.
+
+        Sets MEGAMOE_MOE_IMPL in this process's environment (vLLM's processes inherit it), runs the
+        plugin once here so that a broken hook raises in this process, and after start-up checks in
+        the engine's worker process(es) that every MoE layer runs on `moe_impl`.
         """
         self.moe_impl = _check_moe_impl(moe_impl)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -84,12 +89,12 @@ class RolloutWorker:
         self._weights_broken: str | None = None
         self.llm = None
 
-        # Before any vLLM process exists: every process the engine spawns inherits it.
-        os.environ[plugin.ENV_VAR] = self.moe_impl
-        _preflight_plugin()
         from rollout import adapter
 
         adapter.check_architectures([self.spec.architecture], where=f"model_dir {self.model_dir!r}")
+        # Before any vLLM process exists: every process the engine spawns inherits it.
+        os.environ[plugin.ENV_VAR] = self.moe_impl
+        _preflight_plugin()
         from vllm import LLM
 
         if enforce_eager is None:
@@ -111,9 +116,6 @@ class RolloutWorker:
 
     def _check_engine(self) -> None:
         for rank, s in enumerate(self.status()):
-            if s["pid"] == os.getpid():
-                raise RuntimeError("the vLLM model runs in the driver process; RolloutWorker needs vLLM's "
-                                   "multiprocess engine (unset VLLM_ENABLE_V1_MULTIPROCESSING=0)")
             if not s["registered"] or s["impl"] != self.moe_impl:
                 raise RuntimeError(f"vLLM worker {rank}: megamoe hook state {s}, expected impl {self.moe_impl!r}")
             if s["hooked_moe_layers"] == 0 or s["layer_impls"] != [self.moe_impl]:
@@ -194,6 +196,9 @@ class RolloutWorker:
         """Log-probabilities (temperature 1, no filtering) of given completions under the engine."""
         from vllm import SamplingParams, TokensPrompt
 
+        if self._weights_broken:
+            raise RuntimeError(f"refusing to score: {self._weights_broken}")
+
         if len(prompt_ids) != len(completion_ids):
             raise ValueError(f"completion_ids: expected {len(prompt_ids)} lists (one per prompt), "
                              f"got {len(completion_ids)}")
@@ -252,10 +257,11 @@ class RolloutWorker:
         if core is not None:
             core.shutdown()
         del llm, engine, core
-        import gc
-
         gc.collect()
 
     def __del__(self):
         if getattr(self, "llm", None) is not None:
-            self.close()
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001 - at interpreter exit imports fail; vLLM reaps its processes
+                pass

@@ -9,6 +9,9 @@ fresh init) so that the experts move the logits clearly and a wrong expert outpu
 - DeepSeek-V2: vLLM CPU's MLA path and transformers' DeepSeek-V2 disagree by ~1 in logprob for
   this tiny config even with moe_impl="stock" (vLLM's own kernels; measured 2026-11-30), so the
   reference is vLLM itself: the megamoe engine against the stock engine, before and after an update.
+  One sequence per call: with several sequences in a batch, vLLM CPU's MLA attention is not
+  reproducible on this config (identical calls differed by up to 3.4 in logprob, with megamoe and
+  with stock alike), while one sequence at a time is bitwise reproducible.
 
     .venv/bin/python -m pytest -q tests/test_rollout_archs.py
 """
@@ -61,18 +64,23 @@ def _tiny_checkpoint(out, arch: str, seed: int):
     return model.eval()
 
 
-def _run(model_dir, impl, update_state):
+def _run(model_dir, impl, update_state, one_at_a_time=False):
     """Samples before and after an update, from one engine that is closed before returning."""
     from rollout.worker import RolloutWorker
+
+    def generate(w):
+        if not one_at_a_time:
+            return w.generate(PROMPTS, N, SAMPLING)
+        return [s for i, p in enumerate(PROMPTS) for s in w.generate([p], 1, {**SAMPLING, "seed": SAMPLING["seed"] + i})]
 
     w = RolloutWorker(model_dir, impl, dtype="float32", seed=0, max_model_len=128, kv_cache_memory_bytes=64 << 20)
     try:
         status = w.status()[0]
         w.reset_moe_calls()
-        before = w.generate(PROMPTS, N, SAMPLING)
+        before = generate(w)
         calls = w.moe_calls()
         w.update_weights(update_state)
-        after = w.generate(PROMPTS, N, SAMPLING)
+        after = generate(w)
     finally:
         w.close()
     return {"status": status, "calls": calls, "before": before, "after": after}
@@ -94,7 +102,7 @@ def deepseek(tmp_path_factory):
     root = tmp_path_factory.mktemp("rollout_deepseek")
     _tiny_checkpoint(root / "a", "deepseek_v2", 0)
     b = _tiny_checkpoint(root / "b", "deepseek_v2", 1)
-    return {impl: _run(root / "a", impl, b.state_dict()) for impl in ("megamoe", "stock")}
+    return {impl: _run(root / "a", impl, b.state_dict(), one_at_a_time=True) for impl in ("megamoe", "stock")}
 
 
 def test_olmoe_through_megamoe_matches_transformers(olmoe):
@@ -119,6 +127,5 @@ def test_deepseek_v2_through_megamoe_matches_vllm_stock(deepseek):
         err = max_abs_diff(_logprobs(ours[phase]), _logprobs(stock[phase]))
         print(f"[rollout] DeepSeek-V2 megamoe vs vLLM stock, {phase} update: max |dlogp| = {err:.2e}")
         assert err <= LOGPROB_TOL_FP32
-    # The update changed the model (so "after" compares two runs of new weights, not old ones).
-    assert max_abs_diff(_logprobs(ours["before"]), _logprobs(stock["before"])) <= LOGPROB_TOL_FP32
+    # The update changed the model, so "after" compares the new weights in both engines.
     assert [s["completion_ids"] for s in ours["before"]] != [s["completion_ids"] for s in ours["after"]]

@@ -5,6 +5,10 @@ unpacked checkpoint tensors into the prepacked storage and silently changed ever
 (ANCHORS.md; measured again here: identical weights moved logprobs by up to 0.44 before the repair
 in rollout/adapter.py). These tests fail without that repair.
 
+Model A is stored with fused experts on disk (transformers 5's in-memory names,
+`mlp.experts.gate_up_proj [E,2I,H]`), the other checkpoint layout the rollout must load; the other
+test modules use make_model's per-expert files.
+
     .venv/bin/python -m pytest -q tests/test_rollout_stock.py
 """
 
@@ -25,8 +29,15 @@ SAMPLING = {"temperature": 0.9, "max_tokens": 10, "seed": 42}
 def models(tmp_path_factory):
     from rl.make_model import make_model
 
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
     root = tmp_path_factory.mktemp("rollout_stock")
-    return make_model(root / "a", arch="qwen3_moe", seed=0), make_model(root / "b", arch="qwen3_moe", seed=1)
+    a = make_model(root / "a", arch="qwen3_moe", seed=0)
+    state = AutoModelForCausalLM.from_pretrained(a, dtype=torch.float32).state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file({k: v.contiguous() for k, v in state.items()}, str(a / "model.safetensors"), metadata={"format": "pt"})
+    return a, make_model(root / "b", arch="qwen3_moe", seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +66,14 @@ def test_stock_uses_vllms_kernels_not_megamoe(worker):
     worker.reset_moe_calls()
     worker.generate(PROMPTS, 1, {"max_tokens": 4, "seed": 0})
     assert worker.moe_calls() == {}, "moe_impl='stock' must not call megamoe"
+
+
+def test_fused_checkpoint_loads_into_the_model(worker, hf):
+    samples = worker.generate(PROMPTS, N, SAMPLING)
+    ref = [processed_logprobs(hf[0], s["prompt_ids"], s["completion_ids"], SAMPLING["temperature"]) for s in samples]
+    err = max_abs_diff(_logprobs(samples), ref)
+    print(f"[rollout] stock, fused checkpoint on disk: max |dlogp| vs transformers(A) = {err:.2e}")
+    assert err <= LOGPROB_TOL_FP32
 
 
 def test_stock_reload_of_identical_weights_is_bitwise_identical(worker, hf):
