@@ -275,6 +275,26 @@ def _rows_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out.reshape(-1, b.shape[1])[:M]
 
 
+_CPU_COLS = 512  # 32 x 512 elements stay under ATen's parallel grain (32768): one thread, fixed split
+
+
+def _blockwise(fn, *ts: torch.Tensor) -> torch.Tensor:
+    """fn applied elementwise in fixed [_CPU_ROWS, _CPU_COLS] blocks.
+
+    On a whole [rows, I] tensor ATen splits elementwise ops across threads at points that depend on
+    the row and thread counts, moving elements between its vectorised and scalar paths (exp differs
+    in the last bit): a token's SwiGLU would then depend on its batch and on the process's thread
+    count (vLLM's CPU worker runs 1 thread, the trainer 2). Fixed blocks keep every element's path a
+    function of its column only.
+    """
+    M, N = ts[0].shape
+    rows = []
+    for r0 in range(0, M, _CPU_ROWS):
+        rows.append(torch.cat([fn(*(t[r0:r0 + _CPU_ROWS, c0:c0 + _CPU_COLS] for t in ts))
+                               for c0 in range(0, N, _CPU_COLS)], dim=1))
+    return torch.cat(rows) if rows else fn(*ts)
+
+
 def _combine_slots(slot_out_NH: torch.Tensor, ids_Tk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     T, K = ids_Tk.shape
     rows = slot_out_NH.reshape(T, K, -1)
@@ -293,7 +313,7 @@ def _fwd_torch(x, w13, w2, tw, ids, meta: RoutingMeta, T, H, I, K):
             continue
         slot = sorted_slot[s:s + n]
         gu = _rows_mm(x[slot // K].float(), w13[e].float().t())
-        h = (F.silu(gu[:, :I]) * gu[:, I:]).to(dtype)
+        h = _blockwise(lambda g, u: F.silu(g) * u, gu[:, :I], gu[:, I:]).to(dtype)
         o = _rows_mm(h.float(), w2[e].float().t()) * tw.reshape(-1)[slot].float()[:, None]
         slot_out[slot] = o.to(dtype)
     return _combine_slots(slot_out, ids, dtype)
@@ -316,7 +336,7 @@ def _bwd_torch(dy, x, w13, w2, tw, ids, meta: RoutingMeta, T, H, I, K):
         w = tw.reshape(-1)[slot].float()[:, None]
         gu = _rows_mm(xe, w13[e].float().t())
         g, u = gu[:, :I], gu[:, I:]
-        sg = torch.sigmoid(g)
+        sg = _blockwise(torch.sigmoid, g)
         h = (g * sg * u).to(dtype).float()
         dA = _rows_mm(dye, w2[e].float())
         dtw[slot] = (dA * h).sum(dim=1)

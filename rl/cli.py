@@ -30,6 +30,7 @@ import sys
 SUBCOMMANDS: dict[str, str] = {
     "make-model": "rl.cli:add_make_model_parser",
     "train": "rl.train_cmd:add_train_parser",
+    "consistency": "rl.consistency_cmd:add_consistency_parser",
 }
 
 

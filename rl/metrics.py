@@ -11,8 +11,17 @@ same functions to ragged per-sequence lists, for callers that hold logprobs outs
     d   = logp_trainer - logp_sampler      (Δlogp; the sampler's logprobs are processed ones)
     r   = exp(d)                           (importance ratio)
     k3  = r - 1 - d >= 0                   (k3 estimator of KL(sampler || trainer))
+    p   = exp(logp)                        (token probability; |Δp| = |p_trainer - p_sampler|)
 Keys: mismatch/k3_kl, mismatch/abs_logp_diff_mean, mismatch/abs_logp_diff_max,
-mismatch/is_ratio_mean / _min / _max, mismatch/masked_frac (tokens the configured correction drops).
+mismatch/logp_diff_gt_1e-3_frac (tokens with |Δlogp| > 1e-3), mismatch/abs_prob_diff_mean / _max,
+mismatch/prob_pearson (Pearson correlation of p_trainer and p_sampler over the tokens; NaN without
+variance), mismatch/is_ratio_mean / _min / _max, mismatch/masked_frac (tokens the configured
+correction drops).
+
+Per MoE layer (`moe_layer_metrics`, the consistency command; both sides fed the same hidden states):
+moe/routing_agreement (fraction of tokens whose top-k expert *set* is identical on both sides),
+moe/out_rel_diff (||y_sampler - y_trainer|| / ||y_trainer||, Frobenius, fp64), moe/out_max_abs_diff,
+moe/out_bitwise_equal, moe/router_logits_max_abs_diff.
 """
 
 from __future__ import annotations
@@ -28,7 +37,11 @@ log = logging.getLogger("megamoe.rl.metrics")
 
 # What the end-of-run plot and the progress bar read; train_step reports them (trainer/loss.py).
 MISMATCH_KEYS = ("mismatch/k3_kl", "mismatch/abs_logp_diff_mean", "mismatch/abs_logp_diff_max",
-                 "mismatch/is_ratio_mean", "mismatch/is_ratio_min", "mismatch/is_ratio_max", "mismatch/masked_frac")
+                 "mismatch/logp_diff_gt_1e-3_frac", "mismatch/abs_prob_diff_mean", "mismatch/abs_prob_diff_max",
+                 "mismatch/prob_pearson", "mismatch/is_ratio_mean", "mismatch/is_ratio_min", "mismatch/is_ratio_max",
+                 "mismatch/masked_frac")
+MOE_LAYER_KEYS = ("moe/routing_agreement", "moe/out_rel_diff", "moe/out_max_abs_diff", "moe/out_bitwise_equal",
+                  "moe/router_logits_max_abs_diff")
 
 
 def mismatch_metrics(trainer_logprobs: Iterable[Iterable[float]], sampler_logprobs: Iterable[Iterable[float]], *,
@@ -52,6 +65,49 @@ def mismatch_metrics(trainer_logprobs: Iterable[Iterable[float]], sampler_logpro
     _, keep = loss.mismatch_correction(t, s, mask, mode, cap=is_cap, low=is_low, high=is_high)
     out["mismatch/masked_frac"] = loss.masked_fraction(keep, mask)
     return out
+
+
+def routing_agreement(ids_a_Tk, ids_b_Tk) -> float:
+    """Fraction of tokens whose top-k expert set is identical (slot order ignored: vLLM's top-k is unsorted)."""
+    if tuple(ids_a_Tk.shape) != tuple(ids_b_Tk.shape):
+        raise ValueError(f"routing_agreement: top-k ids of shape {tuple(ids_a_Tk.shape)} vs {tuple(ids_b_Tk.shape)}")
+    if ids_a_Tk.shape[0] == 0:
+        raise ValueError("routing_agreement: no tokens to compare")
+    a = ids_a_Tk.long().sort(dim=1).values
+    b = ids_b_Tk.long().sort(dim=1).values
+    return float((a == b).all(dim=1).double().mean())
+
+
+def relative_difference(a, b_ref) -> float:
+    """||a - b|| / ||b|| (Frobenius, fp64). Raises on an all-zero reference, where it means nothing."""
+    if tuple(a.shape) != tuple(b_ref.shape):
+        raise ValueError(f"relative_difference: shapes {tuple(a.shape)} vs {tuple(b_ref.shape)}")
+    ref = float(b_ref.double().norm())
+    if ref == 0.0:
+        raise ValueError("relative_difference: the reference is all zeros (a relative error is undefined)")
+    return float((a.double() - b_ref.double()).norm()) / ref
+
+
+def bitwise_equal(a, b) -> bool:
+    """Same dtype, shape and bits (unlike ==, tells -0.0 from 0.0 and compares NaNs by payload)."""
+    import torch
+
+    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+        return False
+    as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
+
+
+def moe_layer_metrics(sampler: dict, trainer: dict) -> dict[str, float]:
+    """MOE_LAYER_KEYS of one MoE layer, from each side's {"logits" [T,E], "ids" [T,k], "out" [T,H]}."""
+    s_out, t_out = sampler["out"], trainer["out"]
+    return {
+        "moe/routing_agreement": routing_agreement(sampler["ids"], trainer["ids"]),
+        "moe/out_rel_diff": relative_difference(s_out, t_out),
+        "moe/out_max_abs_diff": float((s_out.double() - t_out.double()).abs().max()),
+        "moe/out_bitwise_equal": float(bitwise_equal(s_out, t_out)),
+        "moe/router_logits_max_abs_diff": float((sampler["logits"].double() - trainer["logits"].double()).abs().max()),
+    }
 
 
 def summarize(values: list[float], prefix: str) -> dict[str, float]:

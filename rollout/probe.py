@@ -37,7 +37,8 @@ def score_completions(worker, prompt_ids: Sequence[Sequence[int]], completion_id
     from vllm import SamplingParams, TokensPrompt
 
     if len(prompt_ids) != len(completion_ids):
-        raise ValueError(f"completion_ids: expected {len(prompt_ids)} lists (one per prompt), got {len(completion_ids)}")
+        raise ValueError(f"completion_ids: expected {len(prompt_ids)} lists (one per prompt), "
+                         f"got {len(completion_ids)}")
     requests, params, where = [], [], []
     for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
         for j, tok in enumerate(c):

@@ -18,8 +18,8 @@ Router. transformers' routers compute the router logits with `F.linear` in the p
 in bf16 on one side, fp32 on the other" pitfall that flips top-k choices between sampler and
 trainer. transformers has no registry for routers, so for moe_impl megamoe/reference each MoE
 block's `gate` is replaced by `Fp32Router`, which keeps the same `weight` parameter (same name,
-same object), computes the logits in fp32 from upcast operands, and routes with `megamoe.route`,
-the function the sampler side uses too. The block's own forward is unchanged: it calls
+same object), computes the logits with `megamoe.router.router_logits` (fp32 from upcast operands,
+batch invariant) and routes with `megamoe.route`: the functions the sampler side uses too. The block's own forward is unchanged: it calls
 `self.gate(h)` and hands the (weights, ids) to `self.experts`.
 """
 
@@ -29,10 +29,10 @@ import collections
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import megamoe
+from megamoe.router import router_logits as megamoe_router_logits
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,9 @@ class Fp32Router(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor):
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-        router_logits = F.linear(hidden_states.float(), self.weight.float())
+        # megamoe's batch-invariant fp32 router GEMM: the function the rollout's gate computes too
+        # (rollout/adapter.py), so both sides route from bitwise-equal logits.
+        router_logits = megamoe_router_logits(hidden_states, self.weight)
         # check_finite=False: a NaN here must reach the loss (the step is then skipped and counted)
         # instead of raising mid-step, and the check would synchronise a GPU once per layer.
         weights, ids = megamoe.route(router_logits, self.top_k, "softmax", self.renormalize,

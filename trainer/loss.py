@@ -20,6 +20,7 @@ the loss alone. The metrics are computed in every mode.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -105,24 +106,54 @@ def masked_fraction(keep: torch.Tensor, mask: torch.Tensor) -> float:
     return float((mask & ~keep).sum()) / n if n else 0.0
 
 
+LOGP_DIFF_TOL = 1e-3
+"""A token counts as mismatched when |Δlogp| exceeds this (mismatch/logp_diff_gt_1e-3_frac)."""
+
+
 def mismatch_sums(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """Additive / extremal statistics of the mismatch (fp64 scalars), so ranks can all-reduce them.
 
-    Keys ending in _sum and `tokens` add; `_max` take the max; `_min` the min.
+    Keys ending in _sum and `tokens` add; `_max` take the max; `_min` the min. The probability
+    moments (prob_*_sum) are what a Pearson correlation of p_trainer and p_sampler needs, in sums.
     """
     lr = log_ratio(trainer_logp, sampler_logp, mask).double()
     m = mask
     r = torch.exp(lr)
     big = torch.tensor(float("inf"), dtype=torch.float64)
+    zero = torch.zeros((), dtype=torch.float64)
+    p_t = torch.where(m, trainer_logp.double().exp(), 0.0)
+    p_s = torch.where(m, sampler_logp.double().exp(), 0.0)
+    dp = (p_t - p_s).abs()
     return {
         "tokens": m.sum().double(),
         "k3_kl_sum": torch.where(m, torch.expm1(lr) - lr, 0.0).sum(),
         "abs_logp_diff_sum": torch.where(m, lr.abs(), 0.0).sum(),
-        "abs_logp_diff_max": torch.where(m, lr.abs(), 0.0).max() if m.numel() else torch.zeros((), dtype=torch.float64),
+        "abs_logp_diff_max": torch.where(m, lr.abs(), 0.0).max() if m.numel() else zero,
+        "logp_diff_gt_tol_sum": (m & (lr.abs() > LOGP_DIFF_TOL)).sum().double(),
+        "abs_prob_diff_sum": dp.sum(),
+        "abs_prob_diff_max": dp.max() if m.numel() else zero,
+        "prob_t_sum": p_t.sum(),
+        "prob_s_sum": p_s.sum(),
+        "prob_tt_sum": (p_t * p_t).sum(),
+        "prob_ss_sum": (p_s * p_s).sum(),
+        "prob_ts_sum": (p_t * p_s).sum(),
         "is_ratio_sum": torch.where(m, r, 0.0).sum(),
         "is_ratio_max": torch.where(m, r, -big).max() if m.numel() else -big,
         "is_ratio_min": torch.where(m, r, big).min() if m.numel() else big,
     }
+
+
+def _pearson(sums: dict[str, torch.Tensor | float], n: float) -> float:
+    """Pearson correlation of p_trainer and p_sampler from the moment sums; NaN when either side has
+    (numerically) no variance, where the correlation is undefined."""
+    st, ss = float(sums["prob_t_sum"]), float(sums["prob_s_sum"])
+    var_t = float(sums["prob_tt_sum"]) - st * st / n
+    var_s = float(sums["prob_ss_sum"]) - ss * ss / n
+    cov = float(sums["prob_ts_sum"]) - st * ss / n
+    # Below ~1e-12 of n the variance is fp64 rounding of E[p^2] - E[p]^2, not signal.
+    if var_t <= 1e-12 * n or var_s <= 1e-12 * n:
+        return float("nan")
+    return cov / math.sqrt(var_t * var_s)
 
 
 def finish_mismatch(sums: dict[str, torch.Tensor | float]) -> dict[str, float]:
@@ -133,6 +164,10 @@ def finish_mismatch(sums: dict[str, torch.Tensor | float]) -> dict[str, float]:
         "mismatch/k3_kl": float(sums["k3_kl_sum"]) / d,
         "mismatch/abs_logp_diff_mean": float(sums["abs_logp_diff_sum"]) / d,
         "mismatch/abs_logp_diff_max": float(sums["abs_logp_diff_max"]) if n else 0.0,
+        "mismatch/logp_diff_gt_1e-3_frac": float(sums["logp_diff_gt_tol_sum"]) / d,
+        "mismatch/abs_prob_diff_mean": float(sums["abs_prob_diff_sum"]) / d,
+        "mismatch/abs_prob_diff_max": float(sums["abs_prob_diff_max"]) if n else 0.0,
+        "mismatch/prob_pearson": _pearson(sums, n) if n >= 2 else float("nan"),
         "mismatch/is_ratio_mean": float(sums["is_ratio_sum"]) / d if n else 1.0,
         "mismatch/is_ratio_max": float(sums["is_ratio_max"]) if n else 1.0,
         "mismatch/is_ratio_min": float(sums["is_ratio_min"]) if n else 1.0,
@@ -141,7 +176,8 @@ def finish_mismatch(sums: dict[str, torch.Tensor | float]) -> dict[str, float]:
 
 
 def mismatch_metrics(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """k3 KL, |delta logp| mean/max, importance ratio mean/min/max over the real tokens."""
+    """k3 KL, |Δlogp| mean/max and the fraction above LOGP_DIFF_TOL, |Δp| mean/max, the Pearson
+    correlation of the token probabilities, importance ratio mean/min/max, over the real tokens."""
     return finish_mismatch(mismatch_sums(trainer_logp, sampler_logp, mask))
 
 

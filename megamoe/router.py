@@ -1,0 +1,105 @@
+"""Router logits in fp32, batch invariant: the one function both sides compute them with.
+
+    router_logits(x[T,H], w[E,H]) -> logits[T,E] fp32   (differentiable w.r.t. x and w)
+
+Why a function of its own. The sampler (vLLM's gate layer) and the trainer (transformers' router)
+otherwise compute `x @ w.T` with different GEMMs: on CPU vLLM prepacks the gate into its own small-GEMM
+kernel and computes it in the model dtype, while the trainer calls F.linear; on GPU either side's BLAS
+picks a kernel by the number of rows. Different kernels round differently, and one flipped top-k
+choice changes a token's output completely (ANCHORS.md, "Pitfalls seen"). Here both operands are
+upcast to fp32 and the product is computed in fixed blocks of ROWS rows (the last one zero-padded),
+so every row goes through a GEMM call of the same shape whatever T is: a row's logits depend only on
+that row and w, bitwise, on one device (the same scheme as megamoe's CPU expert GEMMs).
+
+Registered as the torch.library op `megamoe::router_logits` (fake implementation + autograd) so that
+torch.compile treats it as one opaque call instead of tracing a loop over T.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+ROWS = 32
+"""Rows per GEMM call. Small, so a decode step (T = 1..batch) pads little; fixed, for batch invariance."""
+
+
+def check_router_inputs(x_TH: torch.Tensor, w_EH: torch.Tensor) -> None:
+    for name, t in (("x", x_TH), ("w", w_EH)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{name}: expected a 2-D tensor ({'[T, H]' if name == 'x' else '[E, H]'}), "
+                             f"got shape {tuple(t.shape)}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name}: expected a floating dtype, got {t.dtype}")
+    if x_TH.shape[1] != w_EH.shape[1]:
+        raise ValueError(f"w: expected shape [E, H={x_TH.shape[1]}] (H of x), got {tuple(w_EH.shape)}")
+    if x_TH.device != w_EH.device:
+        raise ValueError(f"w: expected the device of x ({x_TH.device}), got {w_EH.device}")
+
+
+@contextlib.contextmanager
+def _ieee_fp32(device: torch.device):
+    """fp32 products on CUDA, never TF32, whatever the process-wide setting is (vLLM and the trainer
+    may set it differently)."""
+    if device.type != "cuda":
+        yield
+        return
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def router_logits_fwd(x_TH: torch.Tensor, w_EH: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [T, E] = x @ w.T, computed in ROWS-row blocks (inputs unchecked)."""
+    T, H = x_TH.shape
+    x = x_TH.float()
+    w_HE = w_EH.float().t().contiguous()  # one layout on both sides: the BLAS call is identical
+    pad = (-T) % ROWS
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, H)])
+    if x.shape[0] == 0:
+        return x.new_zeros(0, w_HE.shape[1])
+    with _ieee_fp32(x.device):
+        blocks = [blk @ w_HE for blk in x.split(ROWS)]
+    return torch.cat(blocks)[:T]
+
+
+@torch.library.custom_op("megamoe::router_logits", mutates_args=())
+def _router_logits_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return router_logits_fwd(x, w)
+
+
+@_router_logits_op.register_fake
+def _(x, w):
+    return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, g_TE):
+    # Gradients need no batch invariance; they are what F.linear(x.float(), w.float()) would give.
+    x, w = ctx.saved_tensors
+    g = g_TE.float()
+    dx = (g @ w.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
+    dw = (g.t() @ x.float()).to(w.dtype) if ctx.needs_input_grad[1] else None
+    return dx, dw
+
+
+_router_logits_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def router_logits(x_TH: torch.Tensor, w_EH: torch.Tensor) -> torch.Tensor:
+    """fp32 router logits [T, E] of x [T, H] (any float dtype) and the router weight w [E, H].
+
+    Bitwise batch invariant on one device: row t depends only on x[t] and w. Differentiable.
+    """
+    check_router_inputs(x_TH, w_EH)
+    return _router_logits_op(x_TH, w_EH)
