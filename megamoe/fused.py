@@ -113,7 +113,7 @@ class KernelConfig:
     BH: int = 256
     num_warps: int = 8
     num_stages: int = 3
-    lag: int | None = None          # None: one wave of programs (see _default_lag)
+    lag: int | None = None          # None: about two waves of programs (see _default_lag)
     programs: int | None = None     # None: one per SM
     # weight-gradient kernel
     BMW: int = 256
@@ -128,7 +128,8 @@ def _interpreting() -> bool:
 
 
 def default_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
-    """Tile sizes depend on dtype and device only, never on T (batch invariance)."""
+    """Tile sizes depend on dtype and device only, never on T (batch invariance). The bf16 CUDA
+    defaults come from the H200 sweeps in benchmarks/RESULTS.md."""
     if device.type != "cuda":  # the interpreter: small tiles, one program
         return KernelConfig(BM=16, BN1=16, BK1=16, BN2=16, BK2=16, BT=8, BH=32, programs=1,
                             bwd_BN1=16, BMW=16, BNW=16, BKR=16)
