@@ -105,3 +105,25 @@ def make_problem(T: int, H: int, I: int, E: int, k: int, *, dtype=torch.float32,
         ids = torch.where(drop, torch.full_like(ids, -1), ids)
     return MoEProblem(x.to(device, dtype), w13.to(device, dtype), w2.to(device, dtype),
                       weights.to(device, torch.float32), ids.to(device, torch.int64))
+
+
+def weight_grad_condition(dy_TH: torch.Tensor, truth: MoEProblem, tokens: slice = slice(None)) -> float:
+    """Condition number of the topk_weights gradient: ||sum_h |dy*out|||_F / ||sum_h dy*out||_F.
+
+    d topk_weights[t,j] = <dy[t], out[t,j]> (out: slot j's expert output) is one dot product over H
+    per slot. Rounding the slot outputs (bf16) perturbs it relative to sum_h |dy*out|, not to the
+    result, which cancellation can make much smaller (T1-k1-bf16: kappa 14). Tests scale that
+    gradient's tolerance by kappa >= 1, so the check stays scale-free without hiding real errors (a
+    wrong or missing slot is off by O(1), far above tol * kappa). `tokens` selects a rank's rows.
+    """
+    from megamoe.ref import moe_ground_truth
+
+    exact, magnitude = [], []
+    with torch.no_grad():
+        for j in range(truth.topk_ids.shape[1]):
+            one_hot = torch.zeros_like(truth.topk_weights)
+            one_hot[:, j] = 1.0
+            prod = dy_TH[tokens] * moe_ground_truth(truth.x, truth.w13, truth.w2, one_hot, truth.topk_ids)[tokens]
+            exact.append(prod.sum(-1))
+            magnitude.append(prod.abs().sum(-1))
+    return max(1.0, float(torch.stack(magnitude).norm() / max(float(torch.stack(exact).norm()), 1e-30)))

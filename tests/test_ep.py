@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 
 from megamoe.ep import ep_fused_moe, ep_moe_unfused
 from megamoe.ref import moe_ground_truth
-from megamoe.testing import TOLERANCES, MoEProblem, assert_close, make_problem
+from megamoe.testing import TOLERANCES, MoEProblem, assert_close, make_problem, weight_grad_condition
 
 WORLD = 2
 MAX_TOKENS = 16
@@ -237,20 +237,6 @@ def ep_results(request, tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 
-def _weight_grad_kappa(gy: torch.Tensor, truth: MoEProblem, tokens: slice) -> float:
-    """Condition number of d topk_weights = <dy, slot output> (dot products over H): see
-    tests/test_ref.py::_dot_condition. The weight gradient's tolerance is multiplied by it."""
-    exact, magnitude = [], []
-    with torch.no_grad():
-        for j in range(truth.topk_ids.shape[1]):
-            one_hot = torch.zeros_like(truth.topk_weights)
-            one_hot[:, j] = 1.0
-            prod = gy[tokens] * moe_ground_truth(truth.x, truth.w13, truth.w2, one_hot, truth.topk_ids)[tokens]
-            exact.append(prod.sum(-1))
-            magnitude.append(prod.abs().sum(-1))
-    return max(1.0, float(torch.stack(magnitude).norm() / max(float(torch.stack(exact).norm()), 1e-30)))
-
-
 def _compare(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
     if ref.numel() == 0 or not bool(ref.any()):
         # Nothing reached (no tokens, no expert work): exactly zero, not merely small.
@@ -287,7 +273,7 @@ def test_ep_matches_single_process_ground_truth(case, ep_results):
             continue
         for name, ref in (("x", grads_ref["x"][tok]), ("topk_weights", grads_ref["topk_weights"][tok]),
                           ("w13", grads_ref["w13"][exp]), ("w2", grads_ref["w2"][exp])):
-            kappa = _weight_grad_kappa(gy.float(), truth, tok) if name == "topk_weights" else 1.0
+            kappa = weight_grad_condition(gy.float(), truth, tok) if name == "topk_weights" else 1.0
             assert res[name].dtype == getattr(p, name).dtype, name
             _compare(f"rank{rank} d{name} (tol x kappa {kappa:.2f})", res[name], ref, tol * kappa)
         assert not bool(res["x"][dead].any()), "a token with every slot -1 got an x gradient"

@@ -19,7 +19,7 @@ import torch
 
 import megamoe
 from megamoe.ref import moe_ground_truth, moe_unfused
-from megamoe.testing import TOLERANCES, assert_close, make_problem
+from megamoe.testing import TOLERANCES, assert_close, make_problem, weight_grad_condition
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -79,26 +79,6 @@ def _forward_backward(fn, leaves, gy):
     return y, dict(zip(GRAD_NAMES, grads))
 
 
-def _dot_condition(gy: torch.Tensor, truth: megamoe.testing.MoEProblem) -> float:
-    """Condition number of the weight gradient's dot products, ||sum_h |dy*out|||_F / ||sum_h dy*out||_F.
-
-    d topk_weights[t,j] = <dy[t], out[t,j]> (out: slot j's expert output) is one dot product over H
-    per slot. Rounding the slot outputs (bf16) perturbs it relative to sum_h |dy*out|, not to the
-    result, which cancellation can make much smaller (T1-k1-bf16: kappa 14). The tolerance of that
-    gradient is scaled by kappa >= 1 so the check stays scale-free without hiding real errors
-    (a wrong or missing slot is off by O(1), far above tol * kappa).
-    """
-    exact, magnitude = [], []
-    with torch.no_grad():
-        for j in range(truth.topk_ids.shape[1]):
-            one_hot = torch.zeros_like(truth.topk_weights)
-            one_hot[:, j] = 1.0
-            out_j = moe_ground_truth(truth.x, truth.w13, truth.w2, one_hot, truth.topk_ids)
-            exact.append((gy * out_j).sum(-1))
-            magnitude.append((gy * out_j).abs().sum(-1))
-    return max(1.0, float(torch.stack(magnitude).norm() / torch.stack(exact).norm()))
-
-
 @pytest.mark.parametrize("entry,case,dtype", PARAMS)
 def test_reference_matches_ground_truth(entry, case, dtype):
     _check_against_ground_truth(entry, case, dtype, "cpu")
@@ -140,7 +120,7 @@ def _check_against_ground_truth(entry, case, dtype, device):
     assert_close(f"{entry} y", y, y_ref, tol)
     for name in GRAD_NAMES:
         assert grads[name].dtype == getattr(p, name).dtype, name
-        kappa = _dot_condition(gy.float(), truth_in) if name == "topk_weights" else 1.0
+        kappa = weight_grad_condition(gy.float(), truth_in) if name == "topk_weights" else 1.0
         assert_close(f"{entry} d{name} (tol x kappa {kappa:.2f})", grads[name], grads_ref[name], tol * kappa)
 
     # Exact structure the contract implies, whatever the rounding.
