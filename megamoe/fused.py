@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from megamoe import alloc
+from megamoe.blocked import ROWS, rows_mm
 from megamoe.contract import check_moe_inputs
 
 
@@ -263,17 +264,7 @@ def _launch_dw(x, dy, dgu, hw, meta: RoutingMeta, E, H, I, K, cfg: KernelConfig)
 # ---------------------------------------------------------------------------------------------
 # torch implementation (CPU): the same semantics and reduction order
 # ---------------------------------------------------------------------------------------------
-_CPU_ROWS = 32  # fixed row block: a row's GEMM result never depends on how many rows share the call
-
-
-def _rows_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """fp32 a[M,K] @ b[K,N], computed in fixed blocks of _CPU_ROWS rows (zero-padded)."""
-    M = a.shape[0]
-    pad = (-M) % _CPU_ROWS
-    if pad:
-        a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
-    out = torch.stack([blk @ b for blk in a.split(_CPU_ROWS)]) if a.shape[0] else a.new_zeros(0, _CPU_ROWS, b.shape[1])
-    return out.reshape(-1, b.shape[1])[:M]
+_CPU_ROWS = ROWS  # fixed row block: a row's GEMM result never depends on how many rows share the call
 
 
 _CPU_COLS = 512  # 32 x 512 elements stay under ATen's parallel grain (32768): one thread, fixed split
@@ -313,9 +304,9 @@ def _fwd_torch(x, w13, w2, tw, ids, meta: RoutingMeta, T, H, I, K):
         if n == 0:
             continue
         slot = sorted_slot[s:s + n]
-        gu = _rows_mm(x[slot // K].float(), w13[e].float().t())
+        gu = rows_mm(x[slot // K].float(), w13[e].float().t())
         h = _blockwise(lambda g, u: F.silu(g) * u, gu[:, :I], gu[:, I:]).to(dtype)
-        o = _rows_mm(h.float(), w2[e].float().t()) * tw.reshape(-1)[slot].float()[:, None]
+        o = rows_mm(h.float(), w2[e].float().t()) * tw.reshape(-1)[slot].float()[:, None]
         slot_out[slot] = o.to(dtype)
     return _combine_slots(slot_out, ids, dtype)
 
@@ -335,16 +326,16 @@ def _bwd_torch(dy, x, w13, w2, tw, ids, meta: RoutingMeta, T, H, I, K):
         xe = x[tok].float()
         dye = dy[tok].float()
         w = tw.reshape(-1)[slot].float()[:, None]
-        gu = _rows_mm(xe, w13[e].float().t())
+        gu = rows_mm(xe, w13[e].float().t())
         g, u = gu[:, :I], gu[:, I:]
         sg = _blockwise(torch.sigmoid, g)
         h = (g * sg * u).to(dtype).float()
-        dA = _rows_mm(dye, w2[e].float())
+        dA = rows_mm(dye, w2[e].float())
         dtw[slot] = (dA * h).sum(dim=1)
         da = dA * w
         dgu = torch.cat([da * u * sg * (1 + g * (1 - sg)), da * g * sg], dim=1).to(dtype)
         hw = (h * w).to(dtype)
-        dx_slot[slot] = _rows_mm(dgu.float(), w13[e].float()).to(dtype)
+        dx_slot[slot] = rows_mm(dgu.float(), w13[e].float()).to(dtype)
         dw13[e] = (dgu.float().t() @ xe).to(dtype)
         dw2[e] = (dye.t() @ hw.float()).to(dtype)
     dx = _combine_slots(dx_slot, ids, dtype)

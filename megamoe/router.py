@@ -21,8 +21,7 @@ import contextlib
 
 import torch
 
-ROWS = 32
-"""Rows per GEMM call. Small, so a decode step (T = 1..batch) pads little; fixed, for batch invariance."""
+from megamoe.blocked import ROWS, rows_mm  # noqa: F401  (ROWS: the rows per GEMM call, documented above)
 
 
 def check_router_inputs(x_TH: torch.Tensor, w_EH: torch.Tensor) -> None:
@@ -57,17 +56,10 @@ def _ieee_fp32(device: torch.device):
 
 def router_logits_fwd(x_TH: torch.Tensor, w_EH: torch.Tensor) -> torch.Tensor:
     """fp32 logits [T, E] = x @ w.T, computed in ROWS-row blocks (inputs unchecked)."""
-    T, H = x_TH.shape
     x = x_TH.float()
     w_HE = w_EH.float().t().contiguous()  # one layout on both sides: the BLAS call is identical
-    pad = (-T) % ROWS
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, H)])
-    if x.shape[0] == 0:
-        return x.new_zeros(0, w_HE.shape[1])
     with _ieee_fp32(x.device):
-        blocks = [blk @ w_HE for blk in x.split(ROWS)]
-    return torch.cat(blocks)[:T]
+        return rows_mm(x, w_HE)
 
 
 @torch.library.custom_op("megamoe::router_logits", mutates_args=())
