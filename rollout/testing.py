@@ -56,3 +56,15 @@ def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
     if not diffs:
         raise AssertionError("nothing to compare")
     return max(diffs)
+
+
+def gpu_engine_kwargs() -> dict:
+    """Engine arguments the GPU tests add on this machine's vLLM: the offline vLLM 0.26 bundle
+    (../shared/device/vllm-gpu) carries no FlashAttention, so its engines use Triton attention; the
+    trainer may share the GPU, so the engine takes 30% of its memory rather than vLLM's 90%."""
+    import vllm
+
+    kwargs = {"gpu_memory_utilization": 0.3}
+    if vllm.__version__.startswith("0.26"):
+        kwargs["attention_config"] = {"backend": "TRITON_ATTN"}
+    return kwargs

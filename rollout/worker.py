@@ -66,8 +66,11 @@ class RolloutWorker:
                  **engine_kwargs):
         """Start a vLLM engine on the local checkpoint `model_dir` with its MoE layers on `moe_impl`.
 
-        enforce_eager: None means eager on CPU (no compile time for tiny test models) and vLLM's
-        default (CUDA graphs) on GPU.
+        enforce_eager: None means eager on CPU (no compile time for tiny test models) and for
+        moe_impl="reference" on GPU (see below), otherwise vLLM's default (CUDA graphs). `reference`
+        is the unfused baseline: its grouped GEMMs read the per-expert row counts back to the host,
+        which a CUDA-graph capture cannot contain (measured on the H200: "operation not permitted
+        when stream is capturing"), so enforce_eager=False with it on GPU is refused.
         enable_prefix_caching: off by default because a prompt whose prefix comes from the cache is
         computed by a different kernel path than a fresh one, so its logprobs would depend on what the
         engine ran before (measured on CPU fp32: ~5e-7 differences for the same seed); a seeded
@@ -79,6 +82,9 @@ class RolloutWorker:
         the engine's worker process(es) that every MoE layer runs on `moe_impl`.
         """
         self.moe_impl = _check_moe_impl(moe_impl)
+        if self.moe_impl == "reference" and enforce_eager is False and torch.cuda.is_available():
+            raise ValueError("enforce_eager: expected True or None with moe_impl='reference' on a GPU (its unfused "
+                             "grouped GEMMs synchronise with the host, which CUDA graphs cannot capture), got False")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed: expected a non-negative int, got {seed!r}")
         self.model_dir = str(os.fspath(model_dir))
@@ -94,11 +100,15 @@ class RolloutWorker:
         adapter.check_architectures([self.spec.architecture], where=f"model_dir {self.model_dir!r}")
         # Before any vLLM process exists: every process the engine spawns inherits it.
         os.environ[plugin.ENV_VAR] = self.moe_impl
+        if torch.cuda.is_available():
+            # vLLM forks its engine process by default; a fork of a process that has touched CUDA
+            # (a trainer or a test in the same process) cannot use CUDA ("Cannot re-initialize CUDA").
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         _preflight_plugin()
         from vllm import LLM
 
         if enforce_eager is None:
-            enforce_eager = not torch.cuda.is_available()
+            enforce_eager = not torch.cuda.is_available() or self.moe_impl == "reference"
         kwargs = dict(model=self.model_dir, tokenizer=self.model_dir, dtype=dtype, seed=seed,
                       max_model_len=max_model_len, enforce_eager=enforce_eager,
                       enable_prefix_caching=enable_prefix_caching,
@@ -222,7 +232,9 @@ class RolloutWorker:
         """
         t0 = time.perf_counter()
         plan = weights.plan_update(self.spec, named_tensors)
+        t_plan = time.perf_counter()
         blobs = weights.pack_buckets(plan, self.bucket_bytes)
+        t_pack = time.perf_counter()
         update_id = uuid.uuid4().hex
         try:
             for i, blob in enumerate(blobs):
@@ -230,6 +242,7 @@ class RolloutWorker:
         except BaseException:
             self.llm.collective_rpc("megamoe_abort_weights", args=(update_id,))
             raise
+        t_stage = time.perf_counter()
         results = self.llm.collective_rpc("megamoe_commit_weights", args=(update_id, len(blobs)))
         failed = [r for r in results if not r["ok"]]
         if failed:
@@ -242,8 +255,13 @@ class RolloutWorker:
         self._weights_broken = None
         # Cached KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
+        t_end = time.perf_counter()
+        # Where the time goes (seconds): validate+translate here, pack into safetensors blobs, send
+        # them to the engine process, and there unpack+validate+load in place (worker_* from the worker).
         return {"tensors": len(plan), "bytes": sum(len(b) for b in blobs), "buckets": len(blobs),
-                "seconds": time.perf_counter() - t0}
+                "seconds": t_end - t0, "plan_s": t_plan - t0, "pack_s": t_pack - t_plan,
+                "send_s": t_stage - t_pack, "commit_s": t_end - t_stage,
+                **{k: v for k, v in results[0].items() if k.startswith("worker_")}}
 
     # -- lifetime ------------------------------------------------------------------------------
 

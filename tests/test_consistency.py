@@ -179,10 +179,12 @@ def test_h200_shape_bf16_megamoe_layers_bitwise_and_end_to_end(tmp_path):
     pytest.importorskip("vllm")
     from rl import config as C
     from rl.consistency import format_table, prepare, run
+    from rollout.testing import gpu_engine_kwargs
 
     cfg = C.load(_config(tmp_path, "bfloat16", {"layers": 8, "hidden": 1024, "experts": 64, "topk": 8,
                                                  "intermediate": 512}, prompts=32, n=8, max_tokens=16),
-                 ["rollout.max_model_len=128", "trainer.max_seq_len=128", f"rollout.kv_cache_bytes={1 << 30}"])
+                 ["rollout.max_model_len=128", "trainer.max_seq_len=128", f"rollout.kv_cache_bytes={1 << 30}",
+                  f"rollout.engine_kwargs={json.dumps(gpu_engine_kwargs())}"])
     report = run(prepare(cfg, impls=("megamoe", "stock"), out_dir=tmp_path / "out", device="cuda"))
     print(format_table(report))
     _assert_layers_bitwise(report, "megamoe")

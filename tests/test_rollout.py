@@ -243,3 +243,13 @@ def test_unsupported_architecture_is_rejected(tmp_path):
 def test_unknown_sampling_key_is_rejected(worker):
     with pytest.raises(ValueError, match=r"sampling: unknown key\(s\) \['presence_penalty'\]"):
         worker.generate(PROMPTS, 1, {"presence_penalty": 0.5})
+
+
+def test_reference_with_cuda_graphs_is_refused_on_gpu(models, monkeypatch):
+    # The unfused reference reads routing counts to the host: not capturable in a CUDA graph. The
+    # refusal comes before any engine starts (torch.cuda.is_available is faked: this is a CPU test).
+    from rollout.worker import RolloutWorker
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="enforce_eager: expected True or None with moe_impl='reference'"):
+        RolloutWorker(models[0], "reference", enforce_eager=False)

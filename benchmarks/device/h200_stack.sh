@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The vLLM + Ray parts of the stack on the offline H200 machine (one GPU), stage by stage.
+#   bash benchmarks/device/h200_stack.sh STAGE...     (from the project root; logs under $OUT or runs/h200)
+# Needs the bundles built here first (../shared/device): .gpu-vllm/ and .gpu-ray/ (carry both).
+# Stages: versions | rollout (tests/test_rollout_gpu.py) | consistency_tests (gpu tests of the
+# consistency issue) | consistency (the CLI, 8 layers H=1024 E=64 k=8 bf16) | rl_megamoe | rl_reference.
+set -u
+cd "$(dirname "$0")/../.."
+RUNS=runs/h200; LOG="${OUT:-$RUNS}"; mkdir -p "$RUNS" "$LOG"
+source .gpu-vllm/env.sh; source .gpu-ray/env.sh
+PY=python3
+read -r -a RL_ARGS <<< "${RL_ARGS:-}"   # extra overrides for the RL stages, e.g. RL_ARGS="run.steps=4"
+# The project's metadata (the vllm.general_plugins entry point vLLM loads the hook through); the
+# packages themselves are imported from the working tree, which comes first on the path.
+$PY -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/mmsite . >/dev/null || exit 1
+export PYTHONPATH="$PWD:$PYTHONPATH:/tmp/mmsite" PYTHONUNBUFFERED=1
+# Consistency engines run eager (no torch.compile / CUDA graphs: minutes less per engine, same op order
+# on both sides of each pair).
+ENGINE='{gpu_memory_utilization: 0.3, attention_config: {backend: TRITON_ATTN}, enforce_eager: true}'
+for stage in "$@"; do
+  echo "=== $stage $(date -u +%H:%M:%S)"
+  t0=$(date +%s)
+  case "$stage" in
+    versions) $PY -c "import torch, triton, vllm, ray, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"; rc=$? ;;
+    rollout) timeout 420 $PY -m pytest -p no:cacheprovider -q -s -m gpu tests/test_rollout_gpu.py; rc=$? ;;
+    consistency_tests) timeout 420 $PY -m pytest -p no:cacheprovider -q -s -m gpu tests/test_consistency.py tests/test_consistency_invariance.py; rc=$? ;;
+    invariance) timeout 300 $PY -m pytest -p no:cacheprovider -q -s -m gpu tests/test_consistency_invariance.py; rc=$? ;;
+    consistency) timeout 480 $PY -m rl.cli consistency --config configs/tiny.yaml model.dtype=bfloat16 \
+        model.make.layers=8 model.make.hidden=1024 model.make.experts=64 model.make.topk=8 \
+        model.make.intermediate=512 rollout.max_tokens=16 rollout.max_model_len=128 trainer.max_seq_len=128 \
+        rollout.kv_cache_bytes=1073741824 "rollout.engine_kwargs=$ENGINE" --device cuda --prompts 32 \
+        --impls megamoe,reference,stock --out "$RUNS/consistency-h200-bf16"; rc=$?
+      cp "$RUNS"/consistency-h200-bf16/*.json "$LOG"/ ;;
+    rl_megamoe) timeout 240 $PY -m rl.cli train --config configs/h200_rl.yaml "${RL_ARGS[@]}" run.out_dir="$RUNS/rl-megamoe" \
+        run.progress=false --overwrite; rc=$?; cp "$RUNS/rl-megamoe/metrics.jsonl" "$LOG/rl-megamoe-metrics.jsonl" ;;
+    rl_reference) timeout 240 $PY -m rl.cli train --config configs/h200_rl.yaml "${RL_ARGS[@]}" rollout.moe_impl=reference \
+        trainer.moe_impl=reference run.out_dir="$RUNS/rl-reference" run.progress=false --overwrite; rc=$?
+      cp "$RUNS/rl-reference/metrics.jsonl" "$LOG/rl-reference-metrics.jsonl" ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+  echo "=== $stage rc=$rc in $(( $(date +%s) - t0 )) s"
+done
