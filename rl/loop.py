@@ -367,20 +367,31 @@ class Loop:
         self.pids["rollout"][i] = ray.get(self.rollouts[i].pid.remote())
         self.write_pids()
         if self.weights_dirty:
-            named = ray.put(self._trainer_call("export_weights"))
+            named = ray.put(self._trainer_call("export_weights", self._export_dtype()))
             ray.get(self.rollouts[i].call.remote("update_weights", named))
 
-    def push_weights(self) -> float:
+    def _export_dtype(self) -> str | None:
+        """The sampler's dtype when it is a 16-bit one: the engine would round the fp32 master weights
+        to it anyway (the same round-to-nearest-even as the trainer's cast), and half the bytes travel."""
+        return self.cfg.model.dtype if self.cfg.model.dtype in ("bfloat16", "float16") else None
+
+    def push_weights(self) -> dict:
+        """Trainer weights into every rollout worker; {"total": s, "export": s, phases of worker 0's update}."""
         import ray
 
         t0 = time.perf_counter()
-        named = ray.put(self._trainer_call("export_weights"))
+        named = ray.put(self._trainer_call("export_weights", self._export_dtype()))
+        times = {"export": time.perf_counter() - t0}
         for i, w in enumerate(list(self.rollouts)):
             try:
-                ray.get(w.call.remote("update_weights", named))
+                info = ray.get(w.call.remote("update_weights", named))
             except ray.exceptions.RayActorError as e:
                 self.restart_rollout(i, e)  # the new worker gets these weights
-        return time.perf_counter() - t0
+                continue
+            if i == 0 and isinstance(info, dict):
+                times.update({k[:-2]: v for k, v in info.items() if k.endswith("_s")})
+        times["total"] = time.perf_counter() - t0
+        return times
 
     def generate(self, prompts: list[str], sampling: dict) -> list[dict]:
         """G samples per prompt over all rollout workers, ordered prompt-major; retried on worker death."""
@@ -467,7 +478,7 @@ class Loop:
         self.weights_dirty = True
         self.step += 1
 
-        t_sync = self.push_weights()
+        sync = self.push_weights()
 
         comp_tokens = sum(len(s["completion_ids"]) for s in samples)
         all_tokens = comp_tokens + sum(len(s["prompt_ids"]) for s in samples)
@@ -489,7 +500,8 @@ class Loop:
         m["time/rollout_s"] = t_rollout
         m["time/reward_s"] = t_reward
         m["time/train_s"] = t_train
-        m["time/weight_sync_s"] = t_sync
+        m["time/weight_sync_s"] = sync.pop("total")
+        m.update({f"time/weight_sync/{k}_s": v for k, v in sync.items()})
         m["rollout/restarts_total"] = self.restarts
         m["sample/completion"] = texts[0]
         m["time/step_s"] = time.perf_counter() - t_step

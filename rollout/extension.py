@@ -13,6 +13,7 @@ it initialises the worker, outside any try, so the engine does not start.
 from __future__ import annotations
 
 import os
+import time
 
 from rollout import plugin
 
@@ -82,6 +83,7 @@ class MegaMoEWorkerExtension:
         Failures come back as data, not exceptions, so that the driver can tell a rejected update
         (stage "validate": nothing applied) from one that broke while being applied (stage "apply").
         """
+        t0 = time.perf_counter()
         try:
             staged = self.__dict__.setdefault("_megamoe_staged", {}).pop(update_id, None)
             if staged is None or sorted(staged) != list(range(num_buckets)):
@@ -95,12 +97,16 @@ class MegaMoEWorkerExtension:
             plan = weights.plan_update(spec, named)
         except Exception as e:  # noqa: BLE001 - reported to the driver, which raises it
             return {"ok": False, "stage": "validate", "error": f"{type(e).__name__}: {e}"}
+        t_validated = time.perf_counter()
         try:
             with torch.no_grad():
                 adapter.load_weights_in_place(self, plan)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - reported to the driver, which raises it
             return {"ok": False, "stage": "apply", "error": f"{type(e).__name__}: {e}"}
-        return {"ok": True, "stage": "done", "error": None, "tensors": len(plan)}
+        return {"ok": True, "stage": "done", "error": None, "tensors": len(plan),
+                "worker_validate_s": t_validated - t0, "worker_load_s": time.perf_counter() - t_validated}
 
     # -- consistency probes (rl/consistency.py) --------------------------------------------------
 

@@ -127,7 +127,14 @@ def _check_tensor(name: str, t: object) -> torch.Tensor:
         raise TypeError(f"tensor {name!r}: expected a torch.Tensor, got {type(t).__name__}")
     if not t.dtype.is_floating_point:
         raise TypeError(f"tensor {name!r}: expected a floating dtype, got {t.dtype}")
-    bad = int((~torch.isfinite(t.detach())).sum()) if t.numel() else 0
+    t = t.detach()
+    # A non-finite element makes the fp32 sum non-finite, so a finite sum proves the tensor clean; only
+    # a non-finite sum (a bad tensor, or finite values overflowing fp32) pays for the exact count. This
+    # one reduction is ~5x faster than counting (measured on 1 CPU thread, bf16; the RL loop's update of
+    # a 1.6 GB bf16 model spent ~9 s in this check on the H200 machine's rollout actor).
+    bad = 0
+    if t.numel() and not bool(torch.isfinite(torch.sum(t, dtype=torch.float32))):
+        bad = int((~torch.isfinite(t)).sum())
     if bad:
         raise ValueError(f"tensor {name!r}: {bad} non-finite value(s) (NaN/Inf); refusing the update")
     return t.detach()

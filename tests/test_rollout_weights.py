@@ -111,3 +111,20 @@ def test_buckets_round_trip_bitwise(ckpt):
     assert all(torch.equal(t, back[n]) and t.dtype == back[n].dtype for n, t in plan)
     with pytest.raises(ValueError, match="bucket_bytes"):
         pack_buckets(plan, bucket_bytes=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nonfinite_check_counts_exactly_and_ignores_fp32_overflow_of_the_sum(ckpt, dtype):
+    # The check sums in fp32 first: one NaN or Inf anywhere is caught and counted; finite values whose
+    # sum overflows fp32 (3e38 + 3e38) are not mistaken for bad ones.
+    _, spec, state, _ = ckpt
+    name = "model.embed_tokens.weight"
+    big = torch.full_like(state[name], 3e38, dtype=dtype).float()
+    plan_update(spec, {**state, name: big})  # accepted
+    g = torch.Generator().manual_seed(3)
+    for bad_value in (float("nan"), float("inf"), float("-inf")):
+        t = torch.randn(state[name].shape, generator=g).to(dtype)
+        idx = torch.randperm(t.numel(), generator=g)[:3]
+        t.view(-1)[idx] = bad_value
+        with pytest.raises(ValueError, match=rf"'{name}': 3 non-finite value\(s\)"):
+            plan_update(spec, {**state, name: t})
