@@ -214,6 +214,14 @@ class MegaMoEMethod(UnquantizedFusedMoEMethod):
     def apply_monolithic(self, layer, x, router_logits, input_ids=None):
         if self.megamoe_impl == "stock":
             return super().apply_monolithic(layer, x, router_logits, input_ids)
+        if router_logits.dtype != torch.float32 and not getattr(self, "_warned_gate", False):
+            # MegaMoEGate returns fp32 logits; anything else came from vLLM's own gate (vLLM 0.26
+            # builds the Qwen3-MoE / Mixtral / OLMoE gates as plain ReplicatedLinear layers).
+            self._warned_gate = True
+            logger.warning("megamoe rollout hook: %s gets %s router logits from vLLM's own gate, not "
+                           "megamoe.router's fp32 logits (vLLM %s does not build this model's gate as a "
+                           "pluggable GateLinear); sampler and trainer routing can differ (docs/CONSISTENCY.md)",
+                           getattr(layer, "layer_name", "MoE layer"), router_logits.dtype, VLLM_VERSION)
         topk_weights, topk_ids = self.select_experts(layer, router_logits)
         return moe_method.routed_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
                                          self.megamoe_impl)
