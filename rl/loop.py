@@ -79,6 +79,14 @@ class WorkerHost:
     def call(self, method: str, *args, **kwargs):
         return getattr(self.worker, method)(*args, **kwargs)
 
+    def call_put(self, method: str, *args, **kwargs) -> list:
+        """`call`, with the result put into Ray's object store from here: returns [its ObjectRef]
+        (in a list, so Ray does not resolve it), which other actors take without the driver holding
+        the data (the weight push: rank 0's weights go from the trainer to the rollout workers)."""
+        import ray
+
+        return [ray.put(getattr(self.worker, method)(*args, **kwargs))]
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -340,11 +348,12 @@ class Loop:
     def write_pids(self) -> None:
         _write_atomic(self.run_dir / "actors.json", json.dumps(self.pids) + "\n")
 
-    def _trainer_call(self, method: str, *args):
-        """Call `method` on every trainer rank (each runs collectives); rank 0's result."""
+    def _trainer_call(self, method: str, *args, put: bool = False):
+        """Call `method` on every trainer rank (each runs collectives); rank 0's result (with put=True,
+        [an ObjectRef to it] left in the object store by rank 0)."""
         import ray
 
-        refs = [t.call.remote(method, *args) for t in self.trainers]
+        refs = [(t.call_put if put else t.call).remote(method, *args) for t in self.trainers]
         try:
             return ray.get(refs)[0]
         except ray.exceptions.RayActorError as e:
@@ -367,7 +376,7 @@ class Loop:
         self.pids["rollout"][i] = ray.get(self.rollouts[i].pid.remote())
         self.write_pids()
         if self.weights_dirty:
-            named = ray.put(self._trainer_call("export_weights", self._export_dtype()))
+            named = self._trainer_call("export_weights", self._export_dtype(), put=True)[0]
             ray.get(self.rollouts[i].call.remote("update_weights", named))
 
     def _export_dtype(self) -> str | None:
@@ -380,7 +389,9 @@ class Loop:
         import ray
 
         t0 = time.perf_counter()
-        named = ray.put(self._trainer_call("export_weights", self._export_dtype()))
+        # A reference to rank 0's weights in the object store: the driver never holds them (fetching
+        # them here and putting them back cost two more host copies of the whole model).
+        named = self._trainer_call("export_weights", self._export_dtype(), put=True)[0]
         times = {"export": time.perf_counter() - t0}
         for i, w in enumerate(list(self.rollouts)):
             try:

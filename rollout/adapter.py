@@ -16,6 +16,10 @@ Extension points used (no vLLM file is edited, nothing of vLLM is monkey-patched
   function the trainer's Fp32Router calls. `MegaMoEMethod` then routes itself from those logits
   with `megamoe.route` (vLLM's monolithic-method path), so sampler and trainer choose the same
   experts with the same weights, bitwise, for the same hidden states.
+- `ModelRegistry.register_model` (moe_impl megamoe / reference): vLLM's own Qwen3-MoE, Mixtral and
+  OLMoE classes, re-registered under their names from rollout/models.py, give a gate that vLLM
+  built as a plain `ReplicatedLinear` (vLLM 0.26) megamoe.router's logits too; where the gate is a
+  `GateLinear` (vLLM >= 0.32) they change nothing.
 - `worker_extension_cls` (rollout.extension) for collective_rpc calls in the worker process.
 - `Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`: vLLM's in-place
   layer-wise reload, which re-runs each layer's `process_weights_after_loading` and copies the
@@ -262,6 +266,14 @@ def register_moe_method(impl: str) -> None:
         logger.warning("vLLM %s: no pluggable MoE gate / monolithic method path; moe_impl=%s computes the "
                        "experts but routes with vLLM's router logits and top-k, which are not bitwise the "
                        "trainer's (megamoe.router + megamoe.route)", VLLM_VERSION, impl)
+    if impl != "stock" and trainer_routing():
+        # vLLM versions that build these models' gates as plain ReplicatedLinear (0.26): vLLM's own
+        # classes whose gates compute megamoe.router's logits (rollout/models.py; a no-op where the
+        # gate is a GateLinear, which MegaMoEGate below replaces).
+        from vllm import ModelRegistry
+
+        for arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM"):
+            ModelRegistry.register_model(arch, f"rollout.models:{arch}")
     for name, cls in ((_OOT_NAME, MegaMoEMethod), (_GATE_OOT_NAME, MegaMoEGate)):
         if cls is MegaMoEGate and (impl == "stock" or not trainer_routing()):
             continue  # stock: vLLM's own gate, router and experts
@@ -275,6 +287,25 @@ def register_moe_method(impl: str) -> None:
             PluggableLayer.register_oot(name=name)(cls)
         else:
             CustomOp.register_oot(name=name)(cls)
+
+
+def megamoe_router_gates(model: torch.nn.Module) -> int:
+    """Number of gates in `model` that compute megamoe.router's logits (MegaMoEGate or a plain gate
+    given rollout.models.MegaMoERouterMethod)."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, MegaMoEGate) and GateLinear is not None:
+            n += 1
+        elif type(getattr(m, "quant_method", None)).__name__ == "MegaMoERouterMethod":
+            n += 1
+    return n
+
+
+def self_routed_moe_layers(model: torch.nn.Module) -> int:
+    """Number of MoE layers that route themselves with megamoe.route from the gate's logits."""
+    return sum(1 for m in model.modules()
+               if isinstance(getattr(m, "quant_method", None), MegaMoEMethod)
+               and getattr(m.quant_method, "self_routed", False))
 
 
 def hooked_moe_layers(model: torch.nn.Module) -> dict[str, str]:

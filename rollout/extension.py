@@ -42,6 +42,8 @@ class MegaMoEWorkerExtension:
             "registered": plugin.STATE["registered"],
             "architectures": list(self.vllm_config.model_config.architectures or []),
             "hooked_moe_layers": len(layers),
+            "self_routed_moe_layers": adapter.self_routed_moe_layers(model),
+            "megamoe_router_gates": adapter.megamoe_router_gates(model),
             "layer_impls": sorted(set(layers.values())),
             "dtype": str(next(model.parameters()).dtype),
         }
@@ -67,12 +69,13 @@ class MegaMoEWorkerExtension:
 
     # -- weight updates: stage every bucket, then validate all and apply (or nothing) -------------
 
-    def megamoe_stage_weights(self, update_id: str, index: int, blob: bytes) -> int:
+    def megamoe_stage_weights(self, update_id: str, index: int, path: str) -> int:
+        """Remember bucket `index` of an update: the path of a file `weights.write_buckets` wrote."""
         staged = self.__dict__.setdefault("_megamoe_staged", {})
         if staged and update_id not in staged:
             staged.clear()  # an earlier update that never committed
-        staged.setdefault(update_id, {})[index] = blob
-        return len(blob)
+        staged.setdefault(update_id, {})[index] = path
+        return index
 
     def megamoe_abort_weights(self, update_id: str) -> None:
         self.__dict__.setdefault("_megamoe_staged", {}).pop(update_id, None)
@@ -89,7 +92,7 @@ class MegaMoEWorkerExtension:
             if staged is None or sorted(staged) != list(range(num_buckets)):
                 have = sorted(staged) if staged else []
                 raise ValueError(f"weight update {update_id!r}: expected buckets 0..{num_buckets - 1}, staged {have}")
-            named = weights.unpack_buckets(staged[i] for i in range(num_buckets))
+            named = weights.read_buckets([staged[i] for i in range(num_buckets)])
             spec = self.__dict__.get("_megamoe_spec")
             if spec is None:
                 spec = weights.CheckpointSpec.from_dir(self.vllm_config.model_config.model)

@@ -15,8 +15,12 @@ dtypes and non-finite values are errors that name the tensor. Nothing is half-ap
 is applied until the whole plan is valid.
 
 Transport across vLLM's process boundary: tensors do not survive collective_rpc's serialisation in
-multiprocess mode, bytes do; `pack_buckets` turns the plan into safetensors blobs of bounded size and
-`unpack_buckets` turns them back.
+multiprocess mode. The engine's processes always run on the RolloutWorker's host (vLLM's "uni" or
+"mp" executor), so the update travels as files: `write_buckets` writes the plan as safetensors files
+of bounded size into a private folder in shared memory (/dev/shm when it has room, else the temp
+folder), collective_rpc carries only their paths, and `read_buckets` reads them in the engine
+process. Sending the same bytes through collective_rpc was the slowest phase of a push (CPU, 0.83 GB
+bf16: 6.7 s of 10.5 s; benchmarks/bench_weight_push.py).
 
 Shape legend: E experts, I expert intermediate, H hidden.
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -229,33 +234,56 @@ def plan_update(spec: CheckpointSpec, named_tensors: Iterable[tuple[str, torch.T
     return [(n, provided[n][1]) for n in spec.shapes]
 
 
-def pack_buckets(named_tensors: list[tuple[str, torch.Tensor]],
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[bytes]:
-    """safetensors blobs of at most ~bucket_bytes each (a larger single tensor gets its own blob)."""
-    from safetensors.torch import save
+def bucket_folder(nbytes: int) -> Path:
+    """A new private folder for `nbytes` of update files: in /dev/shm (RAM) when it has room for them
+    plus 10% and 64 MiB to spare, else in the temp folder. The caller removes it."""
+    import shutil
+    import tempfile
+
+    shm = Path("/dev/shm")
+    base = None
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        if shutil.disk_usage(shm).free >= nbytes * 1.1 + (64 << 20):
+            base = str(shm)
+    return Path(tempfile.mkdtemp(prefix="megamoe-weights-", dir=base))
+
+
+def write_buckets(named_tensors: list[tuple[str, torch.Tensor]], folder: str | os.PathLike,
+                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[str]:
+    """safetensors files of at most ~bucket_bytes each (a larger single tensor gets its own) in `folder`."""
+    from safetensors.torch import save_file
 
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes: expected a positive number of bytes, got {bucket_bytes}")
-    blobs, bucket, size = [], {}, 0
+    paths: list[str] = []
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        path = os.path.join(os.fspath(folder), f"bucket-{len(paths):05d}.safetensors")
+        save_file(bucket, path)
+        paths.append(path)
+
     for name, t in named_tensors:
         nbytes = t.numel() * t.element_size()
         if bucket and size + nbytes > bucket_bytes:
-            blobs.append(save(bucket))
+            flush()
             bucket, size = {}, 0
         # A private contiguous CPU copy: views of one fused tensor share storage, which safetensors refuses.
         bucket[name] = t.detach().to("cpu").contiguous().clone()
         size += nbytes
     if bucket:
-        blobs.append(save(bucket))
-    return blobs
+        flush()
+    return paths
 
 
-def unpack_buckets(blobs: Iterable[bytes]) -> list[tuple[str, torch.Tensor]]:
-    from safetensors.torch import load
+def read_buckets(paths: Iterable[str]) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of the files `write_buckets` wrote, in order."""
+    from safetensors.torch import load_file
 
     out = []
-    for i, blob in enumerate(blobs):
-        if not isinstance(blob, (bytes, bytearray)):
-            raise TypeError(f"weight bucket {i}: expected bytes, got {type(blob).__name__}")
-        out.extend(load(bytes(blob)).items())
+    for i, path in enumerate(paths):
+        if not isinstance(path, str) or not os.path.isfile(path):
+            raise ValueError(f"weight bucket {i}: expected the path of a file written by write_buckets, got {path!r}")
+        out.extend(load_file(path).items())
     return out

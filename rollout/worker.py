@@ -21,6 +21,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import shutil
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -131,6 +132,12 @@ class RolloutWorker:
             if s["hooked_moe_layers"] == 0 or s["layer_impls"] != [self.moe_impl]:
                 raise RuntimeError(f"vLLM worker {rank}: expected every MoE layer on moe_impl={self.moe_impl!r}, "
                                    f"found {s['hooked_moe_layers']} hooked layer(s) with {s['layer_impls']}")
+            if s["megamoe_router_gates"] < s["self_routed_moe_layers"]:
+                # Routing megamoe.route on logits from vLLM's own gate would not be the trainer's routing.
+                raise RuntimeError(f"vLLM worker {rank} (vLLM {s['vllm_version']}): {s['self_routed_moe_layers']} MoE "
+                                   f"layer(s) route with megamoe.route but only {s['megamoe_router_gates']} gate(s) "
+                                   "compute megamoe.router's logits; rollout/adapter.py and rollout/models.py do not "
+                                   "cover this model's gates on this vLLM version")
 
     # -- engine introspection ------------------------------------------------------------------
 
@@ -233,17 +240,22 @@ class RolloutWorker:
         t0 = time.perf_counter()
         plan = weights.plan_update(self.spec, named_tensors)
         t_plan = time.perf_counter()
-        blobs = weights.pack_buckets(plan, self.bucket_bytes)
-        t_pack = time.perf_counter()
-        update_id = uuid.uuid4().hex
+        nbytes = sum(t.numel() * t.element_size() for _, t in plan)
+        folder = weights.bucket_folder(nbytes)
         try:
-            for i, blob in enumerate(blobs):
-                self.llm.collective_rpc("megamoe_stage_weights", args=(update_id, i, blob))
-        except BaseException:
-            self.llm.collective_rpc("megamoe_abort_weights", args=(update_id,))
-            raise
-        t_stage = time.perf_counter()
-        results = self.llm.collective_rpc("megamoe_commit_weights", args=(update_id, len(blobs)))
+            paths = weights.write_buckets(plan, folder, self.bucket_bytes)
+            t_pack = time.perf_counter()
+            update_id = uuid.uuid4().hex
+            try:
+                for i, path in enumerate(paths):
+                    self.llm.collective_rpc("megamoe_stage_weights", args=(update_id, i, path))
+            except BaseException:
+                self.llm.collective_rpc("megamoe_abort_weights", args=(update_id,))
+                raise
+            t_stage = time.perf_counter()
+            results = self.llm.collective_rpc("megamoe_commit_weights", args=(update_id, len(paths)))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
         failed = [r for r in results if not r["ok"]]
         if failed:
             r = failed[0]
@@ -256,9 +268,9 @@ class RolloutWorker:
         # Cached KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
         t_end = time.perf_counter()
-        # Where the time goes (seconds): validate+translate here, pack into safetensors blobs, send
-        # them to the engine process, and there unpack+validate+load in place (worker_* from the worker).
-        return {"tensors": len(plan), "bytes": sum(len(b) for b in blobs), "buckets": len(blobs),
+        # Where the time goes (seconds): validate+translate here, pack into safetensors files in shared
+        # memory, send their paths, and in the engine process read+validate+load (worker_* from there).
+        return {"tensors": len(plan), "bytes": nbytes, "buckets": len(paths),
                 "seconds": t_end - t0, "plan_s": t_plan - t0, "pack_s": t_pack - t_plan,
                 "send_s": t_stage - t_pack, "commit_s": t_end - t_stage,
                 **{k: v for k, v in results[0].items() if k.startswith("worker_")}}

@@ -80,6 +80,8 @@ def test_megamoe_runs_in_the_engine_worker_process(worker):
     assert status["pid"] != os.getpid(), "the model must run in vLLM's worker process, not the driver"
     assert status["registered"] and status["impl"] == "megamoe"
     assert status["hooked_moe_layers"] == LAYERS and status["layer_impls"] == ["megamoe"]
+    # Every layer routes itself from megamoe.router's logits (the trainer's router), gate by gate.
+    assert status["self_routed_moe_layers"] == LAYERS and status["megamoe_router_gates"] == LAYERS, status
 
     worker.reset_moe_calls()
     samples = worker.generate(PROMPTS, N, SAMPLING)
@@ -209,11 +211,16 @@ def test_worker_process_validates_too(worker, baseline, hf):
     from rollout import weights
 
     plan = [(n, t) for n, t in hf[1].state_dict().items() if n != "model.norm.weight"]
-    blobs = weights.pack_buckets(plan, bucket_bytes=1 << 16)
-    assert len(blobs) > 1  # exercises several buckets
-    for i, blob in enumerate(blobs):
-        worker.llm.collective_rpc("megamoe_stage_weights", args=("bad", i, blob))
-    (result,) = worker.llm.collective_rpc("megamoe_commit_weights", args=("bad", len(blobs)))
+    folder = weights.bucket_folder(1 << 20)
+    try:
+        paths = weights.write_buckets(plan, folder, bucket_bytes=1 << 16)
+        assert len(paths) > 1  # exercises several buckets
+        for i, path in enumerate(paths):
+            worker.llm.collective_rpc("megamoe_stage_weights", args=("bad", i, path))
+        (result,) = worker.llm.collective_rpc("megamoe_commit_weights", args=("bad", len(paths)))
+    finally:
+        import shutil
+        shutil.rmtree(folder)
     assert not result["ok"] and result["stage"] == "validate" and "model.norm.weight" in result["error"], result
     _assert_same_samples(worker.generate(PROMPTS, N, SAMPLING), baseline, "after a worker-side rejection")
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollout.weights import CheckpointSpec, pack_buckets, plan_update, unpack_buckets
+from rollout.weights import CheckpointSpec, plan_update, read_buckets, write_buckets
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
@@ -101,16 +101,35 @@ def test_bad_updates_name_the_tensor(ckpt, bad, match):
         plan_update(spec, bad(dict(state)))
 
 
-def test_buckets_round_trip_bitwise(ckpt):
+def test_buckets_round_trip_bitwise(ckpt, tmp_path):
     _, spec, state, _ = ckpt
     plan = plan_update(spec, state)
-    blobs = pack_buckets(plan, bucket_bytes=100_000)
-    assert len(blobs) > 1 and all(isinstance(b, bytes) for b in blobs)
-    back = dict(unpack_buckets(blobs))
+    paths = write_buckets(plan, tmp_path, bucket_bytes=100_000)
+    assert len(paths) > 1 and all(p.startswith(str(tmp_path)) for p in paths)
+    back = dict(read_buckets(paths))
     assert sorted(back) == sorted(n for n, _ in plan)
     assert all(torch.equal(t, back[n]) and t.dtype == back[n].dtype for n, t in plan)
     with pytest.raises(ValueError, match="bucket_bytes"):
-        pack_buckets(plan, bucket_bytes=0)
+        write_buckets(plan, tmp_path, bucket_bytes=0)
+    with pytest.raises(ValueError, match="weight bucket 1: expected the path of a file"):
+        read_buckets([paths[0], str(tmp_path / "missing.safetensors")])
+
+
+def test_bucket_folder_is_private_and_prefers_shared_memory():
+    import os
+    import shutil
+
+    from rollout.weights import bucket_folder
+
+    small, huge = bucket_folder(1 << 20), bucket_folder(1 << 60)  # huge: no tmpfs has room for it
+    try:
+        assert os.stat(small).st_mode & 0o777 == 0o700 and os.stat(huge).st_mode & 0o777 == 0o700
+        if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+            assert str(small).startswith("/dev/shm/")
+        assert not str(huge).startswith("/dev/shm/")
+    finally:
+        shutil.rmtree(small)
+        shutil.rmtree(huge)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
