@@ -1,0 +1,19 @@
+"""benchmarks/bench_ep.py runs (gloo, 2 CPU processes, tiny shape): the mechanics, not the speed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def test_bench_ep_smoke_run_prints_every_row(tmp_path):
+    out = tmp_path / "ep.md"
+    r = subprocess.run([sys.executable, "benchmarks/bench_ep.py", "--cpu", "--world", "2", "--shapes", "tiny",
+                        "--tokens", "16", "--reps", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| tiny")]
+    assert [row.split(" | ")[1] for row in rows] == ["T=16 fwd", "T=16 fwd+bwd"], rows
+    assert "megamoe EP" in rows[0] and "unfused EP" in rows[0] and "compute only" in rows[0]
+    assert "x vs unfused" in rows[1]
