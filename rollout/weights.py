@@ -234,18 +234,41 @@ def plan_update(spec: CheckpointSpec, named_tensors: Iterable[tuple[str, torch.T
     return [(n, provided[n][1]) for n in spec.shapes]
 
 
+_FOLDER_PREFIX = "megamoe-weights-"
+
+
+def _remove_orphans(base: Path) -> None:
+    """Remove update folders whose writing process is gone (killed mid-update): in /dev/shm they
+    would hold a model's worth of RAM until reboot. Folder names carry the writer's pid."""
+    import shutil
+
+    for folder in base.glob(_FOLDER_PREFIX + "*"):
+        pid = folder.name[len(_FOLDER_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, another user's
+
+
 def bucket_folder(nbytes: int) -> Path:
     """A new private folder for `nbytes` of update files: in /dev/shm (RAM) when it has room for them
-    plus 10% and 64 MiB to spare, else in the temp folder. The caller removes it."""
+    plus 10% and 64 MiB to spare, else in the temp folder. The caller removes it; folders left by
+    processes that died are removed here first."""
     import shutil
     import tempfile
 
     shm = Path("/dev/shm")
-    base = None
+    base = Path(tempfile.gettempdir())
     if shm.is_dir() and os.access(shm, os.W_OK):
+        _remove_orphans(shm)
         if shutil.disk_usage(shm).free >= nbytes * 1.1 + (64 << 20):
-            base = str(shm)
-    return Path(tempfile.mkdtemp(prefix="megamoe-weights-", dir=base))
+            base = shm
+    _remove_orphans(base)
+    return Path(tempfile.mkdtemp(prefix=f"{_FOLDER_PREFIX}{os.getpid()}-", dir=str(base)))
 
 
 def write_buckets(named_tensors: list[tuple[str, torch.Tensor]], folder: str | os.PathLike,

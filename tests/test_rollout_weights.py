@@ -147,3 +147,28 @@ def test_nonfinite_check_counts_exactly_and_ignores_fp32_overflow_of_the_sum(ckp
         t.view(-1)[idx] = bad_value
         with pytest.raises(ValueError, match=rf"'{name}': 3 non-finite value\(s\)"):
             plan_update(spec, {**state, name: t})
+
+
+def test_bucket_folder_removes_folders_of_dead_writers():
+    import os
+    import shutil
+    import subprocess
+
+    from rollout.weights import bucket_folder
+
+    first = bucket_folder(1 << 20)
+    base = first.parent
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs
+    orphan = base / f"megamoe-weights-{dead.pid}-x"
+    mine = base / f"megamoe-weights-{os.getpid()}-y"
+    orphan.mkdir()
+    mine.mkdir()
+    try:
+        second = bucket_folder(1 << 20)
+        assert not orphan.exists() and mine.exists() and first.exists() and second.exists()
+        assert second.name.startswith(f"megamoe-weights-{os.getpid()}-")
+    finally:
+        for f in (first, mine, orphan, locals().get("second")):
+            if f is not None:
+                shutil.rmtree(f, ignore_errors=True)
