@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The vLLM + Ray parts of the stack on the offline H200 machine (one GPU), stage by stage.
+# The project's GPU stages on the offline H200 machine (vLLM + Ray, the kernel, EP), stage by stage.
 #   bash benchmarks/device/h200_stack.sh STAGE...     (from the project root; logs under $OUT or runs/h200)
 # Needs the bundles built here first (../shared/device): .gpu-vllm/ and .gpu-ray/ (carry both).
 # Stages: versions | rollout (tests/test_rollout_gpu.py) | consistency_tests (gpu tests of the
-# consistency issue) | consistency (the CLI, 8 layers H=1024 E=64 k=8 bf16) | rl_megamoe | rl_reference.
+# consistency issue) | invariance | consistency (the CLI, 8 layers H=1024 E=64 k=8 bf16) | rl_megamoe |
+# rl_reference | kernel_tests (op + trainer GPU tests) | bench (bench_moe.py; carry .whl with the
+# Liger wheel) | ep (multigpu EP tests + bench_ep.py; needs 2 GPUs). docs/GPU_MACHINE.md: costs.
 set -u
 cd "$(dirname "$0")/../.."
 RUNS=runs/h200; LOG="${OUT:-$RUNS}"; mkdir -p "$RUNS" "$LOG"
@@ -36,6 +38,14 @@ for stage in "$@"; do
     rl_reference) timeout 240 $PY -m rl.cli train --config configs/h200_rl.yaml "${RL_ARGS[@]}" rollout.moe_impl=reference \
         trainer.moe_impl=reference run.out_dir="$RUNS/rl-reference" run.progress=false --overwrite; rc=$?
       cp "$RUNS/rl-reference/metrics.jsonl" "$LOG/rl-reference-metrics.jsonl" ;;
+    kernel_tests) timeout 480 $PY -m pytest -p no:cacheprovider -q -s -m gpu tests/test_fused.py tests/test_trainer_gpu.py; rc=$? ;;
+    bench) # Liger Kernel (the Triton peer) from a carried wheel folder: pip download liger-kernel==0.8.5 -d .whl
+      $PY -m pip install -q --no-index --no-deps --target /tmp/ligersite .whl/liger_kernel-*.whl >/dev/null
+      PYTHONPATH="$PYTHONPATH:/tmp/ligersite" timeout 540 $PY benchmarks/bench_moe.py --shapes qwen3 olmoe \
+        --tokens 64 4096 16384 --reps 50 --out "$LOG/bench_moe.md"; rc=$? ;;
+    ep) # two or more GPUs (kind nvidia-h200-x2)
+      timeout 300 $PY -m pytest -p no:cacheprovider -q -s -m multigpu tests/test_ep.py; rc=$?
+      timeout 300 $PY benchmarks/bench_ep.py --reps 20 --out "$LOG/bench_ep.md" || rc=$? ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   echo "=== $stage rc=$rc in $(( $(date +%s) - t0 )) s"
