@@ -65,6 +65,8 @@ SUPPORTED_ARCHITECTURES = (
 
 _OOT_NAME = "UnquantizedFusedMoEMethod"
 _GATE_OOT_NAME = "GateLinear"
+# Models whose gate vLLM 0.26 builds as a plain ReplicatedLinear; re-registered from rollout/models.py.
+PLAIN_GATE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM")
 
 
 def check_architectures(architectures: Iterable[str] | None, where: str) -> str:
@@ -218,25 +220,22 @@ class MegaMoEMethod(UnquantizedFusedMoEMethod):
     def apply_monolithic(self, layer, x, router_logits, input_ids=None):
         if self.megamoe_impl == "stock":
             return super().apply_monolithic(layer, x, router_logits, input_ids)
-        if router_logits.dtype != torch.float32 and not getattr(self, "_warned_gate", False):
-            # MegaMoEGate returns fp32 logits; anything else came from vLLM's own gate (vLLM 0.26
-            # builds the Qwen3-MoE / Mixtral / OLMoE gates as plain ReplicatedLinear layers).
-            self._warned_gate = True
-            logger.warning("megamoe rollout hook: %s gets %s router logits from vLLM's own gate, not "
-                           "megamoe.router's fp32 logits (vLLM %s does not build this model's gate as a "
-                           "pluggable GateLinear); sampler and trainer routing can differ (docs/CONSISTENCY.md)",
-                           getattr(layer, "layer_name", "MoE layer"), router_logits.dtype, VLLM_VERSION)
         topk_weights, topk_ids = self.select_experts(layer, router_logits)
         return moe_method.routed_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
                                          self.megamoe_impl)
 
 
-class _UnpackedLinearMethod(UnquantizedLinearMethod):
-    """Leaves the gate weight as loaded: on CPU, vLLM would prepack it for its own GEMM and drop the
-    [E, H] tensor that megamoe.router.router_logits reads."""
+class MegaMoERouterMethod(UnquantizedLinearMethod):
+    """The linear method of an MoE gate: fp32 router logits from megamoe.router.router_logits (the
+    trainer's function), weight kept as loaded (on CPU vLLM would prepack it for its own GEMM and drop
+    the [E, H] tensor router_logits reads). Used by MegaMoEGate and by rollout/models.py."""
 
     def process_weights_after_loading(self, layer) -> None:
         return None
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        logits = megamoe_router_logits(x.reshape(-1, x.shape[-1]), layer.weight)
+        return logits.reshape(*x.shape[:-1], logits.shape[-1])
 
 
 class MegaMoEGate(GateLinear or torch.nn.Module):  # the base only matters where GateLinear exists
@@ -247,11 +246,11 @@ class MegaMoEGate(GateLinear or torch.nn.Module):  # the base only matters where
         if not self.is_unquantized or self.bias is not None:
             raise NotImplementedError(f"megamoe rollout hook: gate {self.prefix!r} is quantized or has a bias; "
                                       f"megamoe.router computes unquantized, bias-free gates (use moe_impl='stock')")
-        self.quant_method = _UnpackedLinearMethod()
+        self.quant_method = MegaMoERouterMethod()
 
     def forward(self, x):
-        logits = megamoe_router_logits(x.reshape(-1, x.shape[-1]), self.weight)
-        logits = logits.reshape(*x.shape[:-1], logits.shape[-1])
+        # GateLinear.forward picks among vLLM's router GEMMs; this gate has one.
+        logits = self.quant_method.apply(self, x)
         return (logits, None) if self.return_bias else logits
 
 
@@ -262,43 +261,36 @@ def register_moe_method(impl: str) -> None:
             f"vLLM {VLLM_VERSION}: UnquantizedFusedMoEMethod.apply{inspect.signature(UnquantizedFusedMoEMethod.apply)} "
             "does not receive precomputed routing (topk_weights, topk_ids); rollout/adapter.py supports "
             "the modular-kernel API of vLLM >= 0.26")
-    if impl != "stock" and not trainer_routing():
+    self_routing = impl != "stock" and trainer_routing()
+    if impl != "stock" and not self_routing:
         logger.warning("vLLM %s: no pluggable MoE gate / monolithic method path; moe_impl=%s computes the "
                        "experts but routes with vLLM's router logits and top-k, which are not bitwise the "
                        "trainer's (megamoe.router + megamoe.route)", VLLM_VERSION, impl)
-    if impl != "stock" and trainer_routing():
+    if self_routing:
         # vLLM versions that build these models' gates as plain ReplicatedLinear (0.26): vLLM's own
         # classes whose gates compute megamoe.router's logits (rollout/models.py; a no-op where the
         # gate is a GateLinear, which MegaMoEGate below replaces).
         from vllm import ModelRegistry
 
-        for arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM"):
+        for arch in PLAIN_GATE_ARCHITECTURES:
             ModelRegistry.register_model(arch, f"rollout.models:{arch}")
-    for name, cls in ((_OOT_NAME, MegaMoEMethod), (_GATE_OOT_NAME, MegaMoEGate)):
-        if cls is MegaMoEGate and (impl == "stock" or not trainer_routing()):
-            continue  # stock: vLLM's own gate, router and experts
+    replacements = [(_OOT_NAME, MegaMoEMethod, CustomOp)]
+    if self_routing:
+        replacements.append((_GATE_OOT_NAME, MegaMoEGate, PluggableLayer))
+    for name, cls, registry in replacements:
         current = op_registry_oot.get(name)
         if current is cls:
             continue
         if current is not None:
             raise RuntimeError(f"another plugin already replaced vLLM's {name} with {current!r}; "
                                "the megamoe hook cannot take its place")
-        if cls is MegaMoEGate:
-            PluggableLayer.register_oot(name=name)(cls)
-        else:
-            CustomOp.register_oot(name=name)(cls)
+        registry.register_oot(name=name)(cls)
 
 
 def megamoe_router_gates(model: torch.nn.Module) -> int:
-    """Number of gates in `model` that compute megamoe.router's logits (MegaMoEGate or a plain gate
-    given rollout.models.MegaMoERouterMethod)."""
-    n = 0
-    for m in model.modules():
-        if isinstance(m, MegaMoEGate) and GateLinear is not None:
-            n += 1
-        elif type(getattr(m, "quant_method", None)).__name__ == "MegaMoERouterMethod":
-            n += 1
-    return n
+    """Number of gates in `model` that compute megamoe.router's logits (MegaMoEGate, or a plain gate
+    rollout/models.py converted): those whose linear method is MegaMoERouterMethod."""
+    return sum(1 for m in model.modules() if isinstance(getattr(m, "quant_method", None), MegaMoERouterMethod))
 
 
 def self_routed_moe_layers(model: torch.nn.Module) -> int:

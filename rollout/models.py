@@ -17,20 +17,7 @@ import torch
 from vllm.model_executor.layers.linear import ReplicatedLinear, UnquantizedLinearMethod
 from vllm.model_executor.models import mixtral, olmoe, qwen3_moe
 
-from megamoe.router import router_logits
-
-ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM")
-
-
-class MegaMoERouterMethod(UnquantizedLinearMethod):
-    """The linear method of an MoE gate: fp32 router logits from megamoe.router, weight kept unpacked."""
-
-    def process_weights_after_loading(self, layer) -> None:
-        return None  # on CPU vLLM would prepack the weight for its GEMM; router_logits reads [E, H]
-
-    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        logits = router_logits(x.reshape(-1, x.shape[-1]), layer.weight)
-        return logits.reshape(*x.shape[:-1], logits.shape[-1])
+from rollout.adapter import MegaMoERouterMethod
 
 
 def use_megamoe_router(model: torch.nn.Module) -> int:

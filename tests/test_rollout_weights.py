@@ -164,11 +164,12 @@ def test_bucket_folder_removes_folders_of_dead_writers():
     mine = base / f"megamoe-weights-{os.getpid()}-y"
     orphan.mkdir()
     mine.mkdir()
+    second = None
     try:
         second = bucket_folder(1 << 20)
         assert not orphan.exists() and mine.exists() and first.exists() and second.exists()
         assert second.name.startswith(f"megamoe-weights-{os.getpid()}-")
     finally:
-        for f in (first, mine, orphan, locals().get("second")):
+        for f in (first, mine, orphan, second):
             if f is not None:
                 shutil.rmtree(f, ignore_errors=True)
