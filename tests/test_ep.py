@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import importlib.util
 import re
 import time
 
@@ -247,8 +246,6 @@ def _compare(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float) -> Non
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in GOOD])
 def test_ep_matches_single_process_ground_truth(case, ep_results):
-    if case.entry == "ep_fused_moe-megamoe" and importlib.util.find_spec("megamoe.fused") is None:
-        pytest.skip("impl='megamoe' needs megamoe/fused.py (the fused op), which this tree does not have yet")
     p, gy = case.problem(), case.upstream()
     truth = MoEProblem(*(t.float() if t.is_floating_point() else t for t in p.args())).leaves()
     y_ref = moe_ground_truth(*truth.args())
