@@ -38,8 +38,12 @@ SHAPES = {  # name: (E, H, I, k)
 
 def header() -> str:
     try:
+        here = os.path.dirname(__file__)
         commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                         cwd=os.path.dirname(__file__), stderr=subprocess.DEVNULL).strip()
+                                         cwd=here, stderr=subprocess.DEVNULL).strip()
+        if subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"], text=True,
+                                   cwd=here, stderr=subprocess.DEVNULL).strip():
+            commit += "+uncommitted changes"
     except Exception:
         commit = "unknown"
     import triton
@@ -170,11 +174,11 @@ def main():
         for T in args.tokens:
             bench_shape(name, T, args.reps, args.impls, bw, lines, records)
             torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(head + "\n\n```\n" + "\n".join(lines) + "\n```\n")
-        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-            json.dump({"header": head, "copy_bw": bw, "rows": records}, f, indent=1)
+            if args.out:  # after every row, so a run stopped by a time limit keeps what it measured
+                with open(args.out, "w") as f:
+                    f.write(head + "\n\n```\n" + "\n".join(lines) + "\n```\n")
+                with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+                    json.dump({"header": head, "copy_bw": bw, "rows": records}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The `megamoe` implementation: routing metadata -> one persistent Triton kernel (CUDA), or the
-torch implementation with the same semantics and reduction order (CPU); fused backward.
+"""The `megamoe` implementation: one persistent Triton launch per forward (routing metadata, both
+GEMMs, SwiGLU, weighting and combine; CUDA), or the torch implementation with the same semantics and
+reduction order (CPU); fused backward (one persistent launch plus the weight-gradient launch).
 
 Layers (CONVENTIONS.md): kernels (megamoe/kernels/moe_kernels.py) -> launchers (`_launch_*`) ->
 `fused_moe_fwd` / `fused_moe_bwd` (plain functions returning tensors; tests and benchmarks call
@@ -17,7 +18,8 @@ Memory. The backward saves only the op's inputs (x, w13, w2, topk_weights, topk_
 GEMM1 and the routing metadata: 0 bytes of saved activations per token beyond x itself (the
 unfused path saves its permuted x, gate/up, activation and expert outputs: about
 (H + 3I + H) * K * 2 bytes per token in bf16). Transient backward workspace, freed on return:
-per token K * (2I + I + H) elements of the input dtype plus K * ceil(I / BN1) fp32.
+per token K * (2I + I + H) elements of the input dtype plus K * (ceil(I / BN1) + 1) fp32, and
+int32 routing metadata (2K per token, plus (E + 1) per block of 1024 slots).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from megamoe.contract import check_moe_inputs
 
 
 # ---------------------------------------------------------------------------------------------
-# routing metadata (device-side, no host synchronisation)
+# routing metadata: torch reference (the CPU backend; the Triton kernel computes its own)
 # ---------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class RoutingMeta:
@@ -53,31 +55,17 @@ def _r_max(N: int, E: int, BM: int) -> int:
     return (N + BM - 1) // BM + E
 
 
-def routing_metadata(topk_ids_Tk: torch.Tensor, E: int, BM: int, backend: str = "torch") -> RoutingMeta:
-    """Per-expert counts, offsets, the id-sorted slot permutation and the BM-row tile table.
-
-    Only shapes reach the host: R (sum_e ceil(count_e / BM)) stays on the device and is read by
-    the kernel; the table is sized by the bound ceil(N / BM) + E. backend "triton": one stable
-    sort plus one single-program Triton kernel (binary searches in the sorted ids; the torch
-    version costs ~35 launches, 0.5-0.9 ms on an H200, a histogram pass in one program 0.57 ms at
-    T*k = 131072); backend "torch": plain torch ops (CPU, and the exact-equality reference in tests).
+def routing_metadata(topk_ids_Tk: torch.Tensor, E: int, BM: int) -> RoutingMeta:
+    """Per-expert counts, offsets, the id-sorted slot permutation and the BM-row tile table, in
+    torch ops: the CPU backend's metadata and the exact reference for the Triton kernel's phase 0
+    (which computes the same permutation with a stable counting sort inside the persistent launch).
+    The table is sized by the bound ceil(N / BM) + E (shapes only).
     """
     ids = topk_ids_Tk.reshape(-1)
     N = ids.numel()
     dev = ids.device
-    sorted_ids, sorted_slot = torch.sort(ids, stable=True)
+    _, sorted_slot = torch.sort(ids, stable=True)
     r_max = _r_max(N, E, BM)
-    if backend == "triton":
-        from megamoe.kernels.moe_kernels import _moe_metadata_kernel
-        i32 = dict(dtype=torch.int32, device=dev)
-        out = torch.empty(2 * E + 3 * r_max + 1, **i32)
-        start, count = out[:E], out[E:2 * E]
-        te, ts, tend = out[2 * E:2 * E + r_max], out[2 * E + r_max:2 * E + 2 * r_max], out[2 * E + 2 * r_max:-1]
-        num_tiles = out[-1:]
-        e_pad = max(16, 1 << E.bit_length())  # > E: lanes 0..E
-        _moe_metadata_kernel[(1,)](sorted_ids, N, E, BM, r_max, start, count, te, ts, tend, num_tiles,
-                                   E_PAD=e_pad, RB=max(16, 8192 // e_pad), num_warps=4)
-        return RoutingMeta(sorted_slot, start, count, te, ts, tend, num_tiles, r_max)
     ids_m = torch.where(ids < 0, torch.full_like(ids, E), ids).long()
     counts = torch.zeros(E + 1, dtype=torch.int32, device=dev).scatter_add_(
         0, ids_m, torch.ones_like(ids_m, dtype=torch.int32))
@@ -114,6 +102,8 @@ class KernelConfig:
     BH: int = 256
     num_warps: int = 8
     num_stages: int = 3
+    BLK: int = 1024                 # slots per routing-metadata block (phase 0)
+    SUB: int | None = None          # slots per step inside a block; None: SUB * keys <= 8192
     lag: int | None = None          # None: about two waves of programs (see _default_lag)
     programs: int | None = None     # None: one per SM
     # weight-gradient kernel
@@ -133,7 +123,7 @@ def default_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
     defaults come from the H200 sweeps in benchmarks/RESULTS.md."""
     if device.type != "cuda":  # the interpreter: small tiles, one program
         return KernelConfig(BM=16, BN1=16, BK1=16, BN2=16, BK2=16, BT=8, BH=32, programs=1,
-                            bwd_BN1=16, BMW=16, BNW=16, BKR=16)
+                            bwd_BN1=16, BMW=16, BNW=16, BKR=16, BLK=32, SUB=16)
     if dtype == torch.float32:
         return KernelConfig(BM=64, BN1=32, BK1=32, BN2=64, BK2=32, BT=16, BH=128, num_warps=4, bwd_BN1=32,
                             num_stages=2, BMW=64, BNW=64, BKR=32, dw_warps=4, dw_stages=2)
@@ -158,30 +148,40 @@ _RETIRED: list[torch.Tensor] = []  # earlier counter buffers a captured CUDA gra
 
 
 def _counters(device: torch.device, r_max: int) -> torch.Tensor:
-    """int32 [3 + r_max], zero, one per device; the kernel leaves it zero again.
+    """int32 [CTR_SLOTS + r_max] (counters, then one per row tile), zero, one per device; the
+    kernel leaves it zero again.
 
     Allocated (zeroed) once and grown only outside CUDA-graph capture: warm the op up with the
     largest batch before capturing. One buffer per device: two megamoe launches must not run
     concurrently on different streams of one device (vLLM and the trainer use one stream).
     """
+    from megamoe.kernels.moe_kernels import CTR_SLOTS
+
+    need = CTR_SLOTS.value + r_max
     key = (str(device),)
     buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < 3 + r_max:
+    if buf is None or buf.numel() < need:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                f"megamoe: the counter workspace must grow to {3 + r_max} entries during CUDA-graph "
+                f"megamoe: the counter workspace must grow to {need} entries during CUDA-graph "
                 "capture; run the op once eagerly with the largest batch before capturing")
         if buf is not None:
             _RETIRED.append(buf)
-        buf = torch.zeros(3 + max(r_max, 1024), dtype=torch.int32, device=device)
+        buf = torch.zeros(max(need, CTR_SLOTS.value + 1024), dtype=torch.int32, device=device)
         _COUNTERS[key] = buf
     return buf
+
+
+_PROGRAMS: dict[int, int] = {}
 
 
 def _num_programs(device: torch.device, cfg: KernelConfig) -> int:
     if cfg.programs is not None:
         return cfg.programs
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _PROGRAMS:
+        _PROGRAMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _PROGRAMS[idx]
 
 
 def _default_lag(programs: int, n1: int, n2: int) -> int:
@@ -218,36 +218,73 @@ def _dot_precision(dtype: torch.dtype) -> str:
 # ---------------------------------------------------------------------------------------------
 # Triton launchers
 # ---------------------------------------------------------------------------------------------
-def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, meta: RoutingMeta, T, H, I, K,
-                       cfg: KernelConfig):
-    from megamoe.kernels.moe_kernels import _moe_persistent_kernel
+@dataclasses.dataclass
+class KernelMeta:
+    """The routing metadata the persistent kernel's phase 0 writes (int32, on the device)."""
+    sorted_slot: torch.Tensor   # [N]   slots sorted by expert, stable; the -1 slots first
+    inv_slot: torch.Tensor      # [N]   sorted row of each valid slot (unwritten for -1 slots)
+    expert_start: torch.Tensor  # [E]   first sorted row of each expert
+    expert_count: torch.Tensor  # [E]   rows of each expert
+    tile_cum: torch.Tensor      # [E]   inclusive cumsum of ceil(count_e / BM): tiles per expert
+    num_tiles: torch.Tensor     # [1]   R
+
+
+def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg: KernelConfig):
+    """One persistent launch: routing metadata, then the forward (or the backward but dW)."""
+    from megamoe.kernels.moe_kernels import CTR_SLOTS, _moe_persistent_kernel
 
     N = T * K
     dev, dtype = x.device, x.dtype
-    BN1 = cfg.bwd_BN1 if is_bwd else cfg.BN1
-    n1 = -(-I // BN1)
+    consts = persistent_constexprs(cfg, is_bwd, dtype, E)
+    n1 = -(-I // consts["BN1"])
     n2 = -(-H // cfg.BN2)
-    act = alloc.empty(max(N, 1), (2 * I) if is_bwd else I, dtype=dtype, device=dev)
-    hw = alloc.empty(max(N, 1), I, dtype=dtype, device=dev) if is_bwd else act
-    dtw_part = alloc.empty(max(N, 1), n1, dtype=torch.float32, device=dev) if is_bwd else tw
-    slot_out = alloc.empty(max(N, 1), H, dtype=dtype, device=dev)
+    r_max = _r_max(N, E, cfg.BM)
+    nb = -(-N // cfg.BLK)
+    # metadata in one int32 allocation: sorted_slot, inv_slot, key_start, key_count, tile_cum,
+    # num_tiles, block histograms
+    m = torch.empty(2 * N + 2 * (E + 1) + E + 1 + nb * (E + 1), dtype=torch.int32, device=dev)
+    o = [0]
+
+    def take(n):
+        o[0] += n
+        return m[o[0] - n:o[0]]
+    sorted_slot, inv_slot, key_start, key_count, tile_cum, num_tiles, blk = (
+        take(N), take(N), take(E + 1), take(E + 1), take(E), take(1), take(nb * (E + 1)))
+    act = alloc.empty(N, (2 * I) if is_bwd else I, dtype=dtype, device=dev)
+    hw = alloc.empty(N, I, dtype=dtype, device=dev) if is_bwd else act
+    dtw_part = alloc.empty(N, n1, dtype=torch.float32, device=dev) if is_bwd else tw
+    dtw = alloc.empty(N, dtype=torch.float32, device=dev) if is_bwd else tw
+    slot_out = alloc.empty(N, H, dtype=dtype, device=dev)
     out = alloc.empty(T, H, dtype=dtype, device=dev)
-    ctr = _counters(dev, meta.r_max)
+    ctr = _counters(dev, r_max)
     programs = _num_programs(dev, cfg)
     lag = cfg.lag if cfg.lag is not None else _default_lag(programs, n1, n2)
     _moe_persistent_kernel[(programs,)](
         x, w13, w2, tw, ids, dy if dy is not None else x,
-        meta.sorted_slot, meta.tile_expert, meta.tile_start, meta.tile_end, meta.num_tiles,
-        act, hw, dtw_part, slot_out, out, ctr, ctr[3:],
-        T, H, I, K, lag,
-        IS_BWD=is_bwd, BM=cfg.BM, BN1=BN1, BK1=cfg.BK1, BN2=cfg.BN2, BK2=cfg.BK2,
-        BT=cfg.BT, BH=cfg.BH, DOT_PRECISION=_dot_precision(dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    return out, act, hw, dtw_part
+        sorted_slot, inv_slot, key_start, key_count, tile_cum, num_tiles, blk,
+        act, hw, dtw_part, dtw, slot_out, out, ctr, ctr[CTR_SLOTS.value:],
+        T, N, E, H, I, K, lag, r_max, nb, **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    meta = KernelMeta(sorted_slot, inv_slot, key_start[1:], key_count[1:], tile_cum, num_tiles)
+    return out, act, hw, dtw, meta
 
 
-def _launch_dw(x, dy, dgu, hw, meta: RoutingMeta, E, H, I, K, cfg: KernelConfig):
+def persistent_constexprs(cfg: KernelConfig, is_bwd: bool, dtype: torch.dtype, E: int) -> dict:
+    """The persistent kernel's compile-time arguments (tests/test_kernel_compile.py compiles with them)."""
+    kb = max(16, _next_pow2(E + 1))  # keys: id + 1 in [0, E]
+    return dict(IS_BWD=is_bwd, BM=cfg.BM, BN1=cfg.bwd_BN1 if is_bwd else cfg.BN1, BK1=cfg.BK1, BN2=cfg.BN2,
+                BK2=cfg.BK2, BT=cfg.BT, BH=cfg.BH, BLK=cfg.BLK, SUB=cfg.SUB or max(16, min(cfg.BLK, 8192 // kb)),
+                KB=kb, CB=max(16, 8192 // kb), DOT_PRECISION=_dot_precision(dtype))
+
+
+def dw_constexprs(cfg: KernelConfig, dtype: torch.dtype) -> dict:
+    return dict(BMW=cfg.BMW, BNW=cfg.BNW, BKR=cfg.BKR, DOT_PRECISION=_dot_precision(dtype))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _launch_dw(x, dy, dgu, hw, meta: KernelMeta, E, H, I, K, cfg: KernelConfig):
     from megamoe.kernels.moe_kernels import _moe_bwd_dw_kernel
 
     dw13 = alloc.empty(E, 2 * I, H, dtype=x.dtype, device=x.device)
@@ -255,8 +292,7 @@ def _launch_dw(x, dy, dgu, hw, meta: RoutingMeta, E, H, I, K, cfg: KernelConfig)
     per_e = (-(-2 * I // cfg.BMW)) * (-(-H // cfg.BNW)) + (-(-H // cfg.BMW)) * (-(-I // cfg.BNW))
     _moe_bwd_dw_kernel[(E * per_e,)](
         x, dy, dgu, hw, meta.sorted_slot, meta.expert_start, meta.expert_count, dw13, dw2, H, I, K,
-        BMW=cfg.BMW, BNW=cfg.BNW, BKR=cfg.BKR, DOT_PRECISION=_dot_precision(x.dtype),
-        num_warps=cfg.dw_warps, num_stages=cfg.dw_stages,
+        **dw_constexprs(cfg, x.dtype), num_warps=cfg.dw_warps, num_stages=cfg.dw_stages,
     )
     return dw13, dw2
 
@@ -347,8 +383,8 @@ def _bwd_torch(dy, x, w13, w2, tw, ids, meta: RoutingMeta, T, H, I, K):
 # fused_moe_fwd / fused_moe_bwd
 # ---------------------------------------------------------------------------------------------
 def _prep(x, w13, w2, tw, ids):
-    return (x.contiguous(), w13.contiguous(), w2.contiguous(),
-            tw.contiguous().to(torch.float32), ids.contiguous())
+    # topk_weights keep their dtype: every backend widens them to fp32 where it reads them
+    return x.contiguous(), w13.contiguous(), w2.contiguous(), tw.contiguous(), ids.contiguous()
 
 
 def fused_moe_fwd(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk, *,
@@ -366,9 +402,7 @@ def fused_moe_fwd(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk, *,
     if backend == "torch":
         meta = routing_metadata(ids, s.E, _CPU_ROWS)
         return _fwd_torch(x, w13, w2, tw, ids, meta, s.T, s.H, s.I, s.k)
-    cfg = _config(x)
-    meta = routing_metadata(ids, s.E, cfg.BM, backend="triton")
-    out, *_ = _launch_persistent(False, x, w13, w2, tw, ids, None, meta, s.T, s.H, s.I, s.k, cfg)
+    out, *_ = _launch_persistent(False, x, w13, w2, tw, ids, None, s.T, s.H, s.I, s.E, s.k, _config(x))
     return out
 
 
@@ -393,16 +427,8 @@ def fused_moe_bwd(dy_TH, x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk, *
         dx, dw13, dw2, dtw = _bwd_torch(dy, x, w13, w2, tw, ids, meta, s.T, s.H, s.I, s.k)
         return dx, dw13, dw2, dtw.to(topk_weights_Tk.dtype)
     cfg = _config(x)
-    meta = routing_metadata(ids, s.E, cfg.BM, backend="triton")
-    dx, dgu, hw, dtw_part = _launch_persistent(True, x, w13, w2, tw, ids, dy, meta, s.T, s.H, s.I, s.k, cfg)
+    dx, dgu, hw, dtw, meta = _launch_persistent(True, x, w13, w2, tw, ids, dy, s.T, s.H, s.I, s.E, s.k, cfg)
     dw13, dw2 = _launch_dw(x, dy, dgu, hw, meta, s.E, s.H, s.I, s.k, cfg)
-    # partial dots per column block, summed in block order; rows back from expert order to slots
-    N = s.T * s.k
-    # (rows of -1 slots sit at the end of the sorted order, unwritten: masked below)
-    dtw_sorted = dtw_part[:N].sum(dim=1)
-    dtw = torch.empty(N, dtype=torch.float32, device=x.device).index_copy_(
-        0, meta.sorted_slot.long(), dtw_sorted)
-    dtw = torch.where(ids.reshape(-1) >= 0, dtw, 0.0)
     return dx, dw13, dw2, dtw.reshape(s.T, s.k).to(topk_weights_Tk.dtype)
 
 

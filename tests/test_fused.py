@@ -197,35 +197,43 @@ def test_gpu_opcheck():
     torch.library.opcheck(torch.ops.megamoe.fused_moe.default, args)
 
 
-@pytest.mark.parametrize("T,E,k,drop,routing,BM", [
-    pytest.param(37, 5, 3, 0.2, "random", 16, id="T37-E5-k3-drop"),
-    pytest.param(1, 4, 2, 0.0, "random", 16, id="T1-E4-k2"),
-    pytest.param(50, 7, 2, 0.5, "skip_odd", 8, id="T50-E7-empty-experts"),
-    pytest.param(64, 128, 8, 0.0, "random", 128, id="T64-E128-k8"),
-    pytest.param(20, 6, 2, 0.0, "one_expert", 4, id="T20-all-on-one"),
+@pytest.mark.parametrize("T,E,k,drop,routing,BM,BLK", [
+    pytest.param(37, 5, 3, 0.2, "random", 16, 32, id="T37-E5-k3-drop-4blocks"),
+    pytest.param(1, 4, 2, 0.0, "random", 16, 32, id="T1-E4-k2"),
+    pytest.param(50, 7, 2, 0.5, "skip_odd", 16, 16, id="T50-E7-empty-experts-7blocks"),
+    pytest.param(64, 128, 8, 0.0, "random", 32, 64, id="T64-E128-k8-8blocks"),
+    pytest.param(20, 6, 2, 0.0, "one_expert", 16, 1024, id="T20-all-on-one-1block"),
 ])
-def test_metadata_kernel_equals_torch_metadata(T, E, k, drop, routing, BM):
-    """The Triton metadata kernel (interpreter on CPU, compiled on GPU) against the torch-op version:
-    exact equality of every index output."""
-    from megamoe.fused import routing_metadata
+def test_kernel_metadata_equals_torch_metadata(T, E, k, drop, routing, BM, BLK):
+    """Phase 0 of the persistent kernel (the stable counting sort; interpreter on CPU, compiled on
+    GPU) against the torch-op metadata: exact equality of every index output, over several blocks."""
+    import dataclasses
+
+    from megamoe.fused import _config, _launch_persistent, routing_metadata
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs a GPU or the Triton interpreter")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    p = make_problem(T, 8, 8, E, k, drop_frac=drop, routing=routing, seed=3, device=device)
-    a = routing_metadata(p.topk_ids, E, BM, "torch")
-    b = routing_metadata(p.topk_ids, E, BM, "triton")
-    assert a.r_max == b.r_max
-    for f in ("sorted_slot", "expert_start", "expert_count", "tile_expert", "tile_start", "tile_end", "num_tiles"):
-        assert torch.equal(getattr(a, f).long(), getattr(b, f).long()), f
-    # and the table describes the routing: every valid slot appears in exactly one tile of its expert
+    p = make_problem(T, 16, 16, E, k, drop_frac=drop, routing=routing, seed=3, device=device)
+    a = routing_metadata(p.topk_ids, E, BM)
+    cfg = dataclasses.replace(_config(p.x), BM=BM, BLK=BLK, SUB=min(16, BLK))
+    *_, b = _launch_persistent(False, p.x, p.w13, p.w2, p.topk_weights, p.topk_ids.contiguous(), None,
+                               T, 16, 16, E, k, cfg)
+    for f in ("sorted_slot", "expert_start", "expert_count", "num_tiles"):
+        assert torch.equal(getattr(a, f).long().cpu(), getattr(b, f).long().cpu()), f
+    tiles = (a.expert_count.long() + BM - 1) // BM
+    assert torch.equal(torch.cumsum(tiles, 0).cpu(), b.tile_cum.long().cpu())
+    ids = p.topk_ids.reshape(-1)
+    valid = (ids >= 0).nonzero().flatten()
+    # the inverse permutation, for every valid slot
+    assert torch.equal(b.sorted_slot.long()[b.inv_slot.long()[valid]].cpu(), valid.cpu())
+    # and the torch table describes the routing: every valid slot in exactly one tile of its expert
     R = int(a.num_tiles)
     seen = []
     for r in range(R):
         e, s, t = int(a.tile_expert[r]), int(a.tile_start[r]), int(a.tile_end[r])
         assert 0 < t - s <= BM
         slots = a.sorted_slot[s:t]
-        assert bool((p.topk_ids.reshape(-1)[slots] == e).all())
+        assert bool((ids[slots] == e).all())
         seen.append(slots)
     seen = torch.cat(seen) if seen else torch.zeros(0, dtype=torch.long)
-    valid = (p.topk_ids.reshape(-1) >= 0).nonzero().flatten()
     assert torch.equal(torch.sort(seen.cpu()).values, valid.cpu())

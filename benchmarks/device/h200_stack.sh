@@ -5,7 +5,8 @@
 # Stages: versions | rollout (tests/test_rollout_gpu.py) | consistency_tests (gpu tests of the
 # consistency issue) | invariance | consistency (the CLI, 8 layers H=1024 E=64 k=8 bf16) | rl_megamoe |
 # rl_reference | kernel_tests (op + trainer GPU tests) | bench (bench_moe.py; carry .whl with the
-# Liger wheel) | ep (multigpu EP tests + bench_ep.py; needs 2 GPUs). docs/GPU_MACHINE.md: costs.
+# Liger wheel; BENCH_ARGS overrides its shapes/tokens) | tune (tune_moe.py: stage split, tile
+# variants) | ep (multigpu EP tests + bench_ep.py; needs 2 GPUs). docs/GPU_MACHINE.md: costs.
 set -u
 cd "$(dirname "$0")/../.."
 RUNS=runs/h200; LOG="${OUT:-$RUNS}"; mkdir -p "$RUNS" "$LOG"
@@ -33,16 +34,18 @@ for stage in "$@"; do
         rollout.kv_cache_bytes=1073741824 "rollout.engine_kwargs=$ENGINE" --device cuda --prompts 32 \
         --impls megamoe,reference,stock --out "$RUNS/consistency-h200-bf16"; rc=$?
       cp "$RUNS"/consistency-h200-bf16/*.json "$LOG"/ ;;
-    rl_megamoe) timeout 240 $PY -m rl.cli train --config configs/h200_rl.yaml "${RL_ARGS[@]}" run.out_dir="$RUNS/rl-megamoe" \
+    rl_megamoe) timeout 330 $PY -m rl.cli train --config configs/h200_rl.yaml "${RL_ARGS[@]}" run.out_dir="$RUNS/rl-megamoe" \
         run.progress=false --overwrite; rc=$?; cp "$RUNS/rl-megamoe/metrics.jsonl" "$LOG/rl-megamoe-metrics.jsonl" ;;
-    rl_reference) timeout 240 $PY -m rl.cli train --config configs/h200_rl.yaml "${RL_ARGS[@]}" rollout.moe_impl=reference \
+    rl_reference) timeout 330 $PY -m rl.cli train --config configs/h200_rl.yaml "${RL_ARGS[@]}" rollout.moe_impl=reference \
         trainer.moe_impl=reference run.out_dir="$RUNS/rl-reference" run.progress=false --overwrite; rc=$?
       cp "$RUNS/rl-reference/metrics.jsonl" "$LOG/rl-reference-metrics.jsonl" ;;
     kernel_tests) timeout 480 $PY -m pytest -p no:cacheprovider -q -s -m gpu tests/test_fused.py tests/test_trainer_gpu.py; rc=$? ;;
     bench) # Liger Kernel (the Triton peer) from a carried wheel folder: pip download liger-kernel==0.8.5 -d .whl
       $PY -m pip install -q --no-index --no-deps --target /tmp/ligersite .whl/liger_kernel-*.whl >/dev/null
-      PYTHONPATH="$PYTHONPATH:/tmp/ligersite" timeout 540 $PY benchmarks/bench_moe.py --shapes qwen3 olmoe \
-        --tokens 64 4096 16384 --reps 50 --out "$LOG/bench_moe.md"; rc=$? ;;
+      read -r -a BENCH <<< "${BENCH_ARGS:---shapes qwen3 olmoe --tokens 4096 16384 64}"
+      PYTHONPATH="$PYTHONPATH:/tmp/ligersite" timeout 540 $PY benchmarks/bench_moe.py "${BENCH[@]}" \
+        --reps 50 --out "$LOG/bench_moe.md"; rc=$? ;;
+    tune) timeout 300 $PY benchmarks/tune_moe.py --shape qwen3 --tokens 64 4096 16384 --reps 15; rc=$? ;;
     ep) # two or more GPUs (kind nvidia-h200-x2)
       timeout 300 $PY -m pytest -p no:cacheprovider -q -s -m multigpu tests/test_ep.py; rc=$?
       timeout 300 $PY benchmarks/bench_ep.py --reps 20 --out "$LOG/bench_ep.md" || rc=$? ;;

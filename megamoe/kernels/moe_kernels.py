@@ -1,11 +1,19 @@
 """Triton kernels of the Mega MoE: pointer math only (launchers are in megamoe/fused.py).
 
 Shape legend: T tokens, H hidden, I expert intermediate, E experts, K = top-k, N = T*K slots,
-R = number of row tiles (each tile: up to BM slots of one expert, in expert-sorted order).
+R = number of row tiles (each tile: up to BM slots of one expert, in expert-sorted order),
+NB = ceil(N / BLK) blocks of slots for the routing metadata.
 
-The persistent kernel `_moe_persistent_kernel` runs three kinds of work item, handed out in a
-fixed ticket order through an atomic counter (so an item is only taken by a program that is
-running):
+The persistent kernel `_moe_persistent_kernel` is the whole forward (or the whole backward but the
+weight gradients) in one launch. Its work items are handed out in a fixed ticket order through an
+atomic counter, so an item is only ever taken by a program that is running:
+  phase 0  routing metadata, a stable counting sort of the slots by expert (key = id + 1, so the
+           -1 slots come first):
+           0a (block b of slots)  histogram of the block's keys
+           0b (one item)          per key: exclusive prefix of the block histograms, totals, start
+                                  of each key's rows, tiles per expert (inclusive cumsum), R
+           0c (block b of slots)  rank of each slot among the block's slots of its key (in slot
+                                  order): its sorted row; writes the permutation and its inverse
   phase 1  (tile r, column block of I)  forward: gather x rows, GEMM1 against w13[e], SwiGLU,
            store the activation h;  backward (IS_BWD): recompute GEMM1, dA = dy W2[e], store
            d(gate,up) and the weighted activation for dW2, and per-row partial dots for d(topk_weights)
@@ -14,22 +22,37 @@ running):
            per-slot row buffer
   phase 3  (block of tokens)  waits until every phase-2 item is done, then sums each token's K
            slot rows in slot order, in fp32, into the output (no float atomics: deterministic and
-           batch invariant)
-Tickets: groups g = 0 .. R+LAG-1; group g holds the phase-1 items of tile g (g < R) followed by the
-phase-2 items of tile g-LAG (g >= LAG); then the phase-3 items. A phase-2 item depends only on items
-with smaller tickets, and every ticket below a waiting program's has been taken by a running program,
-so no program waits on work that has not been handed out: no deadlock, whatever the residency.
-The last program to leave resets the counters, so the workspace is left as it was found (CUDA-graph
-replay needs no host-side clearing).
+           batch invariant); the backward also sums each slot's partial dots, in block order, into
+           d(topk_weights)
+Tickets: [0, NB) phase 0a, NB phase 0b, [NB+1, 2NB+1) phase 0c; then, from P0 = 2NB+1, groups
+g = 0 .. R_MAX+LAG-1, group g holding the phase-1 items of tile g (g < R_MAX) followed by the phase-2
+items of tile g-LAG (g >= LAG); then the phase-3 items. R_MAX = ceil(N / BM) + E bounds R from the
+shapes alone; items of tiles >= R (known once phase 0 is done) are empty. Every item waits only on
+items with smaller tickets, and every ticket below a waiting program's has been taken by a running
+program, so no program waits on work that has not been handed out: no deadlock, whatever the
+residency. The last program to leave resets the counters, so the workspace is left as it was found
+(CUDA-graph replay needs no host-side clearing).
+
+Data written in this launch and read by other programs is read with `.cg` (from L2, not a
+possibly stale L1 line), after an acquire on the counter that publishes it.
 """
 
 import triton
 import triton.language as tl
 
+# counter slots (int32) at the head of the workspace; tile_done follows at CTR_SLOTS
+CTR_TICKET = tl.constexpr(0)   # next ticket
+CTR_OUT = tl.constexpr(1)      # programs finished
+CTR_P2 = tl.constexpr(2)       # phase-2 items finished
+CTR_0A = tl.constexpr(3)       # phase-0a items finished
+CTR_0B = tl.constexpr(4)       # phase-0b finished
+CTR_0C = tl.constexpr(5)       # phase-0c items finished
+CTR_SLOTS = tl.constexpr(8)
+
 
 @triton.jit
 def _decode_ticket(t, R, LAG, n1, n2):
-    """ticket -> (kind 1/2/3, tile or token block, sub-block), branch-free."""
+    """ticket (from P0) -> (kind 1/2/3, tile or token block, sub-block), branch-free."""
     Lr = tl.minimum(LAG, R)
     endA = Lr * n1
     endB = endA + (R - Lr) * (n1 + n2)
@@ -57,143 +80,240 @@ def _wait_geq(ptr, target):
 
 
 @triton.jit
+def _publish(ptr):
+    # every thread's stores happen before the release that publishes them
+    tl.debug_barrier()
+    tl.atomic_add(ptr, 1, sem="release")
+
+
+@triton.jit
+def _block_keys(ids_ptr, b, c, N, E, BLK: tl.constexpr, SUB: tl.constexpr):
+    """Slots and keys (id + 1 in [0, E]; -1 past N or out of range) of sub-chunk c of block b."""
+    offs = b * BLK + c * SUB + tl.arange(0, SUB)
+    m = offs < N
+    key = tl.load(ids_ptr + offs, mask=m, other=-2).to(tl.int32) + 1
+    key = tl.where(m & (key >= 0) & (key <= E), key, -1)
+    return offs, key
+
+
+@triton.jit
+def _metadata_item(p0, ids_ptr, blk_ptr, key_start_ptr, key_count_ptr, tile_cum_ptr, num_tiles_ptr,
+                   sorted_slot_ptr, inv_slot_ptr, ctr_ptr, N, E, NB, BM,
+                   BLK: tl.constexpr, SUB: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr):
+    """Phase-0 ticket p0 (< 2NB+1). blk [NB, E+1] holds the block histograms (0a), which 0b turns
+    into each block's exclusive prefix per key."""
+    bins = tl.arange(0, KB)
+    is_key = bins <= E
+    if p0 < NB:  # 0a: histogram of block p0
+        cnt = tl.zeros((KB,), dtype=tl.int32)
+        for c in range(0, BLK // SUB):
+            offs, key = _block_keys(ids_ptr, p0, c, N, E, BLK, SUB)
+            cnt += tl.sum((key[:, None] == bins[None, :]).to(tl.int32), axis=0)
+        tl.store(blk_ptr + p0 * (E + 1) + bins, cnt, mask=is_key)
+        _publish(ctr_ptr + CTR_0A)
+    elif p0 == NB:  # 0b: prefixes over blocks, key starts, tiles per expert
+        _wait_geq(ctr_ptr + CTR_0A, NB)
+        tl.debug_barrier()
+        run = tl.zeros((KB,), dtype=tl.int32)
+        for b0 in range(0, NB, CB):
+            bs = b0 + tl.arange(0, CB)
+            m = (bs < NB)[:, None] & is_key[None, :]
+            ptrs = blk_ptr + bs[:, None] * (E + 1) + bins[None, :]
+            cnt = tl.load(ptrs, mask=m, other=0, cache_modifier=".cg")
+            incl = tl.cumsum(cnt, axis=0)
+            tl.store(ptrs, run[None, :] + incl - cnt, mask=m)
+            run += tl.sum(cnt, axis=0)
+        start = tl.cumsum(run, axis=0) - run  # key 0 (dropped slots) first
+        tl.store(key_start_ptr + bins, start, mask=is_key)
+        tl.store(key_count_ptr + bins, run, mask=is_key)
+        # expert e = key e+1: tiles per expert, inclusive cumsum over experts
+        tiles = tl.where((bins >= 1) & is_key, (run + BM - 1) // BM, 0)
+        tcum = tl.cumsum(tiles, axis=0)
+        tl.store(tile_cum_ptr + bins - 1, tcum, mask=(bins >= 1) & is_key)
+        tl.store(num_tiles_ptr, tl.sum(tiles, axis=0))
+        _publish(ctr_ptr + CTR_0B)
+    else:  # 0c: sorted rows of block b's slots
+        b = p0 - NB - 1
+        _wait_geq(ctr_ptr + CTR_0B, 1)
+        tl.debug_barrier()
+        base = tl.load(blk_ptr + b * (E + 1) + bins, mask=is_key, other=0, cache_modifier=".cg") + \
+            tl.load(key_start_ptr + bins, mask=is_key, other=0, cache_modifier=".cg")
+        for c in range(0, BLK // SUB):
+            offs, key = _block_keys(ids_ptr, b, c, N, E, BLK, SUB)
+            oh = (key[:, None] == bins[None, :]).to(tl.int32)
+            rank = tl.sum(oh * (tl.cumsum(oh, axis=0) - 1 + base[None, :]), axis=1)
+            ok = key >= 0
+            tl.store(sorted_slot_ptr + rank, offs, mask=ok)
+            tl.store(inv_slot_ptr + offs, rank, mask=ok)
+            base += tl.sum(oh, axis=0)
+        _publish(ctr_ptr + CTR_0C)
+
+
+@triton.jit(do_not_specialize=["T", "N", "LAG", "R_MAX", "NB"])
 def _moe_persistent_kernel(
     # inputs
     x_ptr, w13_ptr, w2_ptr, tw_ptr, ids_ptr, dy_ptr,
-    # routing metadata
-    sorted_slot_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
+    # routing metadata, written by phase 0 (int32)
+    sorted_slot_ptr, inv_slot_ptr, key_start_ptr, key_count_ptr, tile_cum_ptr, num_tiles_ptr, blk_ptr,
     # workspaces / outputs
     act_ptr,      # fwd: h [N, I] (sorted rows); bwd: dgu [N, 2I] (sorted rows)
     hw_ptr,       # bwd: w * h [N, I] (sorted rows), for dW2
     dtw_part_ptr,  # bwd: [N, n1] fp32 partial dots for d(topk_weights) (sorted rows)
+    dtw_ptr,      # bwd: [N] fp32 d(topk_weights) (slot order)
     slot_out_ptr,  # [N, H] per-slot rows (indexed by slot)
     out_ptr,      # [T, H]
-    ctr_ptr,      # int32 [3]: ticket, programs finished, phase-2 items finished
-    tile_done_ptr,  # int32 [R_max]: phase-1 items finished per tile
-    T, H, I, K, LAG,
+    ctr_ptr,      # int32 [CTR_SLOTS]: counters (see CTR_*)
+    tile_done_ptr,  # int32 [R_MAX]: phase-1 items finished per tile
+    T, N, E, H, I, K, LAG, R_MAX, NB,
     IS_BWD: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
     BN2: tl.constexpr, BK2: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+    BLK: tl.constexpr, SUB: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     dtype = x_ptr.dtype.element_ty
-    R = tl.load(num_tiles_ptr)
     n1 = tl.cdiv(I, BN1)
     n2 = tl.cdiv(H, BN2)
-    total = R * (n1 + n2) + tl.cdiv(T, BT)
+    P0 = 2 * NB + 1
+    total = P0 + R_MAX * (n1 + n2) + tl.cdiv(T, BT)
     # phase 2 contracts over I (forward) or 2I (backward: [dgate, dup] against [G; U])
     KA = I
     if IS_BWD:
         KA = 2 * I
+    bins = tl.arange(0, KB)
 
-    t = tl.atomic_add(ctr_ptr, 1)
+    R = tl.full([], -1, tl.int32)   # valid tiles; read once phase 0 is done
+    t = tl.atomic_add(ctr_ptr + CTR_TICKET, 1)
     while t < total:
-        kind, tile, sub = _decode_ticket(t, R, LAG, n1, n2)
-        # tile metadata (read for every kind; a token block's index is clamped to a valid tile)
-        mt = tl.where(kind < 3, tile, 0)
-        e = tl.load(tile_expert_ptr + mt).to(tl.int64)
-        row0 = tl.load(tile_start_ptr + mt)
-        row1 = tl.load(tile_end_ptr + mt)
-        rows32 = row0 + tl.arange(0, BM)
-        rmask = rows32 < row1
-        rows = rows32.to(tl.int64)
-        slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
-        tok = slot // K
-        if kind == 1:
-            cols = sub * BN1 + tl.arange(0, BN1)
-            cmask = cols < I
-            acc_g = tl.zeros((BM, BN1), dtype=tl.float32)
-            acc_u = tl.zeros((BM, BN1), dtype=tl.float32)
-            acc_d = tl.zeros((BM, BN1), dtype=tl.float32)
-            w13_e = w13_ptr + e * (2 * I * H)
-            for k0 in range(0, H, BK1):
-                ks = k0 + tl.arange(0, BK1)
-                kmask = ks < H
-                a = tl.load(x_ptr + tok[:, None] * H + ks[None, :],
-                            mask=rmask[:, None] & kmask[None, :], other=0.0)
-                bmask = kmask[:, None] & cmask[None, :]
-                bg = tl.load(w13_e + cols[None, :] * H + ks[:, None], mask=bmask, other=0.0)
-                bu = tl.load(w13_e + (I + cols[None, :]) * H + ks[:, None], mask=bmask, other=0.0)
-                acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
-                acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
-                if IS_BWD:
-                    d = tl.load(dy_ptr + tok[:, None] * H + ks[None, :],
-                                mask=rmask[:, None] & kmask[None, :], other=0.0)
-                    bw = tl.load(w2_ptr + e * (H * I) + ks[:, None] * I + cols[None, :],
-                                 mask=bmask, other=0.0)
-                    acc_d = tl.dot(d, bw, acc_d, input_precision=DOT_PRECISION)
-            sg = 1.0 / (1.0 + tl.exp(-acc_g))
-            h = (acc_g * sg * acc_u).to(dtype)
-            omask = rmask[:, None] & cmask[None, :]
-            if IS_BWD:
-                w = tl.load(tw_ptr + slot, mask=rmask, other=0.0).to(tl.float32)
-                # d(topk_weight) = dy . (W2 h) = (W2^T dy) . h, with h rounded as in the forward
-                part = tl.sum(acc_d * h.to(tl.float32), axis=1)
-                tl.store(dtw_part_ptr + rows * n1 + sub, part, mask=rmask)
-                da = acc_d * w[:, None]
-                dgate = da * acc_u * sg * (1.0 + acc_g * (1.0 - sg))
-                dup = da * acc_g * sg
-                tl.store(act_ptr + rows[:, None] * (2 * I) + cols[None, :], dgate.to(dtype), mask=omask)
-                tl.store(act_ptr + rows[:, None] * (2 * I) + I + cols[None, :], dup.to(dtype), mask=omask)
-                tl.store(hw_ptr + rows[:, None] * I + cols[None, :],
-                         (h.to(tl.float32) * w[:, None]).to(dtype), mask=omask)
-            else:
-                tl.store(act_ptr + rows[:, None] * I + cols[None, :], h, mask=omask)
-            # every thread's stores happen before the release that publishes them
-            tl.debug_barrier()
-            tl.atomic_add(tile_done_ptr + tile, 1, sem="release")
-        elif kind == 2:
-            _wait_geq(tile_done_ptr + tile, n1)
-            tl.debug_barrier()
-            cols = sub * BN2 + tl.arange(0, BN2)
-            cmask = cols < H
-            acc = tl.zeros((BM, BN2), dtype=tl.float32)
-            for k0 in range(0, KA, BK2):
-                ks = k0 + tl.arange(0, BK2)
-                kmask = ks < KA
-                a = tl.load(act_ptr + rows[:, None] * KA + ks[None, :],
-                            mask=rmask[:, None] & kmask[None, :], other=0.0, cache_modifier=".cg")
-                bmask = kmask[:, None] & cmask[None, :]
-                if IS_BWD:
-                    b = tl.load(w13_ptr + e * (2 * I * H) + ks[:, None] * H + cols[None, :],
-                                mask=bmask, other=0.0)
-                else:
-                    b = tl.load(w2_ptr + e * (H * I) + cols[None, :] * I + ks[:, None],
-                                mask=bmask, other=0.0)
-                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            if not IS_BWD:
-                w = tl.load(tw_ptr + slot, mask=rmask, other=0.0).to(tl.float32)
-                acc = acc * w[:, None]
-            tl.store(slot_out_ptr + slot[:, None] * H + cols[None, :], acc.to(dtype),
-                     mask=rmask[:, None] & cmask[None, :])
-            tl.debug_barrier()
-            tl.atomic_add(ctr_ptr + 2, 1, sem="release")
+        if t < P0:
+            _metadata_item(t, ids_ptr, blk_ptr, key_start_ptr, key_count_ptr, tile_cum_ptr, num_tiles_ptr,
+                           sorted_slot_ptr, inv_slot_ptr, ctr_ptr, N, E, NB, BM, BLK, SUB, KB, CB)
         else:
-            _wait_geq(ctr_ptr + 2, R * n2)
-            tl.debug_barrier()
-            toks = tile * BT + tl.arange(0, BT)
-            tmask = toks < T
-            for h0 in range(0, H, BH):
-                hs = h0 + tl.arange(0, BH)
-                m = tmask[:, None] & (hs < H)[None, :]
-                acc = tl.zeros((BT, BH), dtype=tl.float32)
-                for j in range(0, K):
-                    sl = toks.to(tl.int64) * K + j
-                    valid = tl.load(ids_ptr + sl, mask=tmask, other=-1) >= 0
-                    v = tl.load(slot_out_ptr + sl[:, None] * H + hs[None, :],
-                                mask=m & valid[:, None], other=0.0, cache_modifier=".cg")
-                    acc += v.to(tl.float32)
-                tl.store(out_ptr + toks[:, None] * H + hs[None, :], acc.to(out_ptr.dtype.element_ty), mask=m)
-        t = tl.atomic_add(ctr_ptr, 1)
+            if R < 0:
+                _wait_geq(ctr_ptr + CTR_0C, NB)
+                tl.debug_barrier()
+                R = tl.load(num_tiles_ptr, cache_modifier=".cg")
+            kind, tile, sub = _decode_ticket(t - P0, R_MAX, LAG, n1, n2)
+            if kind < 3:
+                if tile < R:
+                    # the tile's expert, from the inclusive cumsum of tiles per expert
+                    tc = tl.load(tile_cum_ptr + bins, mask=bins < E, other=2147483647, cache_modifier=".cg")
+                    e32 = tl.sum((tc <= tile).to(tl.int32), axis=0)
+                    first = tl.sum(tl.where(bins == e32 - 1, tc, 0), axis=0)
+                    e = e32.to(tl.int64)
+                    est = tl.load(key_start_ptr + e32 + 1, cache_modifier=".cg")
+                    ecnt = tl.load(key_count_ptr + e32 + 1, cache_modifier=".cg")
+                    row0 = est + (tile - first) * BM
+                    rows32 = row0 + tl.arange(0, BM)
+                    rmask = rows32 < est + ecnt
+                    rows = rows32.to(tl.int64)
+                    slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0, cache_modifier=".cg").to(tl.int64)
+                    tok = slot // K
+                    if kind == 1:
+                        cols = sub * BN1 + tl.arange(0, BN1)
+                        cmask = cols < I
+                        acc_g = tl.zeros((BM, BN1), dtype=tl.float32)
+                        acc_u = tl.zeros((BM, BN1), dtype=tl.float32)
+                        acc_d = tl.zeros((BM, BN1), dtype=tl.float32)
+                        w13_e = w13_ptr + e * (2 * I * H)
+                        for k0 in range(0, H, BK1):
+                            ks = k0 + tl.arange(0, BK1)
+                            kmask = ks < H
+                            a = tl.load(x_ptr + tok[:, None] * H + ks[None, :],
+                                        mask=rmask[:, None] & kmask[None, :], other=0.0)
+                            bmask = kmask[:, None] & cmask[None, :]
+                            bg = tl.load(w13_e + cols[None, :] * H + ks[:, None], mask=bmask, other=0.0)
+                            bu = tl.load(w13_e + (I + cols[None, :]) * H + ks[:, None], mask=bmask, other=0.0)
+                            acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
+                            acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
+                            if IS_BWD:
+                                d = tl.load(dy_ptr + tok[:, None] * H + ks[None, :],
+                                            mask=rmask[:, None] & kmask[None, :], other=0.0)
+                                bw = tl.load(w2_ptr + e * (H * I) + ks[:, None] * I + cols[None, :],
+                                             mask=bmask, other=0.0)
+                                acc_d = tl.dot(d, bw, acc_d, input_precision=DOT_PRECISION)
+                        sg = 1.0 / (1.0 + tl.exp(-acc_g))
+                        h = (acc_g * sg * acc_u).to(dtype)
+                        omask = rmask[:, None] & cmask[None, :]
+                        if IS_BWD:
+                            w = tl.load(tw_ptr + slot, mask=rmask, other=0.0).to(tl.float32)
+                            # d(topk_weight) = dy . (W2 h) = (W2^T dy) . h, with h rounded as in the forward
+                            part = tl.sum(acc_d * h.to(tl.float32), axis=1)
+                            tl.store(dtw_part_ptr + rows * n1 + sub, part, mask=rmask)
+                            da = acc_d * w[:, None]
+                            dgate = da * acc_u * sg * (1.0 + acc_g * (1.0 - sg))
+                            dup = da * acc_g * sg
+                            tl.store(act_ptr + rows[:, None] * (2 * I) + cols[None, :], dgate.to(dtype), mask=omask)
+                            tl.store(act_ptr + rows[:, None] * (2 * I) + I + cols[None, :], dup.to(dtype), mask=omask)
+                            tl.store(hw_ptr + rows[:, None] * I + cols[None, :],
+                                     (h.to(tl.float32) * w[:, None]).to(dtype), mask=omask)
+                        else:
+                            tl.store(act_ptr + rows[:, None] * I + cols[None, :], h, mask=omask)
+                        _publish(tile_done_ptr + tile)
+                    else:
+                        _wait_geq(tile_done_ptr + tile, n1)
+                        tl.debug_barrier()
+                        cols2 = sub * BN2 + tl.arange(0, BN2)
+                        cmask2 = cols2 < H
+                        acc2 = tl.zeros((BM, BN2), dtype=tl.float32)
+                        for k02 in range(0, KA, BK2):
+                            ks2 = k02 + tl.arange(0, BK2)
+                            kmask2 = ks2 < KA
+                            a2 = tl.load(act_ptr + rows[:, None] * KA + ks2[None, :],
+                                         mask=rmask[:, None] & kmask2[None, :], other=0.0, cache_modifier=".cg")
+                            bmask2 = kmask2[:, None] & cmask2[None, :]
+                            if IS_BWD:
+                                b2 = tl.load(w13_ptr + e * (2 * I * H) + ks2[:, None] * H + cols2[None, :],
+                                             mask=bmask2, other=0.0)
+                            else:
+                                b2 = tl.load(w2_ptr + e * (H * I) + cols2[None, :] * I + ks2[:, None],
+                                             mask=bmask2, other=0.0)
+                            acc2 = tl.dot(a2, b2, acc2, input_precision=DOT_PRECISION)
+                        if not IS_BWD:
+                            wt2 = tl.load(tw_ptr + slot, mask=rmask, other=0.0).to(tl.float32)
+                            acc2 = acc2 * wt2[:, None]
+                        tl.store(slot_out_ptr + slot[:, None] * H + cols2[None, :], acc2.to(dtype),
+                                 mask=rmask[:, None] & cmask2[None, :])
+                        _publish(ctr_ptr + CTR_P2)
+            else:
+                _wait_geq(ctr_ptr + CTR_P2, R * n2)
+                tl.debug_barrier()
+                toks3 = tile * BT + tl.arange(0, BT)
+                tmask3 = toks3 < T
+                for h03 in range(0, H, BH):
+                    hs3 = h03 + tl.arange(0, BH)
+                    m3 = tmask3[:, None] & (hs3 < H)[None, :]
+                    acc3 = tl.zeros((BT, BH), dtype=tl.float32)
+                    for j3 in range(0, K):
+                        sl3 = toks3.to(tl.int64) * K + j3
+                        idj3 = tl.load(ids_ptr + sl3, mask=tmask3, other=-1)
+                        valid3 = (idj3 >= 0) & (idj3 < E)
+                        v3 = tl.load(slot_out_ptr + sl3[:, None] * H + hs3[None, :],
+                                     mask=m3 & valid3[:, None], other=0.0, cache_modifier=".cg")
+                        acc3 += v3.to(tl.float32)
+                    tl.store(out_ptr + toks3[:, None] * H + hs3[None, :], acc3.to(out_ptr.dtype.element_ty), mask=m3)
+                if IS_BWD:
+                    # d(topk_weights): each slot's partial dots summed in column-block order
+                    for j3 in range(0, K):
+                        sl3 = toks3.to(tl.int64) * K + j3
+                        idj3 = tl.load(ids_ptr + sl3, mask=tmask3, other=-1)
+                        valid3 = tmask3 & (idj3 >= 0) & (idj3 < E)
+                        row3 = tl.load(inv_slot_ptr + sl3, mask=valid3, other=0, cache_modifier=".cg").to(tl.int64)
+                        d3 = tl.zeros((BT,), dtype=tl.float32)
+                        for c3 in range(0, n1):
+                            d3 += tl.load(dtw_part_ptr + row3 * n1 + c3, mask=valid3, other=0.0, cache_modifier=".cg")
+                        tl.store(dtw_ptr + sl3, d3, mask=tmask3)
+        t = tl.atomic_add(ctr_ptr + CTR_TICKET, 1)
 
     # leave the workspace as found: the last program out clears every counter
-    n_out = tl.atomic_add(ctr_ptr + 1, 1, sem="acq_rel")
+    n_out = tl.atomic_add(ctr_ptr + CTR_OUT, 1, sem="acq_rel")
     if n_out == tl.num_programs(0) - 1:
-        for r0 in range(0, R, 1024):
+        R_last = tl.load(num_tiles_ptr, cache_modifier=".cg")
+        for r0 in range(0, R_last, 1024):
             rr = r0 + tl.arange(0, 1024)
-            tl.store(tile_done_ptr + rr, tl.zeros((1024,), dtype=tl.int32), mask=rr < R)
-        tl.atomic_xchg(ctr_ptr + 2, 0)
-        tl.atomic_xchg(ctr_ptr + 1, 0)
-        tl.atomic_xchg(ctr_ptr, 0)
+            tl.store(tile_done_ptr + rr, tl.zeros((1024,), dtype=tl.int32), mask=rr < R_last)
+        for c in tl.static_range(1, CTR_SLOTS):
+            tl.atomic_xchg(ctr_ptr + c, 0)
+        tl.atomic_xchg(ctr_ptr + CTR_TICKET, 0)  # the ticket counter last
 
 
 @triton.jit
@@ -251,49 +371,3 @@ def _moe_bwd_dw_kernel(
             acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
         dst = dw2_ptr + e.to(tl.int64) * (H * I) + om[:, None] * I + on[None, :]
         tl.store(dst, acc.to(dw2_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
-
-
-@triton.jit
-def _moe_metadata_kernel(
-    sorted_ids_ptr, N, E, BM, R_MAX,
-    expert_start_ptr, expert_count_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
-    E_PAD: tl.constexpr, RB: tl.constexpr,
-):
-    """Routing metadata in one program, from the stably sorted ids: per-expert starts and counts
-    (a binary search per expert, log2(N) dependent loads instead of a pass over all N ids), and the
-    row-tile table. The -1 slots sort first, so every expert's rows start after them."""
-    bins = tl.arange(0, E_PAD)
-    is_e = bins < E
-    # lower_bound(sorted_ids, b) for b = 0..E (bin E gives the end of the last expert)
-    lo = tl.zeros((E_PAD,), dtype=tl.int32)
-    hi = tl.zeros((E_PAD,), dtype=tl.int32) + N
-    while tl.max(hi - lo, axis=0) > 0:
-        mid = (lo + hi) // 2
-        v = tl.load(sorted_ids_ptr + mid, mask=mid < hi, other=0)
-        go_right = (mid < hi) & (v < bins)
-        lo = tl.where(go_right, mid + 1, lo)
-        hi = tl.where(go_right | (mid >= hi), hi, mid)
-    start = lo
-    # count[e] = start[e+1] - start[e]: shift by one lane through a one-hot reduction
-    nxt = tl.sum(tl.where(bins[None, :] == bins[:, None] + 1, start[None, :], 0), axis=1)
-    cnt = tl.where(is_e, nxt - start, 0)
-    tl.store(expert_start_ptr + bins, start, mask=is_e)
-    tl.store(expert_count_ptr + bins, cnt, mask=is_e)
-    tiles = (cnt + BM - 1) // BM
-    tcum = tl.cumsum(tiles, axis=0)
-    first = tcum - tiles
-    tl.store(num_tiles_ptr, tl.sum(tiles, axis=0))
-    for r0 in range(0, R_MAX, RB):
-        r = r0 + tl.arange(0, RB)
-        e = tl.sum(((tcum[None, :] <= r[:, None]) & is_e[None, :]).to(tl.int32), axis=1)
-        sel = bins[None, :] == e[:, None]
-        f = tl.sum(tl.where(sel, first[None, :], 0), axis=1)
-        st = tl.sum(tl.where(sel, start[None, :], 0), axis=1)
-        ce = tl.sum(tl.where(sel, cnt[None, :], 0), axis=1)
-        ts = st + (r - f) * BM
-        te = tl.minimum(ts + BM, st + ce)
-        valid = e < E
-        rm = r < R_MAX
-        tl.store(tile_expert_ptr + r, e, mask=rm)
-        tl.store(tile_start_ptr + r, tl.where(valid, ts, 0), mask=rm)
-        tl.store(tile_end_ptr + r, tl.where(valid, te, 0), mask=rm)

@@ -1,0 +1,95 @@
+"""Compile megamoe's Triton kernels for Hopper (sm_90) on any machine, GPU or not, and report their
+resources: a kernel that fails to compile, outgrows shared memory or loses its software pipelining
+shows up here before any GPU time is spent.
+
+    python benchmarks/device/compile_check.py [--json]
+
+Uses the ptxas and cuobjdump that ship inside the Triton wheel. The kernels are compiled with the
+launchers' own compile-time arguments (megamoe.fused.persistent_constexprs / dw_constexprs, the
+CUDA default configs) and with the specialisation a real launch gets on an H200 (every pointer and
+H, I, E divisible by 16; the shapes below). Must run without TRITON_INTERPRET (the interpreter
+replaces the kernels by Python functions at import). tests/test_kernel_compile.py runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
+
+
+def _compile(fn, types: dict, consts: dict, divisible: tuple[str, ...], num_warps: int, num_stages: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in consts else types.get(n, "*i32" if n.endswith("_ptr") else "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n in divisible or (n.endswith("_ptr") and n not in consts)}
+    return triton.compile(ASTSource(fn, sig, consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def _resources(cubin: bytes) -> dict:
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", out))
+    return {k.lower(): int(v) for k, v in found.items()}
+
+
+def check() -> list[dict]:
+    import torch
+
+    from megamoe import fused
+    from megamoe.kernels import moe_kernels as mk
+
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise SystemExit("compile_check: unset TRITON_INTERPRET (the interpreter replaces the kernels)")
+    E = 128  # Qwen3-30B-A3B's expert count (the phase-0 key width depends on it)
+    rows = []
+    for dtype, tname in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        cfg = fused.default_config(dtype, torch.device("cuda"))
+        data = {n: f"*{tname}" for n in ("x_ptr", "w13_ptr", "w2_ptr", "dy_ptr", "act_ptr", "hw_ptr",
+                                          "slot_out_ptr", "out_ptr", "dgu_ptr", "dw13_ptr", "dw2_ptr")}
+        data.update(tw_ptr="*fp32", ids_ptr="*i64", dtw_part_ptr="*fp32", dtw_ptr="*fp32")
+        for is_bwd in (False, True):
+            k = _compile(mk._moe_persistent_kernel, data, fused.persistent_constexprs(cfg, is_bwd, dtype, E),
+                         ("H", "I", "E"), cfg.num_warps, cfg.num_stages)
+            rows.append(dict(kernel="persistent " + ("bwd" if is_bwd else "fwd"), dtype=tname,
+                             shared=k.metadata.shared, async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
+                             **_resources(k.asm["cubin"])))
+        k = _compile(mk._moe_bwd_dw_kernel, data, fused.dw_constexprs(cfg, dtype), ("H", "I"), cfg.dw_warps, cfg.dw_stages)
+        rows.append(dict(kernel="weight gradients", dtype=tname, shared=k.metadata.shared,
+                         async_copies=k.asm["ttgir"].count("async_copy_global_to_local"), **_resources(k.asm["cubin"])))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = ap.parse_args()
+    rows = check()
+    if args.json:
+        print(json.dumps(rows))
+        return
+    print(f"{'kernel':18s} {'dtype':5s} {'shared':>8s} {'async copies':>12s} {'reg':>4s} {'stack':>5s} {'local':>5s}")
+    for r in rows:
+        print(f"{r['kernel']:18s} {r['dtype']:5s} {r['shared']:8d} {r['async_copies']:12d} {r.get('reg', -1):4d} "
+              f"{r.get('stack', -1):5d} {r.get('local', -1):5d}")
+
+
+if __name__ == "__main__":
+    main()
