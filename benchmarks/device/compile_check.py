@@ -77,10 +77,91 @@ def check() -> list[dict]:
     return rows
 
 
+def warp_specialize_probe() -> dict:
+    """Does Triton's `tl.range(..., warp_specialize=True)` produce a warp-specialised loop on sm_90?
+    Compiles one GEMM loop three ways: every operand through a TMA descriptor, the weight through a
+    descriptor and gathered token rows through pointers (the shape of the MoE kernels' GEMM1), and
+    plain pointer loads, each with 4 and 8 warps. Returns {variant: what the compiler made of it}
+    (the number of ttg.warp_specialize ops in the TTGIR, or the compiler's error)."""
+    import importlib.util
+
+    import triton
+    import triton.language as tl  # noqa: F401  (used by the probe source)
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    src = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def all_tma(a_desc, b_desc, c_ptr, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, warp_specialize=True):
+        acc = tl.dot(a_desc.load([tl.program_id(0) * BM, k0]), b_desc.load([0, k0]).T, acc)
+    tl.store(c_ptr + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :], acc.to(tl.bfloat16))
+
+
+@triton.jit
+def gathered_rows(a_ptr, idx_ptr, b_desc, c_ptr, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    rows = tl.load(idx_ptr + tl.program_id(0) * BM + tl.arange(0, BM))
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, warp_specialize=True):
+        a = tl.load(a_ptr + rows[:, None] * K + (k0 + tl.arange(0, BK))[None, :])
+        acc = tl.dot(a, b_desc.load([0, k0]).T, acc)
+    tl.store(c_ptr + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :], acc.to(tl.bfloat16))
+
+
+@triton.jit
+def pointers(a_ptr, b_ptr, c_ptr, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, warp_specialize=True):
+        ks = k0 + tl.arange(0, BK)
+        a = tl.load(a_ptr + (tl.program_id(0) * BM + tl.arange(0, BM))[:, None] * K + ks[None, :])
+        b = tl.load(b_ptr + tl.arange(0, BN)[None, :] * K + ks[:, None])
+        acc = tl.dot(a, b, acc)
+    tl.store(c_ptr + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :], acc.to(tl.bfloat16))
+"""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "ws_probe.py")
+        with open(path, "w") as f:
+            f.write(src)
+        spec = importlib.util.spec_from_file_location("ws_probe", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        desc = "tensordesc<bf16[128, 64]>"
+        sigs = {
+            "all_tma": dict(a_desc=desc, b_desc=desc, c_ptr="*bf16", K="i32"),
+            "gathered_rows": dict(a_ptr="*bf16", idx_ptr="*i32", b_desc=desc, c_ptr="*bf16", K="i32"),
+            "pointers": dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", K="i32"),
+        }
+        out = {}
+        for name, sig in sigs.items():
+            for warps in (4, 8):
+                fn = getattr(mod, name)
+                consts = dict(BM=128, BN=128, BK=64)
+                full = {**sig, **{k: "constexpr" for k in consts}}
+                attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t != desc}
+                try:
+                    k = triton.compile(ASTSource(fn, full, consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                                       options=dict(num_warps=warps, num_stages=3))
+                    out[f"{name}, {warps} warps"] = f"{k.asm['ttgir'].count('ttg.warp_specialize')} warp-specialised loop(s)"
+                except Exception as exc:  # noqa: BLE001  (a compiler failure is a result here)
+                    out[f"{name}, {warps} warps"] = f"compile error: {type(exc).__name__}: {str(exc)[:60]}"
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    ap.add_argument("--warp-specialize-probe", action="store_true",
+                    help="only report where Triton's warp_specialize applies on sm_90")
     args = ap.parse_args()
+    if args.warp_specialize_probe:
+        for name, what in warp_specialize_probe().items():
+            print(f"{name:24s} {what}")
+        return
     rows = check()
     if args.json:
         print(json.dumps(rows))
