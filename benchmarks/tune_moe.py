@@ -51,9 +51,6 @@ def main():
     E, H, I, k = SHAPES[args.shape]  # noqa: E741
     inputs = {T: make_inputs(E, H, I, k, T) for T in args.tokens}
     flops = {T: 6.0 * T * k * H * I for T in inputs}
-    for T, (x, w13, w2, tw, ids) in inputs.items():
-        ms = time_ms(lambda: fused.routing_metadata(ids, E, 128), args.reps)
-        print(f"torch-op routing metadata alone (not used on GPUs) T={T}: {ms:.3f} ms", flush=True)
     ref_out = {}
     print("forward: one persistent launch (routing metadata included)")
     for c in [KernelConfig()] + FWD:

@@ -43,11 +43,6 @@ class RoutingMeta:
     sorted_slot: torch.Tensor   # int64 [N]   slot indices (t*K + j) sorted by id, stable: -1 slots first
     expert_start: torch.Tensor  # int32 [E]   first sorted row of each expert
     expert_count: torch.Tensor  # int32 [E]   rows of each expert
-    tile_expert: torch.Tensor   # int32 [R_max] expert of each row tile (E past the last valid tile)
-    tile_start: torch.Tensor    # int32 [R_max]
-    tile_end: torch.Tensor      # int32 [R_max]
-    num_tiles: torch.Tensor     # int32 [1]   R (valid tiles), on the device
-    r_max: int                  # host-side upper bound of R, from shapes only
 
 
 def _r_max(N: int, E: int, BM: int) -> int:
@@ -55,36 +50,18 @@ def _r_max(N: int, E: int, BM: int) -> int:
     return (N + BM - 1) // BM + E
 
 
-def routing_metadata(topk_ids_Tk: torch.Tensor, E: int, BM: int) -> RoutingMeta:
-    """Per-expert counts, offsets, the id-sorted slot permutation and the BM-row tile table, in
-    torch ops: the CPU backend's metadata and the exact reference for the Triton kernel's phase 0
-    (which computes the same permutation with a stable counting sort inside the persistent launch).
-    The table is sized by the bound ceil(N / BM) + E (shapes only).
-    """
+def routing_metadata(topk_ids_Tk: torch.Tensor, E: int) -> RoutingMeta:
+    """Per-expert counts, offsets and the id-sorted slot permutation, in torch ops: the CPU
+    backend's metadata and the exact reference for the Triton kernel's phase 0 (which computes the
+    same permutation with a stable counting sort inside the persistent launch)."""
     ids = topk_ids_Tk.reshape(-1)
-    N = ids.numel()
-    dev = ids.device
     _, sorted_slot = torch.sort(ids, stable=True)
-    r_max = _r_max(N, E, BM)
     ids_m = torch.where(ids < 0, torch.full_like(ids, E), ids).long()
-    counts = torch.zeros(E + 1, dtype=torch.int32, device=dev).scatter_add_(
+    counts = torch.zeros(E + 1, dtype=torch.int32, device=ids.device).scatter_add_(
         0, ids_m, torch.ones_like(ids_m, dtype=torch.int32))
-    n_drop = counts[E:]
     count_e = counts[:E]
-    start_e = torch.cumsum(count_e, 0, dtype=torch.int32) - count_e + n_drop
-    tiles_e = (count_e + (BM - 1)) // BM
-    tiles_cum = torch.cumsum(tiles_e, 0, dtype=torch.int32)
-    r = torch.arange(r_max, dtype=torch.int32, device=dev)
-    tile_e = torch.searchsorted(tiles_cum, r, right=True).to(torch.int32)
-    ec = tile_e.clamp(max=E - 1).long()
-    valid = tile_e < E
-    tile_start = start_e[ec] + (r - (tiles_cum[ec] - tiles_e[ec])) * BM
-    tile_end = torch.minimum(tile_start + BM, start_e[ec] + count_e[ec])
-    zero = torch.zeros_like(tile_start)
-    return RoutingMeta(sorted_slot, start_e.contiguous(), count_e.contiguous(), tile_e,
-                       torch.where(valid, tile_start, zero).to(torch.int32),
-                       torch.where(valid, tile_end, zero).to(torch.int32),
-                       tiles_cum[-1:].contiguous(), r_max)
+    start_e = torch.cumsum(count_e, 0, dtype=torch.int32) - count_e + counts[E:]  # after the -1 slots
+    return RoutingMeta(sorted_slot, start_e.contiguous(), count_e.contiguous())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,14 +219,9 @@ def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg
     nb = -(-N // cfg.BLK)
     # metadata in one int32 allocation: sorted_slot, inv_slot, key_start, key_count, tile_cum,
     # num_tiles, block histograms
-    m = torch.empty(2 * N + 2 * (E + 1) + E + 1 + nb * (E + 1), dtype=torch.int32, device=dev)
-    o = [0]
-
-    def take(n):
-        o[0] += n
-        return m[o[0] - n:o[0]]
-    sorted_slot, inv_slot, key_start, key_count, tile_cum, num_tiles, blk = (
-        take(N), take(N), take(E + 1), take(E + 1), take(E), take(1), take(nb * (E + 1)))
+    sizes = [N, N, E + 1, E + 1, E, 1, nb * (E + 1)]
+    sorted_slot, inv_slot, key_start, key_count, tile_cum, num_tiles, blk = torch.empty(
+        sum(sizes), dtype=torch.int32, device=dev).split(sizes)
     act = alloc.empty(N, (2 * I) if is_bwd else I, dtype=dtype, device=dev)
     hw = alloc.empty(N, I, dtype=dtype, device=dev) if is_bwd else act
     dtw_part = alloc.empty(N, n1, dtype=torch.float32, device=dev) if is_bwd else tw
@@ -400,7 +372,7 @@ def fused_moe_fwd(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk, *,
     if s.T == 0:
         return x.new_zeros(0, s.H)
     if backend == "torch":
-        meta = routing_metadata(ids, s.E, _CPU_ROWS)
+        meta = routing_metadata(ids, s.E)
         return _fwd_torch(x, w13, w2, tw, ids, meta, s.T, s.H, s.I, s.k)
     out, *_ = _launch_persistent(False, x, w13, w2, tw, ids, None, s.T, s.H, s.I, s.E, s.k, _config(x))
     return out
@@ -423,7 +395,7 @@ def fused_moe_bwd(dy_TH, x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk, *
         return (x.new_zeros(0, s.H), torch.zeros_like(w13), torch.zeros_like(w2),
                 topk_weights_Tk.new_zeros(0, s.k))
     if backend == "torch":
-        meta = routing_metadata(ids, s.E, _CPU_ROWS)
+        meta = routing_metadata(ids, s.E)
         dx, dw13, dw2, dtw = _bwd_torch(dy, x, w13, w2, tw, ids, meta, s.T, s.H, s.I, s.k)
         return dx, dw13, dw2, dtw.to(topk_weights_Tk.dtype)
     cfg = _config(x)

@@ -231,26 +231,31 @@ def test_kernel_metadata_equals_torch_metadata(T, E, k, drop, routing, BM, BLK):
         pytest.skip("needs a GPU or the Triton interpreter")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     p = make_problem(T, 16, 16, E, k, drop_frac=drop, routing=routing, seed=3, device=device)
-    a = routing_metadata(p.topk_ids, E, BM)
+    a = routing_metadata(p.topk_ids, E)
     cfg = dataclasses.replace(_config(p.x), BM=BM, BLK=BLK, SUB=min(16, BLK))
     *_, b = _launch_persistent(False, p.x, p.w13, p.w2, p.topk_weights, p.topk_ids.contiguous(), None,
                                T, 16, 16, E, k, cfg)
-    for f in ("sorted_slot", "expert_start", "expert_count", "num_tiles"):
-        assert torch.equal(getattr(a, f).long().cpu(), getattr(b, f).long().cpu()), f
-    tiles = (a.expert_count.long() + BM - 1) // BM
-    assert torch.equal(torch.cumsum(tiles, 0).cpu(), b.tile_cum.long().cpu())
-    ids = p.topk_ids.reshape(-1)
+    b = {f: getattr(b, f).long().cpu() for f in ("sorted_slot", "inv_slot", "expert_start", "expert_count",
+                                                   "tile_cum", "num_tiles")}
+    for f in ("sorted_slot", "expert_start", "expert_count"):
+        assert torch.equal(getattr(a, f).long().cpu(), b[f]), f
+    tiles = (a.expert_count.long().cpu() + BM - 1) // BM
+    assert torch.equal(torch.cumsum(tiles, 0), b["tile_cum"]) and int(b["num_tiles"]) == int(tiles.sum())
+    ids = p.topk_ids.reshape(-1).cpu()
     valid = (ids >= 0).nonzero().flatten()
     # the inverse permutation, for every valid slot
-    assert torch.equal(b.sorted_slot.long()[b.inv_slot.long()[valid]].cpu(), valid.cpu())
-    # and the torch table describes the routing: every valid slot in exactly one tile of its expert
-    R = int(a.num_tiles)
+    assert torch.equal(b["sorted_slot"][b["inv_slot"][valid]], valid)
+    # and the tiles the kernel derives from tile_cum (tile r: expert = number of experts whose
+    # cumulative tile count is <= r) cover every valid slot exactly once, each with its own expert
     seen = []
-    for r in range(R):
-        e, s, t = int(a.tile_expert[r]), int(a.tile_start[r]), int(a.tile_end[r])
+    for r in range(int(b["num_tiles"])):
+        e = int((b["tile_cum"] <= r).sum())
+        first = int(b["tile_cum"][e - 1]) if e > 0 else 0
+        s = int(b["expert_start"][e]) + (r - first) * BM
+        t = min(s + BM, int(b["expert_start"][e] + b["expert_count"][e]))
         assert 0 < t - s <= BM
-        slots = a.sorted_slot[s:t]
+        slots = b["sorted_slot"][s:t]
         assert bool((ids[slots] == e).all())
         seen.append(slots)
     seen = torch.cat(seen) if seen else torch.zeros(0, dtype=torch.long)
-    assert torch.equal(torch.sort(seen.cpu()).values, valid.cpu())
+    assert torch.equal(torch.sort(seen).values, valid)
