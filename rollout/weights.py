@@ -261,13 +261,13 @@ def bucket_folder(nbytes: int) -> Path:
     import shutil
     import tempfile
 
-    shm = Path("/dev/shm")
-    base = Path(tempfile.gettempdir())
-    if shm.is_dir() and os.access(shm, os.W_OK):
+    shm, tmp = Path("/dev/shm"), Path(tempfile.gettempdir())
+    use_shm = shm.is_dir() and os.access(shm, os.W_OK)
+    if use_shm:
         _remove_orphans(shm)
-        if shutil.disk_usage(shm).free >= nbytes * 1.1 + (64 << 20):
-            base = shm
-    _remove_orphans(base)
+    base = shm if use_shm and shutil.disk_usage(shm).free >= nbytes * 1.1 + (64 << 20) else tmp
+    if base == tmp:
+        _remove_orphans(tmp)
     return Path(tempfile.mkdtemp(prefix=f"{_FOLDER_PREFIX}{os.getpid()}-", dir=str(base)))
 
 
