@@ -30,8 +30,9 @@ FWD = [
 BWD = [
     KernelConfig(BKR=32, dw_stages=4),
     KernelConfig(BMW=128, BNW=256),
-    KernelConfig(BMW=128, BNW=128, dw_warps=4, dw_stages=4),
-    KernelConfig(BKR=128, dw_stages=2),
+    KernelConfig(BMW=128, BNW=128),
+    KernelConfig(BMW=128, BNW=128, dw_stages=4),
+    KernelConfig(BMW=256, BNW=128, dw_stages=2),
 ]
 
 

@@ -96,7 +96,7 @@ def _block_keys(ids_ptr, b, c, N, E, BLK: tl.constexpr, SUB: tl.constexpr):
     return offs, key
 
 
-@triton.jit
+@triton.jit(noinline=True)  # inlined, it pushes the GEMM loops past 255 registers (a stack frame)
 def _metadata_item(p0, ids_ptr, blk_ptr, key_start_ptr, key_count_ptr, tile_cum_ptr, num_tiles_ptr,
                    sorted_slot_ptr, inv_slot_ptr, ctr_ptr, N, E, NB, BM,
                    BLK: tl.constexpr, SUB: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr):
