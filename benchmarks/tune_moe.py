@@ -28,11 +28,16 @@ FWD = [
     KernelConfig(BLK=512),
 ]
 BWD = [
-    KernelConfig(BKR=32, dw_stages=4),
-    KernelConfig(BMW=128, BNW=256),
-    KernelConfig(BMW=128, BNW=128),
-    KernelConfig(BMW=128, BNW=128, dw_stages=4),
-    KernelConfig(BMW=256, BNW=128, dw_stages=2),
+    KernelConfig(BMW=256, BNW=128),
+    KernelConfig(dw_stages=3),
+    KernelConfig(BMW=128, BNW=256, dw_stages=3),
+    KernelConfig(BKR=32),
+]
+
+# the training path: the forward saves (gate, up), the backward's persistent launch reads it
+GU = [
+    KernelConfig(BN1=64),
+    KernelConfig(bwd_BN1=32),   # (bwd_BN1=128 needs 245760 bytes of shared memory: over the limit)
 ]
 
 
@@ -97,6 +102,30 @@ def main():
             err = max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(dw, ref_dw))
             print(f"  [{short(c)}] T={T} persistent {ms_p:.3f} ms ({10 / 6 * flops[T] / ms_p / 1e9:.0f} TF/s) | "
                   f"dW {ms_w:.3f} ms ({flops[T] / ms_w / 1e9:.0f} TF/s) err {err:.1e}", flush=True)
+    # FLOPs: the backward persistent launch reading (gate, up): dA 2TkHI + dx 4TkHI = the forward's
+    print("training path: forward writing (gate, up) | backward persistent reading it (vs recomputing: err = max rel diff of dx)")
+    for T, (x, w13, w2, tw, ids) in inputs.items():
+        if T < 4096:
+            continue
+        dy = torch.randn_like(x)
+        for c in [KernelConfig()] + GU:
+            try:
+                fw = fused._launch_persistent(False, x, w13, w2, tw, ids, None, T, H, I, E, k, c, save_gu=True)
+                ms_f = time_ms(lambda: fused._launch_persistent(False, x, w13, w2, tw, ids, None, T, H, I, E, k, c,
+                                                                save_gu=True), args.reps)
+                gu = fw[-1]
+                bw = fused._launch_persistent(True, x, w13, w2, tw, ids, dy, T, H, I, E, k, c, gu=gu)
+                ms_b = time_ms(lambda: fused._launch_persistent(True, x, w13, w2, tw, ids, dy, T, H, I, E, k, c, gu=gu),
+                               args.reps)
+                rc = fused._launch_persistent(True, x, w13, w2, tw, ids, dy, T, H, I, E, k, c)
+            except Exception as exc:  # noqa: BLE001
+                print(f"  [{short(c)}] FAILED {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                continue
+            err = float((bw[0].float() - rc[0].float()).abs().max() / rc[0].float().abs().max())
+            same = torch.equal(bw[0], rc[0]) and torch.equal(bw[1], rc[1])
+            print(f"  [{short(c)}] T={T} fwd+gu {ms_f:.3f} ms ({flops[T] / ms_f / 1e9:.0f} TF/s) | bwd persistent "
+                  f"from gu {ms_b:.3f} ms ({flops[T] / ms_b / 1e9:.0f} TF/s) | bitwise = recompute: {same} err {err:.1e}",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -14,12 +14,19 @@ the input dtype; then each token's K slot rows summed in slot order (j = 0..K-1)
 rounded once. No float atomics anywhere, so results are deterministic and a token's output does not
 depend on the other tokens of the batch (tile and block sizes never depend on T).
 
-Memory. The backward saves only the op's inputs (x, w13, w2, topk_weights, topk_ids) and recomputes
-GEMM1 and the routing metadata: 0 bytes of saved activations per token beyond x itself (the
-unfused path saves its permuted x, gate/up, activation and expert outputs: about
-(H + 3I + H) * K * 2 bytes per token in bf16). Transient backward workspace, freed on return:
-per token K * (2I + I + H) elements of the input dtype plus K * (ceil(I / BN1) + 1) fp32, and
-int32 routing metadata (2K per token, plus (E + 1) per block of 1024 slots).
+The backward differentiates at the GEMM1 result (gate, up) rounded to the input dtype (as the
+unfused path, which keeps gate/up in that dtype, does).
+
+Memory. When autograd needs the backward (`megamoe_moe` with grad enabled and an input requiring
+grad), the forward also writes (gate, up) and the op saves it with its inputs: K * 2I elements of
+the input dtype per token (Qwen3-30B-A3B, bf16: 24.6 KB per token), so the backward skips GEMM1.
+Without it (`fused_moe_bwd(..., gu=None)`, the `megamoe::fused_moe` op's own autograd) the backward
+recomputes GEMM1 and rounds it the same way, and nothing beyond the inputs is saved. The unfused
+path saves its permuted x, gate/up, activation and expert outputs: about (H + 3I + H) * K * 2 bytes
+per token in bf16 (102 KB for Qwen3). Inference (no grad) writes no (gate, up). Transient backward
+workspace, freed on return: per token K * (2I + I + H) elements of the input dtype plus
+K * (ceil(I / BN1) + 1) fp32, and int32 routing metadata (2K per token, plus (E + 1) per block of
+1024 slots).
 """
 
 from __future__ import annotations
@@ -84,11 +91,13 @@ class KernelConfig:
     lag: int | None = None          # None: about two waves of programs (see _default_lag)
     programs: int | None = None     # None: one per SM
     # weight-gradient kernel
-    BMW: int = 256
+    # H200, Qwen3, T=4096 / 16384 (benchmarks/RESULTS.md, 2026-12-01): 128x128 with 2 stages 1.28 / 3.87 ms
+    # (121 registers, two programs per SM) vs 256x128 1.60 / 4.82; 3 or 4 stages slower
+    BMW: int = 128
     BNW: int = 128
     BKR: int = 64
     dw_warps: int = 8
-    dw_stages: int = 3
+    dw_stages: int = 2
 
 
 def _interpreting() -> bool:
@@ -206,13 +215,17 @@ class KernelMeta:
     num_tiles: torch.Tensor     # [1]   R
 
 
-def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg: KernelConfig):
-    """One persistent launch: routing metadata, then the forward (or the backward but dW)."""
+def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg: KernelConfig,
+                       gu: torch.Tensor | None = None, save_gu: bool = False):
+    """One persistent launch: routing metadata, then the forward (or the backward but dW).
+    Forward with save_gu: also returns (gate, up) [N, 2I] in sorted rows; backward with gu: reads it
+    instead of recomputing GEMM1."""
     from megamoe.kernels.moe_kernels import CTR_SLOTS, _moe_persistent_kernel
 
     N = T * K
     dev, dtype = x.device, x.dtype
-    consts = persistent_constexprs(cfg, is_bwd, dtype, E)
+    use_gu = gu is not None if is_bwd else save_gu
+    consts = persistent_constexprs(cfg, is_bwd, dtype, E, gu=use_gu)
     n1 = -(-I // consts["BN1"])
     n2 = -(-H // cfg.BN2)
     r_max = _r_max(N, E, cfg.BM)
@@ -228,22 +241,27 @@ def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg
     dtw = alloc.empty(N, dtype=torch.float32, device=dev) if is_bwd else tw
     slot_out = alloc.empty(N, H, dtype=dtype, device=dev)
     out = alloc.empty(T, H, dtype=dtype, device=dev)
+    if not is_bwd and save_gu:
+        # zeros: the rows of dropped (-1) slots are never written, and an op output must not hold
+        # whatever memory held before (opcheck compares two runs)
+        gu = torch.zeros(N, 2 * I, dtype=dtype, device=dev)
     ctr = _counters(dev, r_max)
     programs = _num_programs(dev, cfg)
     lag = cfg.lag if cfg.lag is not None else _default_lag(programs, n1, n2)
     _moe_persistent_kernel[(programs,)](
         x, w13, w2, tw, ids, dy if dy is not None else x,
         sorted_slot, inv_slot, key_start, key_count, tile_cum, num_tiles, blk,
-        act, hw, dtw_part, dtw, slot_out, out, ctr, ctr[CTR_SLOTS.value:],
+        act, hw, gu if use_gu else act, dtw_part, dtw, slot_out, out, ctr, ctr[CTR_SLOTS.value:],
         T, N, E, H, I, K, lag, r_max, nb, **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     meta = KernelMeta(sorted_slot, inv_slot, key_start[1:], key_count[1:], tile_cum, num_tiles)
-    return out, act, hw, dtw, meta
+    return out, act, hw, dtw, meta, (gu if use_gu and not is_bwd else None)
 
 
-def persistent_constexprs(cfg: KernelConfig, is_bwd: bool, dtype: torch.dtype, E: int) -> dict:
-    """The persistent kernel's compile-time arguments (tests/test_kernel_compile.py compiles with them)."""
+def persistent_constexprs(cfg: KernelConfig, is_bwd: bool, dtype: torch.dtype, E: int, gu: bool = False) -> dict:
+    """The persistent kernel's compile-time arguments (tests/test_kernel_compile.py compiles with them).
+    gu: the forward writes (gate, up) / the backward reads it instead of recomputing GEMM1."""
     kb = max(16, _next_pow2(E + 1))  # keys: id + 1 in [0, E]
-    return dict(IS_BWD=is_bwd, BM=cfg.BM, BN1=cfg.bwd_BN1 if is_bwd else cfg.BN1, BK1=cfg.BK1, BN2=cfg.BN2,
+    return dict(IS_BWD=is_bwd, GU=gu, BM=cfg.BM, BN1=cfg.bwd_BN1 if is_bwd else cfg.BN1, BK1=cfg.BK1, BN2=cfg.BN2,
                 BK2=cfg.BK2, BT=cfg.BT, BH=cfg.BH, BLK=cfg.BLK, SUB=cfg.SUB or max(16, min(cfg.BLK, 8192 // kb)),
                 KB=kb, CB=max(16, 8192 // kb), DOT_PRECISION=_dot_precision(dtype))
 
@@ -263,7 +281,7 @@ def _launch_dw(x, dy, dgu, hw, meta: KernelMeta, E, H, I, K, cfg: KernelConfig):
     dw2 = alloc.empty(E, H, I, dtype=x.dtype, device=x.device)
     per_e = (-(-2 * I // cfg.BMW)) * (-(-H // cfg.BNW)) + (-(-H // cfg.BMW)) * (-(-I // cfg.BNW))
     _moe_bwd_dw_kernel[(E * per_e,)](
-        x, dy, dgu, hw, meta.sorted_slot, meta.expert_start, meta.expert_count, dw13, dw2, H, I, K,
+        x, dy, dgu, hw, meta.sorted_slot, meta.expert_start, meta.expert_count, dw13, dw2, E, H, I, K,
         **dw_constexprs(cfg, x.dtype), num_warps=cfg.dw_warps, num_stages=cfg.dw_stages,
     )
     return dw13, dw2
@@ -304,22 +322,26 @@ def _combine_slots(slot_out_NH: torch.Tensor, ids_Tk: torch.Tensor, dtype: torch
     return acc.to(dtype)
 
 
-def _fwd_torch(x, w13, w2, tw, ids, meta: RoutingMeta, T, H, I, K):
+def _fwd_torch(x, w13, w2, tw, ids, meta: RoutingMeta, T, H, I, K, save_gu: bool = False):
+    """y, and (gate, up) [N, 2I] in sorted rows rounded to x's dtype when save_gu (else None)."""
     dtype = x.dtype
     slot_out = torch.zeros(T * K, H, dtype=dtype)
+    gu_saved = torch.zeros(T * K, 2 * I, dtype=dtype, device=x.device) if save_gu else None  # -1 slots: 0
     sorted_slot = meta.sorted_slot.long()
     for e, (s, n) in enumerate(zip(meta.expert_start.tolist(), meta.expert_count.tolist())):
         if n == 0:
             continue
         slot = sorted_slot[s:s + n]
         gu = rows_mm(x[slot // K].float(), w13[e].float().t())
+        if gu_saved is not None:
+            gu_saved[s:s + n] = gu.to(dtype)
         h = _blockwise(lambda g, u: F.silu(g) * u, gu[:, :I], gu[:, I:]).to(dtype)
         o = rows_mm(h.float(), w2[e].float().t()) * tw.reshape(-1)[slot].float()[:, None]
         slot_out[slot] = o.to(dtype)
-    return _combine_slots(slot_out, ids, dtype)
+    return _combine_slots(slot_out, ids, dtype), gu_saved
 
 
-def _bwd_torch(dy, x, w13, w2, tw, ids, meta: RoutingMeta, T, H, I, K):
+def _bwd_torch(dy, x, w13, w2, tw, ids, meta: RoutingMeta, T, H, I, K, gu_saved=None):
     dtype = x.dtype
     dx_slot = torch.zeros(T * K, H, dtype=dtype)
     dw13 = torch.zeros_like(w13)
@@ -334,7 +356,10 @@ def _bwd_torch(dy, x, w13, w2, tw, ids, meta: RoutingMeta, T, H, I, K):
         xe = x[tok].float()
         dye = dy[tok].float()
         w = tw.reshape(-1)[slot].float()[:, None]
-        gu = rows_mm(xe, w13[e].float().t())
+        if gu_saved is not None:
+            gu = gu_saved[s:s + n].float()
+        else:  # recomputed and rounded as the forward saves it
+            gu = rows_mm(xe, w13[e].float().t()).to(dtype).float()
         g, u = gu[:, :I], gu[:, I:]
         sg = _blockwise(torch.sigmoid, g)
         h = (g * sg * u).to(dtype).float()
@@ -360,9 +385,12 @@ def _prep(x, w13, w2, tw, ids):
 
 
 def fused_moe_fwd(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk, *,
-                  backend: str | None = None, check: bool = True) -> torch.Tensor:
-    """y[T,H]. backend: None (triton on CUDA, torch on CPU), "triton" (CUDA, or the interpreter
-    on CPU with TRITON_INTERPRET=1) or "torch". Never falls back: an unusable backend raises."""
+                  backend: str | None = None, check: bool = True, save_gu: bool = False):
+    """y[T,H]; with save_gu, (y, gu) where gu [T*k, 2I] is the GEMM1 result (gate, up) rounded to
+    x's dtype, in the op's internal expert-sorted row order: pass it to `fused_moe_bwd(..., gu=gu)`
+    with the same inputs. backend: None (triton on CUDA, torch on CPU), "triton" (CUDA, or the
+    interpreter on CPU with TRITON_INTERPRET=1) or "torch". Never falls back: an unusable backend
+    raises."""
     if check:
         s = check_moe_inputs(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk, check_ids=not x_TH.is_cuda)
     else:
@@ -370,36 +398,45 @@ def fused_moe_fwd(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk, *,
     backend = _pick_backend(x_TH, backend)
     x, w13, w2, tw, ids = _prep(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk)
     if s.T == 0:
-        return x.new_zeros(0, s.H)
-    if backend == "torch":
+        y, gu = x.new_zeros(0, s.H), x.new_zeros(0, 2 * s.I)
+    elif backend == "torch":
         meta = routing_metadata(ids, s.E)
-        return _fwd_torch(x, w13, w2, tw, ids, meta, s.T, s.H, s.I, s.k)
-    out, *_ = _launch_persistent(False, x, w13, w2, tw, ids, None, s.T, s.H, s.I, s.E, s.k, _config(x))
-    return out
+        y, gu = _fwd_torch(x, w13, w2, tw, ids, meta, s.T, s.H, s.I, s.k, save_gu=save_gu)
+    else:
+        y, *_, gu = _launch_persistent(False, x, w13, w2, tw, ids, None, s.T, s.H, s.I, s.E, s.k, _config(x),
+                                       save_gu=save_gu)
+    return (y, gu) if save_gu else y
 
 
 def fused_moe_bwd(dy_TH, x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk, *,
-                  backend: str | None = None):
+                  backend: str | None = None, gu: torch.Tensor | None = None):
     """(dx[T,H], dw13[E,2I,H], dw2[E,H,I], dtopk_weights[T,k]) for upstream gradient dy[T,H].
 
-    Recomputes GEMM1 from the saved inputs. Triton: one persistent launch (recompute + d(gate,up)
-    + per-slot dx + slot-order combine) and one weight-gradient launch.
+    gu: the (gate, up) that `fused_moe_fwd(..., save_gu=True)` returned for these inputs; None
+    recomputes GEMM1 (same result: both round it to x's dtype). Triton: one persistent launch
+    ((gate, up) + d(gate,up) + per-slot dx + slot-order combine) and one weight-gradient launch.
     """
     s = check_moe_inputs(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk, check_ids=False)
     if tuple(dy_TH.shape) != (s.T, s.H):
         raise ValueError(f"dy: expected shape [T={s.T}, H={s.H}], got {tuple(dy_TH.shape)}")
+    if gu is not None and (tuple(gu.shape) != (s.T * s.k, 2 * s.I) or gu.dtype != x_TH.dtype
+                           or gu.device != x_TH.device):
+        raise ValueError(f"gu: expected the [T*k={s.T * s.k}, 2I={2 * s.I}] {x_TH.dtype} tensor on {x_TH.device} "
+                         f"that fused_moe_fwd(..., save_gu=True) returned, got {tuple(gu.shape)} {gu.dtype} on {gu.device}")
     backend = _pick_backend(x_TH, backend)
     x, w13, w2, tw, ids = _prep(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk)
     dy = dy_TH.contiguous().to(x.dtype)
     if s.T == 0:
         return (x.new_zeros(0, s.H), torch.zeros_like(w13), torch.zeros_like(w2),
                 topk_weights_Tk.new_zeros(0, s.k))
+    gu = gu.contiguous() if gu is not None else None
     if backend == "torch":
         meta = routing_metadata(ids, s.E)
-        dx, dw13, dw2, dtw = _bwd_torch(dy, x, w13, w2, tw, ids, meta, s.T, s.H, s.I, s.k)
+        dx, dw13, dw2, dtw = _bwd_torch(dy, x, w13, w2, tw, ids, meta, s.T, s.H, s.I, s.k, gu_saved=gu)
         return dx, dw13, dw2, dtw.to(topk_weights_Tk.dtype)
     cfg = _config(x)
-    dx, dgu, hw, dtw, meta = _launch_persistent(True, x, w13, w2, tw, ids, dy, s.T, s.H, s.I, s.E, s.k, cfg)
+    dx, dgu, hw, dtw, meta, _ = _launch_persistent(True, x, w13, w2, tw, ids, dy, s.T, s.H, s.I, s.E, s.k, cfg,
+                                                   gu=gu)
     dw13, dw2 = _launch_dw(x, dy, dgu, hw, meta, s.E, s.H, s.I, s.k, cfg)
     return dx, dw13, dw2, dtw.reshape(s.T, s.k).to(topk_weights_Tk.dtype)
 
@@ -418,15 +455,27 @@ def _(x, w13, w2, topk_weights, topk_ids):
     return x.new_empty(x.shape)
 
 
+@torch.library.custom_op("megamoe::fused_moe_train", mutates_args=())
+def _fused_moe_train_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward for training: y and the (gate, up) its backward reads instead of recomputing."""
+    return fused_moe_fwd(x, w13, w2, topk_weights, topk_ids, check=False, save_gu=True)
+
+
+@_fused_moe_train_op.register_fake
+def _(x, w13, w2, topk_weights, topk_ids):
+    return x.new_empty(x.shape), x.new_empty(topk_ids.numel(), 2 * w2.shape[2])
+
+
 @torch.library.custom_op("megamoe::fused_moe_bwd", mutates_args=())
 def _fused_moe_bwd_op(dy: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                      topk_weights: torch.Tensor, topk_ids: torch.Tensor
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, gu: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return fused_moe_bwd(dy, x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_bwd(dy, x, w13, w2, topk_weights, topk_ids, gu=gu)
 
 
 @_fused_moe_bwd_op.register_fake
-def _(dy, x, w13, w2, topk_weights, topk_ids):
+def _(dy, x, w13, w2, topk_weights, topk_ids, gu=None):
     return x.new_empty(x.shape), w13.new_empty(w13.shape), w2.new_empty(w2.shape), \
         topk_weights.new_empty(topk_weights.shape)
 
@@ -444,6 +493,25 @@ def _backward(ctx, dy):
 _fused_moe_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _setup_context_train(ctx, inputs, output):
+    ctx.save_for_backward(*inputs, output[1])
+
+
+def _backward_train(ctx, dy, _dgu):
+    # (gate, up) is an internal output: no gradient flows through it
+    x, w13, w2, tw, ids, gu = ctx.saved_tensors
+    dx, dw13, dw2, dtw = _fused_moe_bwd_op(dy, x, w13, w2, tw, ids, gu)
+    return dx, dw13, dw2, dtw, None
+
+
+_fused_moe_train_op.register_autograd(_backward_train, setup_context=_setup_context_train)
+
+
 def megamoe_moe(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk) -> torch.Tensor:
-    """The differentiable `megamoe` implementation (inputs already checked by `megamoe.fused_moe`)."""
-    return _fused_moe_op(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk)
+    """The differentiable `megamoe` implementation (inputs already checked by `megamoe.fused_moe`).
+    When autograd will need the backward, the forward also saves (gate, up) so the backward skips
+    GEMM1; otherwise (inference) it writes only y. Both give the same y bits."""
+    args = (x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in args[:4]):
+        return _fused_moe_train_op(*args)[0]
+    return _fused_moe_op(*args)

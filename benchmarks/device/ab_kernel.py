@@ -21,7 +21,7 @@ from benchmarks.bench_moe import SHAPES, make_inputs, time_ms
 from megamoe import fused as new
 from abold import fused as old
 R = 30
-print("shape T | old fwd | new fwd | new launch only | new fwd graph | old fwd+bwd | new fwd+bwd")
+print("shape T | old fwd | new fwd | new launch only | new fwd graph | old fwd+bwd | new fwd+bwd | new fwd+bwd, (gate, up) saved")
 for name in ("qwen3", "olmoe"):
     E, H, I, k = SHAPES[name]
     for T in (4096, 16384):
@@ -29,15 +29,16 @@ for name in ("qwen3", "olmoe"):
         dy = torch.randn_like(x)
         yo = old.fused_moe_fwd(x, w13, w2, tw, ids, check=False); yn = new.fused_moe_fwd(x, w13, w2, tw, ids, check=False)
         go = old.fused_moe_bwd(dy, x, w13, w2, tw, ids); gn = new.fused_moe_bwd(dy, x, w13, w2, tw, ids)
-        same = torch.equal(yo, yn) and all(torch.equal(a, b) for a, b in zip(go[:3], gn[:3]))
-        dtw_err = float((go[3] - gn[3]).abs().max())
+        same = torch.equal(yo, yn)  # y; the gradients differ by design when the versions round (gate, up) differently
+        grad_err = max(float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(go, gn))
         t = {}
         for rnd in range(2):  # interleaved twice, keep the min of the two medians
             for key, fn in (("old_f", lambda: old.fused_moe_fwd(x, w13, w2, tw, ids, check=False)),
                             ("new_f", lambda: new.fused_moe_fwd(x, w13, w2, tw, ids, check=False)),
                             ("new_l", lambda: new._launch_persistent(False, x, w13, w2, tw, ids, None, T, H, I, E, k, new._config(x))),
                             ("old_fb", lambda: (old.fused_moe_fwd(x, w13, w2, tw, ids, check=False), old.fused_moe_bwd(dy, x, w13, w2, tw, ids))),
-                            ("new_fb", lambda: (new.fused_moe_fwd(x, w13, w2, tw, ids, check=False), new.fused_moe_bwd(dy, x, w13, w2, tw, ids)))):
+                            ("new_fb", lambda: (new.fused_moe_fwd(x, w13, w2, tw, ids, check=False), new.fused_moe_bwd(dy, x, w13, w2, tw, ids))),
+                            ("new_fbs", lambda: new.fused_moe_bwd(dy, x, w13, w2, tw, ids, gu=new.fused_moe_fwd(x, w13, w2, tw, ids, check=False, save_gu=True)[1]))):
                 v = time_ms(fn, R)
                 t[key] = min(v, t.get(key, 1e9))
         g = torch.cuda.CUDAGraph()
@@ -48,4 +49,4 @@ for name in ("qwen3", "olmoe"):
         with torch.cuda.graph(g):
             yg = new.fused_moe_fwd(x, w13, w2, tw, ids, check=False)
         t["new_g"] = time_ms(g.replay, R)
-        print(f"{name} {T} | {t['old_f']:.3f} | {t['new_f']:.3f} | {t['new_l']:.3f} | {t['new_g']:.3f} | {t['old_fb']:.3f} | {t['new_fb']:.3f} | outputs old==new: {same}, dtw max|diff| {dtw_err:.1e}", flush=True)
+        print(f"{name} {T} | {t['old_f']:.3f} | {t['new_f']:.3f} | {t['new_l']:.3f} | {t['new_g']:.3f} | {t['old_fb']:.3f} | {t['new_fb']:.3f} | {t['new_fbs']:.3f} | y old==new: {same}, gradients max rel diff {grad_err:.1e}", flush=True)

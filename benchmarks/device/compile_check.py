@@ -63,12 +63,13 @@ def check() -> list[dict]:
     for dtype, tname in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
         cfg = fused.default_config(dtype, torch.device("cuda"))
         data = {n: f"*{tname}" for n in ("x_ptr", "w13_ptr", "w2_ptr", "dy_ptr", "act_ptr", "hw_ptr",
-                                          "slot_out_ptr", "out_ptr", "dgu_ptr", "dw13_ptr", "dw2_ptr")}
+                                          "slot_out_ptr", "out_ptr", "dgu_ptr", "dw13_ptr", "dw2_ptr", "gu_ptr")}
         data.update(tw_ptr="*fp32", ids_ptr="*i64", dtw_part_ptr="*fp32", dtw_ptr="*fp32")
-        for is_bwd in (False, True):
-            k = _compile(mk._moe_persistent_kernel, data, fused.persistent_constexprs(cfg, is_bwd, dtype, E),
+        for is_bwd, gu in ((False, False), (False, True), (True, False), (True, True)):
+            k = _compile(mk._moe_persistent_kernel, data, fused.persistent_constexprs(cfg, is_bwd, dtype, E, gu=gu),
                          ("H", "I", "E"), cfg.num_warps, cfg.num_stages)
-            rows.append(dict(kernel="persistent " + ("bwd" if is_bwd else "fwd"), dtype=tname,
+            name = ("bwd" if is_bwd else "fwd") + (" gu" if gu else "")
+            rows.append(dict(kernel="persistent " + name, dtype=tname,
                              shared=k.metadata.shared, async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
                              **_resources(k.asm["cubin"])))
         k = _compile(mk._moe_bwd_dw_kernel, data, fused.dw_constexprs(cfg, dtype), ("H", "I"), cfg.dw_warps, cfg.dw_stages)

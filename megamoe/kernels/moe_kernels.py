@@ -15,8 +15,10 @@ atomic counter, so an item is only ever taken by a program that is running:
            0c (block b of slots)  rank of each slot among the block's slots of its key (in slot
                                   order): its sorted row; writes the permutation and its inverse
   phase 1  (tile r, column block of I)  forward: gather x rows, GEMM1 against w13[e], SwiGLU,
-           store the activation h;  backward (IS_BWD): recompute GEMM1, dA = dy W2[e], store
-           d(gate,up) and the weighted activation for dW2, and per-row partial dots for d(topk_weights)
+           store the activation h (and, with GU, the GEMM1 result (gate, up) rounded to the input
+           dtype, for the backward);  backward (IS_BWD): (gate, up) loaded (GU) or recomputed and
+           rounded the same way, dA = dy W2[e], store d(gate,up) and the weighted activation for
+           dW2, and per-row partial dots for d(topk_weights)
   phase 2  (tile r, column block of H)  waits until all phase-1 items of tile r are done, then
            GEMM2 (forward: h @ W2[e]^T, times the routing weight; backward: dgu @ w13[e]) into a
            per-slot row buffer
@@ -158,6 +160,7 @@ def _moe_persistent_kernel(
     # workspaces / outputs
     act_ptr,      # fwd: h [N, I] (sorted rows); bwd: dgu [N, 2I] (sorted rows)
     hw_ptr,       # bwd: w * h [N, I] (sorted rows), for dW2
+    gu_ptr,       # GU: (gate, up) [N, 2I] (sorted rows): written by the forward, read by the backward
     dtw_part_ptr,  # bwd: [N, n1] fp32 partial dots for d(topk_weights) (sorted rows)
     dtw_ptr,      # bwd: [N] fp32 d(topk_weights) (slot order)
     slot_out_ptr,  # [N, H] per-slot rows (indexed by slot)
@@ -165,7 +168,7 @@ def _moe_persistent_kernel(
     ctr_ptr,      # int32 [CTR_SLOTS]: counters (see CTR_*)
     tile_done_ptr,  # int32 [R_MAX]: phase-1 items finished per tile
     T, N, E, H, I, K, LAG, R_MAX, NB,
-    IS_BWD: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
+    IS_BWD: tl.constexpr, GU: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
     BN2: tl.constexpr, BK2: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
     BLK: tl.constexpr, SUB: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -215,25 +218,39 @@ def _moe_persistent_kernel(
                         acc_u = tl.zeros((BM, BN1), dtype=tl.float32)
                         acc_d = tl.zeros((BM, BN1), dtype=tl.float32)
                         w13_e = w13_ptr + e * (2 * I * H)
+                        omask = rmask[:, None] & cmask[None, :]
+                        gu_rows = gu_ptr + rows[:, None] * (2 * I) + cols[None, :]
                         for k0 in range(0, H, BK1):
                             ks = k0 + tl.arange(0, BK1)
                             kmask = ks < H
-                            a = tl.load(x_ptr + tok[:, None] * H + ks[None, :],
-                                        mask=rmask[:, None] & kmask[None, :], other=0.0)
                             bmask = kmask[:, None] & cmask[None, :]
-                            bg = tl.load(w13_e + cols[None, :] * H + ks[:, None], mask=bmask, other=0.0)
-                            bu = tl.load(w13_e + (I + cols[None, :]) * H + ks[:, None], mask=bmask, other=0.0)
-                            acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
-                            acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
+                            if not (IS_BWD and GU):  # GEMM1 (the backward without GU recomputes it)
+                                a = tl.load(x_ptr + tok[:, None] * H + ks[None, :],
+                                            mask=rmask[:, None] & kmask[None, :], other=0.0)
+                                bg = tl.load(w13_e + cols[None, :] * H + ks[:, None], mask=bmask, other=0.0)
+                                bu = tl.load(w13_e + (I + cols[None, :]) * H + ks[:, None], mask=bmask, other=0.0)
+                                acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
+                                acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
                             if IS_BWD:
                                 d = tl.load(dy_ptr + tok[:, None] * H + ks[None, :],
                                             mask=rmask[:, None] & kmask[None, :], other=0.0)
                                 bw = tl.load(w2_ptr + e * (H * I) + ks[:, None] * I + cols[None, :],
                                              mask=bmask, other=0.0)
                                 acc_d = tl.dot(d, bw, acc_d, input_precision=DOT_PRECISION)
+                        if IS_BWD:
+                            # the backward differentiates at (gate, up) rounded to the input dtype,
+                            # whether saved by the forward or recomputed: one semantics
+                            if GU:
+                                acc_g = tl.load(gu_rows, mask=omask, other=0.0).to(tl.float32)
+                                acc_u = tl.load(gu_rows + I, mask=omask, other=0.0).to(tl.float32)
+                            else:
+                                acc_g = acc_g.to(dtype).to(tl.float32)
+                                acc_u = acc_u.to(dtype).to(tl.float32)
+                        elif GU:
+                            tl.store(gu_rows, acc_g.to(dtype), mask=omask)
+                            tl.store(gu_rows + I, acc_u.to(dtype), mask=omask)
                         sg = 1.0 / (1.0 + tl.exp(-acc_g))
                         h = (acc_g * sg * acc_u).to(dtype)
-                        omask = rmask[:, None] & cmask[None, :]
                         if IS_BWD:
                             w = tl.load(tw_ptr + slot, mask=rmask, other=0.0).to(tl.float32)
                             # d(topk_weight) = dy . (W2 h) = (W2^T dy) . h, with h rounded as in the forward
@@ -316,58 +333,64 @@ def _moe_persistent_kernel(
         tl.atomic_xchg(ctr_ptr + CTR_TICKET, 0)  # the ticket counter last
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["E"])
 def _moe_bwd_dw_kernel(
     x_ptr, dy_ptr, dgu_ptr, hw_ptr, sorted_slot_ptr, expert_start_ptr, expert_count_ptr,
-    dw13_ptr, dw2_ptr, H, I, K,
+    dw13_ptr, dw2_ptr, E, H, I, K,
     BMW: tl.constexpr, BNW: tl.constexpr, BKR: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Weight gradients, one output tile per program, summed over the expert's rows in order.
+    """Weight gradients, one output tile per program, each summed over its expert's rows in order.
 
     dW13[e] [2I, H] = dgu_e^T @ x_e     dW2[e] [H, I] = dy_e^T @ (w * h)_e
-    Programs [0, n13) of expert e do dW13 tiles, [n13, n13 + n2) dW2 tiles.
+    Tiles q = [0, n13) of expert e are dW13 tiles, [n13, n13 + n2) dW2 tiles. (A persistent variant,
+    one program per SM looping over the tiles, and TMA stores of the tiles measured no faster on the
+    H200: benchmarks/RESULTS.md.)
     """
-    pid = tl.program_id(0)
+    tile = tl.program_id(0)
     n13_m = tl.cdiv(2 * I, BMW)
     n13_n = tl.cdiv(H, BNW)
-    n2_m = tl.cdiv(H, BMW)
     n2_n = tl.cdiv(I, BNW)
-    per_e = n13_m * n13_n + n2_m * n2_n
-    e = pid // per_e
-    q = pid % per_e
+    n13 = n13_m * n13_n
+    per_e = n13 + tl.cdiv(H, BMW) * n2_n
+    e = tile // per_e
+    q = tile % per_e
     start = tl.load(expert_start_ptr + e)
     count = tl.load(expert_count_ptr + e)
-    acc = tl.zeros((BMW, BNW), dtype=tl.float32)
-    if q < n13_m * n13_n:
-        om = (q // n13_n) * BMW + tl.arange(0, BMW)   # rows of dW13 (2I)
-        on = (q % n13_n) * BNW + tl.arange(0, BNW)    # cols (H)
-        mmask = om < 2 * I
-        nmask = on < H
-        for r0 in range(0, count, BKR):
-            rs = start + r0 + tl.arange(0, BKR)
-            rmask = (r0 + tl.arange(0, BKR)) < count
-            tok = (tl.load(sorted_slot_ptr + rs, mask=rmask, other=0) // K).to(tl.int64)
-            a = tl.load(dgu_ptr + rs[:, None].to(tl.int64) * (2 * I) + om[None, :],
-                        mask=rmask[:, None] & mmask[None, :], other=0.0)
-            b = tl.load(x_ptr + tok[:, None] * H + on[None, :],
-                        mask=rmask[:, None] & nmask[None, :], other=0.0)
-            acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
-        dst = dw13_ptr + e.to(tl.int64) * (2 * I * H) + om[:, None] * H + on[None, :]
-        tl.store(dst, acc.to(dw13_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    # one K loop for both kinds of tile (one software pipeline, so one set of shared buffers):
+    # dW13: A = dgu rows (sorted row), B = x rows (token); dW2: A = dy rows (token), B = w*h rows
+    is13 = q < n13
+    qq = tl.where(is13, q, q - n13)
+    n_cols = tl.where(is13, n13_n, n2_n)
+    m0 = (qq // n_cols) * BMW
+    n0 = (qq % n_cols) * BNW
+    om = m0 + tl.arange(0, BMW)
+    on = n0 + tl.arange(0, BNW)
+    mmask = om < tl.where(is13, 2 * I, H)
+    nmask = on < tl.where(is13, H, I)
+    if is13:
+        a_base = dgu_ptr
+        b_base = x_ptr
     else:
-        q = q - n13_m * n13_n
-        om = (q // n2_n) * BMW + tl.arange(0, BMW)    # rows of dW2 (H)
-        on = (q % n2_n) * BNW + tl.arange(0, BNW)     # cols (I)
-        mmask = om < H
-        nmask = on < I
-        for r0 in range(0, count, BKR):
-            rs = start + r0 + tl.arange(0, BKR)
-            rmask = (r0 + tl.arange(0, BKR)) < count
-            tok = (tl.load(sorted_slot_ptr + rs, mask=rmask, other=0) // K).to(tl.int64)
-            a = tl.load(dy_ptr + tok[:, None] * H + om[None, :],
-                        mask=rmask[:, None] & mmask[None, :], other=0.0)
-            b = tl.load(hw_ptr + rs[:, None].to(tl.int64) * I + on[None, :],
-                        mask=rmask[:, None] & nmask[None, :], other=0.0)
-            acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
-        dst = dw2_ptr + e.to(tl.int64) * (H * I) + om[:, None] * I + on[None, :]
-        tl.store(dst, acc.to(dw2_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+        a_base = dy_ptr
+        b_base = hw_ptr
+    a_stride = tl.where(is13, 2 * I, H).to(tl.int64)
+    b_stride = tl.where(is13, H, I).to(tl.int64)
+    acc = tl.zeros((BMW, BNW), dtype=tl.float32)
+    for r0 in range(0, count, BKR):
+        rs = start + r0 + tl.arange(0, BKR)
+        rmask = (r0 + tl.arange(0, BKR)) < count
+        tok = tl.load(sorted_slot_ptr + rs, mask=rmask, other=0) // K
+        a_row = tl.where(is13, rs, tok).to(tl.int64)
+        b_row = tl.where(is13, tok, rs).to(tl.int64)
+        a = tl.load(a_base + a_row[:, None] * a_stride + om[None, :],
+                    mask=rmask[:, None] & mmask[None, :], other=0.0)
+        b = tl.load(b_base + b_row[:, None] * b_stride + on[None, :],
+                    mask=rmask[:, None] & nmask[None, :], other=0.0)
+        acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
+    omask = mmask[:, None] & nmask[None, :]
+    if is13:
+        tl.store(dw13_ptr + e.to(tl.int64) * (2 * I * H) + om[:, None] * H + on[None, :],
+                 acc.to(dw13_ptr.dtype.element_ty), mask=omask)
+    else:
+        tl.store(dw2_ptr + e.to(tl.int64) * (H * I) + om[:, None] * I + on[None, :],
+                 acc.to(dw2_ptr.dtype.element_ty), mask=omask)
