@@ -22,8 +22,10 @@ grad), the forward also writes (gate, up) and the op saves it with its inputs: K
 the input dtype per token (Qwen3-30B-A3B, bf16: 24.6 KB per token), so the backward skips GEMM1.
 Without it (`fused_moe_bwd(..., gu=None)`, the `megamoe::fused_moe` op's own autograd) the backward
 recomputes GEMM1 and rounds it the same way, and nothing beyond the inputs is saved. The unfused
-path saves its permuted x, gate/up, activation and expert outputs: about (H + 3I + H) * K * 2 bytes
-per token in bf16 (102 KB for Qwen3). Inference (no grad) writes no (gate, up). Transient backward
+`reference` path saves, per token, K rows of its permuted x, gate/up, silu(gate) and activation in
+the input dtype and two fp32 [H] rows (the expert output before and after the routing-weight scale):
+208 KiB per token for Qwen3 in bf16, measured by benchmarks/bench_memory.py (24 KiB for megamoe;
+tests/test_memory.py). Inference (no grad) writes no (gate, up). Transient backward
 workspace, freed on return: per token K * (2I + I + H) elements of the input dtype plus
 K * (ceil(I / BN1) + 1) fp32, and int32 routing metadata (2K per token, plus (E + 1) per block of
 1024 slots).

@@ -127,3 +127,25 @@ def weight_grad_condition(dy_TH: torch.Tensor, truth: MoEProblem, tokens: slice 
             exact.append(prod.sum(-1))
             magnitude.append(prod.abs().sum(-1))
     return max(1.0, float(torch.stack(magnitude).norm() / max(float(torch.stack(exact).norm()), 1e-30)))
+
+
+def saved_for_backward_bytes(fn, *inputs: torch.Tensor, detail: list | None = None) -> tuple[int, int]:
+    """Bytes that autograd keeps alive between `fn(*inputs)` and its backward: (in storages other
+    than the inputs', in all saved storages). Measured with saved-tensor hooks at storage level (a
+    saved view keeps its whole storage alive; a storage saved twice counts once), so it is the
+    backward's activation memory whatever the device, without an allocator. `detail` (a list)
+    receives (shape, dtype, storage bytes, is an input's storage) per saved storage."""
+    inputs_at = {t.untyped_storage().data_ptr() for t in inputs}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in saved and detail is not None:
+            detail.append((tuple(t.shape), t.dtype, storage.nbytes(), storage.data_ptr() in inputs_at))
+        saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*inputs)
+    del out
+    return sum(n for p, n in saved.items() if p not in inputs_at), sum(saved.values())

@@ -252,6 +252,10 @@ def test_gpu_opcheck():
     p = make_problem(64, 128, 64, 8, 2, seed=5, dtype=torch.bfloat16, device="cuda")
     args = tuple(t.clone().requires_grad_(t.is_floating_point()) for t in p.args())
     torch.library.opcheck(torch.ops.megamoe.fused_moe.default, args)
+    torch.library.opcheck(torch.ops.megamoe.fused_moe_train.default, args)
+    g = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    _, gu = fused_moe_fwd(*p.args(), save_gu=True)
+    torch.library.opcheck(torch.ops.megamoe.fused_moe_bwd.default, (g,) + tuple(p.args()) + (gu,))
 
 
 @pytest.mark.parametrize("T,E,k,drop,routing,BM,BLK", [

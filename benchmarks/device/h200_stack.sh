@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's GPU stages on the offline H200 machine (vLLM + Ray, the kernel, EP), stage by stage.
 #   bash benchmarks/device/h200_stack.sh STAGE...     (from the project root; logs under $OUT or runs/h200)
-# Needs the bundles built here first (../shared/device): .gpu-vllm/ and .gpu-ray/ (carry both).
+# The vLLM / Ray / RL stages need the bundles built here first (../shared/device): .gpu-vllm/ and
+# .gpu-ray/ (carry both); the kernel stages (kernel_tests, bench, tune) run without them.
 # Stages: versions | rollout (tests/test_rollout_gpu.py) | consistency_tests (gpu tests of the
 # consistency issue) | invariance | consistency (the CLI, 8 layers H=1024 E=64 k=8 bf16) | rl_megamoe |
 # rl_reference | kernel_tests (op + trainer GPU tests) | bench (bench_moe.py; carry .whl with the
@@ -10,7 +11,10 @@
 set -u
 cd "$(dirname "$0")/../.."
 RUNS=runs/h200; LOG="${OUT:-$RUNS}"; mkdir -p "$RUNS" "$LOG"
-source .gpu-vllm/env.sh; source .gpu-ray/env.sh
+# the bundles, where carried (the kernel stages need neither; the vLLM, Ray and RL stages fail without)
+for b in .gpu-vllm .gpu-ray; do
+  if [ -f "$b/env.sh" ]; then source "$b/env.sh"; else echo "($b not carried: stages that need it will fail)"; fi
+done
 PY=python3
 read -r -a RL_ARGS <<< "${RL_ARGS:-}"   # extra overrides for the RL stages, e.g. RL_ARGS="run.steps=4"
 # The project's metadata (the vllm.general_plugins entry point vLLM loads the hook through); the
