@@ -1,0 +1,35 @@
+"""The CPU-runnable benchmark tools run and print what they claim (their numbers are recorded in
+benchmarks/RESULTS.md; here only that they work, so they do not rot between GPU sessions)."""
+
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args):
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_profile_step_lists_the_step_on_cpu():
+    out = _run("benchmarks/device/profile_step.py", "--shape", "tiny", "--tokens", "16")
+    assert re.search(r"tiny T=16 megamoe on cpu: \d+ events, span [\d.]+ ms", out), out
+    # the training forward and its backward node, in that order
+    assert "megamoe::fused_moe_train" in out and "GeneratedBackwardFor_megamoe_fused_moe_train" in out, out
+    assert out.index("megamoe::fused_moe_train") < out.index("GeneratedBackwardFor_megamoe_fused_moe_train"), out
+
+
+def test_host_overhead_times_each_wrapper():
+    out = _run("benchmarks/host_overhead.py")
+    for name in ("fused_moe_fwd (inference)", "fused_moe_fwd, saving (gate, up)", "fused_moe_bwd, from (gate, up)"):
+        assert re.search(re.escape(name) + r"\s+\d+ us", out), out
+
+
+def test_bench_memory_reports_both_paths():
+    out = _run("benchmarks/bench_memory.py", "--shapes", "qwen3", "--tokens", "8", "--dtype", "float32")
+    # Qwen3 in fp32: megamoe saves exactly k * 2I fp32 per token = 8 * 1536 * 4 bytes = 48 KiB
+    assert re.search(r"\| qwen3 \(128, 2048, 768, 8\) \| 8 \| 48\.0 KiB \| [\d.]+ KiB \| 0\.\d\d \|", out), out
