@@ -217,6 +217,13 @@ class KernelMeta:
     num_tiles: torch.Tensor     # [1]   R
 
 
+def _metadata_buffers(N: int, E: int, nb: int, device) -> tuple[torch.Tensor, ...]:
+    """The routing metadata phase 0 writes, in one int32 allocation: sorted_slot [N], inv_slot [N],
+    key_start [E+1], key_count [E+1], tile_cum [E], num_tiles [1], block histograms [nb, E+1]."""
+    sizes = [N, N, E + 1, E + 1, E, 1, nb * (E + 1)]
+    return torch.empty(sum(sizes), dtype=torch.int32, device=device).split(sizes)
+
+
 def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg: KernelConfig,
                        gu: torch.Tensor | None = None, save_gu: bool = False):
     """One persistent launch: routing metadata, then the forward (or the backward but dW).
@@ -232,11 +239,7 @@ def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg
     n2 = -(-H // cfg.BN2)
     r_max = _r_max(N, E, cfg.BM)
     nb = -(-N // cfg.BLK)
-    # metadata in one int32 allocation: sorted_slot, inv_slot, key_start, key_count, tile_cum,
-    # num_tiles, block histograms
-    sizes = [N, N, E + 1, E + 1, E, 1, nb * (E + 1)]
-    sorted_slot, inv_slot, key_start, key_count, tile_cum, num_tiles, blk = torch.empty(
-        sum(sizes), dtype=torch.int32, device=dev).split(sizes)
+    sorted_slot, inv_slot, key_start, key_count, tile_cum, num_tiles, blk = _metadata_buffers(N, E, nb, dev)
     act = alloc.empty(N, (2 * I) if is_bwd else I, dtype=dtype, device=dev)
     hw = alloc.empty(N, I, dtype=dtype, device=dev) if is_bwd else act
     dtw_part = alloc.empty(N, n1, dtype=torch.float32, device=dev) if is_bwd else tw
@@ -254,18 +257,22 @@ def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg
         x, w13, w2, tw, ids, dy if dy is not None else x,
         sorted_slot, inv_slot, key_start, key_count, tile_cum, num_tiles, blk,
         act, hw, gu if use_gu else act, dtw_part, dtw, slot_out, out, ctr, ctr[CTR_SLOTS.value:],
-        T, N, E, H, I, K, lag, r_max, nb, **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        ctr, ctr, x, ids, tw, out,  # the EP arguments, unused here
+        T, N, E, H, I, K, lag, r_max, nb, 0, 1, 0, 0, 0, 0, 0,
+        **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     meta = KernelMeta(sorted_slot, inv_slot, key_start[1:], key_count[1:], tile_cum, num_tiles)
     return out, act, hw, dtw, meta, (gu if use_gu and not is_bwd else None)
 
 
-def persistent_constexprs(cfg: KernelConfig, is_bwd: bool, dtype: torch.dtype, E: int, gu: bool = False) -> dict:
+def persistent_constexprs(cfg: KernelConfig, is_bwd: bool, dtype: torch.dtype, E: int, gu: bool = False,
+                          ep: bool = False) -> dict:
     """The persistent kernel's compile-time arguments (tests/test_kernel_compile.py compiles with them).
-    gu: the forward writes (gate, up) / the backward reads it instead of recomputing GEMM1."""
+    gu: the forward writes (gate, up) / the backward reads it instead of recomputing GEMM1.
+    ep: the expert-parallel forward (megamoe/ep_fused.py)."""
     kb = max(16, _next_pow2(E + 1))  # keys: id + 1 in [0, E]
     return dict(IS_BWD=is_bwd, GU=gu, BM=cfg.BM, BN1=cfg.bwd_BN1 if is_bwd else cfg.BN1, BK1=cfg.BK1, BN2=cfg.BN2,
                 BK2=cfg.BK2, BT=cfg.BT, BH=cfg.BH, BLK=cfg.BLK, SUB=cfg.SUB or max(16, min(cfg.BLK, 8192 // kb)),
-                KB=kb, CB=max(16, 8192 // kb), DOT_PRECISION=_dot_precision(dtype))
+                KB=kb, CB=max(16, 8192 // kb), DOT_PRECISION=_dot_precision(dtype), EP=ep)
 
 
 def dw_constexprs(cfg: KernelConfig, dtype: torch.dtype) -> dict:

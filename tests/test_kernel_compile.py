@@ -26,7 +26,8 @@ def test_kernels_compile_for_sm90():
     for r in rows:
         print(r)
     kernels = {(r["kernel"], r["dtype"]) for r in rows}
-    names = ("persistent fwd", "persistent fwd gu", "persistent bwd", "persistent bwd gu", "weight gradients")
+    names = ("persistent fwd", "persistent fwd gu", "persistent bwd", "persistent bwd gu", "persistent fwd ep",
+             "weight gradients")
     assert kernels == {(k, d) for k in names for d in ("bf16", "fp32")}
     for r in rows:
         assert 0 < r["shared"] <= SHARED_LIMIT, r

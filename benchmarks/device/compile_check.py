@@ -64,11 +64,14 @@ def check() -> list[dict]:
         cfg = fused.default_config(dtype, torch.device("cuda"))
         data = {n: f"*{tname}" for n in ("x_ptr", "w13_ptr", "w2_ptr", "dy_ptr", "act_ptr", "hw_ptr",
                                           "slot_out_ptr", "out_ptr", "dgu_ptr", "dw13_ptr", "dw2_ptr", "gu_ptr")}
-        data.update(tw_ptr="*fp32", ids_ptr="*i64", dtw_part_ptr="*fp32", dtw_ptr="*fp32")
-        for is_bwd, gu in ((False, False), (False, True), (True, False), (True, True)):
-            k = _compile(mk._moe_persistent_kernel, data, fused.persistent_constexprs(cfg, is_bwd, dtype, E, gu=gu),
+        data.update(tw_ptr="*fp32", ids_ptr="*i64", dtw_part_ptr="*fp32", dtw_ptr="*fp32", ep_ptr="*i64",
+                    xs_ptr=f"*{tname}", ids_src_ptr="*i64", tw_src_ptr="*fp32", y_ptr=f"*{tname}")
+        for is_bwd, gu, ep in ((False, False, False), (False, True, False), (True, False, False), (True, True, False),
+                               (False, False, True)):
+            k = _compile(mk._moe_persistent_kernel, data,
+                         fused.persistent_constexprs(cfg, is_bwd, dtype, E, gu=gu, ep=ep),
                          ("H", "I", "E"), cfg.num_warps, cfg.num_stages)
-            name = ("bwd" if is_bwd else "fwd") + (" gu" if gu else "")
+            name = ("bwd" if is_bwd else "fwd") + (" gu" if gu else "") + (" ep" if ep else "")
             rows.append(dict(kernel="persistent " + name, dtype=tname,
                              shared=k.metadata.shared, async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
                              **_resources(k.asm["cubin"])))

@@ -37,6 +37,16 @@ residency. The last program to leave resets the counters, so the workspace is le
 
 Data written in this launch and read by other programs is read with `.cg` (from L2, not a
 possibly stale L1 line), after an acquire on the counter that publishes it.
+
+EP (constexpr; megamoe/ep_fused.py): the expert-parallel forward of one rank. Tickets [0, ND) are
+dispatch items (BT of the rank's own slots each: ids, weights and token rows stored into every
+owner's receive buffers, addressed through an int64 table of every rank's buffers) and ticket ND
+release-stores the call's epoch into every owner's dispatch pad (system scope); each program then
+waits (bounded) for every source's epoch before phases 0-2, which run unchanged over the W*TMK
+received rows (K = 1). Phase 3 becomes one item that stores the epoch into every source's combine
+pad once all phase-2 items are done, then combine items that wait for every owner's epoch and sum
+each of the rank's tokens' rows, read from the owners' result buffers, in slot order in fp32.
+Without EP these branches compile away (compile_check: same registers and stack).
 """
 
 import triton
@@ -49,7 +59,17 @@ CTR_P2 = tl.constexpr(2)       # phase-2 items finished
 CTR_0A = tl.constexpr(3)       # phase-0a items finished
 CTR_0B = tl.constexpr(4)       # phase-0b finished
 CTR_0C = tl.constexpr(5)       # phase-0c items finished
+CTR_D = tl.constexpr(6)        # EP: dispatch items finished
 CTR_SLOTS = tl.constexpr(8)
+
+# EP: rows of the address table (int64 [EP_ROWS, W], one column per rank)
+EP_RECV_X = tl.constexpr(0)    # [W * TMK, H] token rows received by the rank (source-major)
+EP_RECV_ID = tl.constexpr(1)   # int32 [W * TMK] local expert id of each received row, -1: none
+EP_RECV_W = tl.constexpr(2)    # fp32 [W * TMK] routing weight of each received row
+EP_OUT = tl.constexpr(3)       # [W * TMK, H] result of each received row (weighted), read by its source
+EP_DSIG = tl.constexpr(4)      # int64 [W] dispatch signal pad: entry s = epoch of source s's rows
+EP_CSIG = tl.constexpr(5)      # int64 [W] combine signal pad: entry d = epoch of owner d's results
+EP_ROWS = tl.constexpr(6)
 
 
 @triton.jit
@@ -86,6 +106,27 @@ def _publish(ptr):
     # every thread's stores happen before the release that publishes them
     tl.debug_barrier()
     tl.atomic_add(ptr, 1, sem="release")
+
+
+@triton.jit
+def _ep_addr(ep_ptr, row, rank, W, ty: tl.constexpr):
+    """Base pointer of buffer `row` of `rank` (rank may be a tensor of ranks)."""
+    return tl.load(ep_ptr + row * W + rank).to(tl.pointer_type(ty))
+
+
+@triton.jit(noinline=True)  # inlined, it would spill the GEMM loops' registers
+def _ep_wait_all(pad_ptr, W, epoch, spin_max, err_ptr, code):
+    """Wait (bounded, system-scope acquire) until every entry of a signal pad reaches `epoch`. On
+    time-out: record (code, entry) in err_ptr [2] (first one wins) and go on; the host raises."""
+    for s in range(0, W):
+        c = tl.atomic_add(pad_ptr + s, 0, sem="acquire", scope="sys")
+        n = 0
+        while (c < epoch) & (n < spin_max):
+            c = tl.atomic_add(pad_ptr + s, 0, sem="acquire", scope="sys")
+            n += 1
+        if c < epoch:
+            if tl.atomic_cas(err_ptr, 0, code) == 0:
+                tl.atomic_xchg(err_ptr + 1, s)
 
 
 @triton.jit
@@ -151,7 +192,71 @@ def _metadata_item(p0, ids_ptr, blk_ptr, key_start_ptr, key_count_ptr, tile_cum_
         _publish(ctr_ptr + CTR_0C)
 
 
-@triton.jit(do_not_specialize=["T", "N", "LAG", "R_MAX", "NB"])
+@triton.jit(noinline=True)  # inlined, it would spill the GEMM loops' registers
+def _ep_dispatch_item(b, ep_ptr, xs_ptr, ids_src_ptr, tw_src_ptr, ctr_ptr, RANK, W, L, H, TS, SK, TMK,
+                      BT: tl.constexpr, BH: tl.constexpr):
+    """EP dispatch of source slots [b*BT, (b+1)*BT): into every rank d's receive buffers at rows
+    RANK*TMK + slot, the local expert id (-1 where d does not own the slot's expert, and for the
+    slots past this call's TS*SK), and where d owns it the routing weight and the token row."""
+    sl = b * BT + tl.arange(0, BT)
+    smask = sl < TMK
+    live = sl < TS * SK
+    gid = tl.load(ids_src_ptr + sl, mask=live, other=-1).to(tl.int32)
+    gid = tl.where((gid >= 0) & (gid < L * W), gid, -1)
+    owner = tl.where(gid >= 0, gid // L, -1)
+    w = tl.load(tw_src_ptr + sl, mask=live, other=0.0)
+    tok = (sl // SK).to(tl.int64)
+    row = (RANK * TMK + sl).to(tl.int64)
+    for d in range(0, W):
+        mine = smask & (owner == d)
+        tl.store(_ep_addr(ep_ptr, EP_RECV_ID, d, W, tl.int32) + row, tl.where(owner == d, gid - d * L, -1), mask=smask)
+        tl.store(_ep_addr(ep_ptr, EP_RECV_W, d, W, tl.float32) + row, w, mask=mine)
+        xd = _ep_addr(ep_ptr, EP_RECV_X, d, W, xs_ptr.dtype.element_ty)
+        for h0 in range(0, H, BH):
+            hs = h0 + tl.arange(0, BH)
+            m = mine[:, None] & (hs < H)[None, :]
+            v = tl.load(xs_ptr + tok[:, None] * H + hs[None, :], mask=m, other=0.0)
+            tl.store(xd + row[:, None] * H + hs[None, :], v, mask=m)
+    tl.debug_barrier()
+    tl.atomic_add(ctr_ptr + CTR_D, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def _combine_tokens(blk, rows_ptr, ids_ptr, y_ptr, T, K, E_ALL, H, ep_ptr, RANK, W, TMK,
+                    BT: tl.constexpr, BH: tl.constexpr, EP: tl.constexpr):
+    """Phase 3 for tokens [blk*BT, (blk+1)*BT): each token's K slot rows (already weighted) summed in
+    slot order in fp32 into y. The rows of slot sl: rows_ptr[sl]; with EP, row RANK*TMK + sl of the
+    result buffer of the rank owning the slot's expert (E_ALL // W experts per rank)."""
+    toks = blk * BT + tl.arange(0, BT)
+    tmask = toks < T
+    for h0 in range(0, H, BH):
+        hs = h0 + tl.arange(0, BH)
+        m = tmask[:, None] & (hs < H)[None, :]
+        acc = tl.zeros((BT, BH), dtype=tl.float32)
+        for j in range(0, K):
+            sl = toks.to(tl.int64) * K + j
+            idj = tl.load(ids_ptr + sl, mask=tmask, other=-1)
+            valid = (idj >= 0) & (idj < E_ALL)
+            if EP:
+                owner = tl.where(valid, idj // (E_ALL // W), 0).to(tl.int32)
+                src = _ep_addr(ep_ptr, EP_OUT, owner, W, y_ptr.dtype.element_ty)[:, None] + \
+                    (RANK * TMK + sl)[:, None] * H + hs[None, :]
+            else:
+                src = rows_ptr + sl[:, None] * H + hs[None, :]
+            v = tl.load(src, mask=m & valid[:, None], other=0.0, cache_modifier=".cg")
+            acc += v.to(tl.float32)
+        tl.store(y_ptr + toks[:, None] * H + hs[None, :], acc.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit(noinline=True)  # inlined, it would spill the GEMM loops' registers
+def _ep_combine_item(blk, ep_ptr, ids_src_ptr, y_ptr, RANK, W, L, TS, SK, TMK, H,
+                     BT: tl.constexpr, BH: tl.constexpr):
+    """EP combine of the rank's own tokens: their rows come from the owners' EP_OUT buffers."""
+    _combine_tokens(blk, y_ptr, ids_src_ptr, y_ptr, TS, SK, L * W, H, ep_ptr, RANK, W, TMK, BT, BH, True)
+
+
+@triton.jit(do_not_specialize=["T", "N", "LAG", "R_MAX", "NB", "RANK", "W", "TS", "SK", "TMK", "EPOCH",
+                             "SPIN_MAX"])
 def _moe_persistent_kernel(
     # inputs
     x_ptr, w13_ptr, w2_ptr, tw_ptr, ids_ptr, dy_ptr,
@@ -167,17 +272,28 @@ def _moe_persistent_kernel(
     out_ptr,      # [T, H]
     ctr_ptr,      # int32 [CTR_SLOTS]: counters (see CTR_*)
     tile_done_ptr,  # int32 [R_MAX]: phase-1 items finished per tile
+    ep_ptr,       # EP: int64 [EP_ROWS, W] addresses of every rank's buffers (see EP_*)
+    ep_err_ptr,   # EP: int32 [2] time-out record (signal code, pad entry), 0 = none
+    xs_ptr, ids_src_ptr, tw_src_ptr, y_ptr,  # EP: the rank's own tokens [TS, H], [TS, SK] routing, y [TS, H]
     T, N, E, H, I, K, LAG, R_MAX, NB,
+    RANK, W, TS, SK, TMK, EPOCH, SPIN_MAX,  # EP: rank, ranks, own tokens, top-k, rows per source, call epoch
     IS_BWD: tl.constexpr, GU: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
     BN2: tl.constexpr, BK2: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
     BLK: tl.constexpr, SUB: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EP: tl.constexpr = False,
 ):
     dtype = x_ptr.dtype.element_ty
     n1 = tl.cdiv(I, BN1)
     n2 = tl.cdiv(H, BN2)
     P0 = 2 * NB + 1
-    total = P0 + R_MAX * (n1 + n2) + tl.cdiv(T, BT)
+    if EP:
+        # tickets [0, ND) dispatch blocks of BT source slots, ND the dispatch signal, then the rest
+        ND = tl.cdiv(TMK, BT)
+        PD = ND + 1
+        total = PD + P0 + R_MAX * (n1 + n2) + 1 + tl.cdiv(TS, BT)
+    else:
+        PD = 0
+        total = P0 + R_MAX * (n1 + n2) + tl.cdiv(T, BT)
     # phase 2 contracts over I (forward) or 2I (backward: [dgate, dup] against [G; U])
     KA = I
     if IS_BWD:
@@ -186,7 +302,20 @@ def _moe_persistent_kernel(
 
     R = tl.full([], -1, tl.int32)   # valid tiles; read once phase 0 is done
     t = tl.atomic_add(ctr_ptr + CTR_TICKET, 1)
+    if EP:
+        while t < PD:
+            if t < ND:
+                _ep_dispatch_item(t, ep_ptr, xs_ptr, ids_src_ptr, tw_src_ptr, ctr_ptr, RANK, W, E, H, TS, SK, TMK,
+                                  BT, BH)
+            else:  # every block sent: tell each owner its rows from this rank are there
+                _wait_geq(ctr_ptr + CTR_D, ND)
+                for d in range(0, W):
+                    tl.atomic_xchg(_ep_addr(ep_ptr, EP_DSIG, d, W, tl.int64) + RANK, EPOCH, sem="release", scope="sys")
+            t = tl.atomic_add(ctr_ptr + CTR_TICKET, 1)
+        if t < total:  # every source's rows must have arrived before the routing metadata reads them
+            _ep_wait_all(_ep_addr(ep_ptr, EP_DSIG, RANK, W, tl.int64), W, EPOCH, SPIN_MAX, ep_err_ptr, 1)
     while t < total:
+        t = t - PD
         if t < P0:
             _metadata_item(t, ids_ptr, blk_ptr, key_start_ptr, key_count_ptr, tile_cum_ptr, num_tiles_ptr,
                            sorted_slot_ptr, inv_slot_ptr, ctr_ptr, N, E, NB, BM, BLK, SUB, KB, CB)
@@ -288,26 +417,31 @@ def _moe_persistent_kernel(
                         if not IS_BWD:
                             wt2 = tl.load(tw_ptr + slot, mask=rmask, other=0.0).to(tl.float32)
                             acc2 = acc2 * wt2[:, None]
+                        # EP: slot_out is this rank's symmetric result buffer [W * TMK, H]; the
+                        # sources read their rows from it (a per-row remote base here would spill)
                         tl.store(slot_out_ptr + slot[:, None] * H + cols2[None, :], acc2.to(dtype),
                                  mask=rmask[:, None] & cmask2[None, :])
-                        _publish(ctr_ptr + CTR_P2)
+                        if EP:
+                            tl.debug_barrier()
+                            tl.atomic_add(ctr_ptr + CTR_P2, 1, sem="release", scope="sys")
+                        else:
+                            _publish(ctr_ptr + CTR_P2)
+            elif EP:
+                if tile == 0:  # every result row stored: tell each source
+                    _wait_geq(ctr_ptr + CTR_P2, R * n2)
+                    for s3 in range(0, W):
+                        tl.atomic_xchg(_ep_addr(ep_ptr, EP_CSIG, s3, W, tl.int64) + RANK, EPOCH, sem="release",
+                                       scope="sys")
+                else:
+                    _ep_wait_all(_ep_addr(ep_ptr, EP_CSIG, RANK, W, tl.int64), W, EPOCH, SPIN_MAX, ep_err_ptr, 2)
+                    tl.debug_barrier()
+                    _ep_combine_item(tile - 1, ep_ptr, ids_src_ptr, y_ptr, RANK, W, E, TS, SK, TMK, H, BT, BH)
             else:
                 _wait_geq(ctr_ptr + CTR_P2, R * n2)
                 tl.debug_barrier()
+                _combine_tokens(tile, slot_out_ptr, ids_ptr, out_ptr, T, K, E, H, ep_ptr, 0, 1, 0, BT, BH, False)
                 toks3 = tile * BT + tl.arange(0, BT)
                 tmask3 = toks3 < T
-                for h03 in range(0, H, BH):
-                    hs3 = h03 + tl.arange(0, BH)
-                    m3 = tmask3[:, None] & (hs3 < H)[None, :]
-                    acc3 = tl.zeros((BT, BH), dtype=tl.float32)
-                    for j3 in range(0, K):
-                        sl3 = toks3.to(tl.int64) * K + j3
-                        idj3 = tl.load(ids_ptr + sl3, mask=tmask3, other=-1)
-                        valid3 = (idj3 >= 0) & (idj3 < E)
-                        v3 = tl.load(slot_out_ptr + sl3[:, None] * H + hs3[None, :],
-                                     mask=m3 & valid3[:, None], other=0.0, cache_modifier=".cg")
-                        acc3 += v3.to(tl.float32)
-                    tl.store(out_ptr + toks3[:, None] * H + hs3[None, :], acc3.to(out_ptr.dtype.element_ty), mask=m3)
                 if IS_BWD:
                     # d(topk_weights): each slot's partial dots summed in column-block order
                     for j3 in range(0, K):

@@ -1,0 +1,159 @@
+"""Expert-parallel forward in ONE persistent launch per rank (issue: expert parallel Mega MoE; the
+plan is docs/EP_KERNEL_PLAN.md, this is its step 1).
+
+Rank r of W holds experts [r*L, (r+1)*L) and its own tokens x [T, H] (T <= max_tokens). Every rank
+owns an `EPWorkspace` of fixed-size buffers, one row per (source rank, source slot), TMK =
+max_tokens * k rows per source:
+
+    recv_x  [W*TMK, H]   token rows sent to this rank     recv_id int32 [W*TMK]  local expert id, -1: none
+    recv_w  fp32 [W*TMK]  routing weights                  out     [W*TMK, H]     weighted expert output
+    dsig, csig int64 [W]  signal pads (dispatch: entry s = source s's epoch; combine: entry d = owner d's)
+
+and an int64 address table [6, W] of every rank's buffers. One launch of the persistent kernel
+(`EP=True`, megamoe/kernels/moe_kernels.py) then: dispatches this rank's slots into every owner's
+receive rows (store-to-peer; -1 ids for rows it does not send), release-stores its epoch into every
+owner's dispatch pad; waits for every source's epoch; runs phases 0-2 of the single-GPU kernel over
+the W*TMK received rows (K=1, L experts) into `out`; release-stores its epoch into every source's
+combine pad; waits for every owner's epoch; sums each token's k rows, read from their owners' `out`,
+in slot order in fp32. A token's y is therefore the single-GPU op's bits for the same tokens.
+
+No host clearing and no barrier per call: epochs grow by one per call and a wait is satisfied by a
+pad entry >= the epoch. A rank's next dispatch implies it finished its previous combine, so an
+owner never overwrites rows a source is still reading. Every wait is bounded (`spin_max` polls);
+on time-out the kernel records which pad entry it waited for, finishes the launch (the result is
+then garbage) and the host raises naming the rank and the signal.
+
+Status (2026-12-01): forward only; W = 1, and W > 1 with workspaces linked inside one process
+(`linked_workspaces`, used by the time-out test). Tested under the Triton interpreter on CPU and
+compiled for sm_90 (benchmarks/device/compile_check.py); NOT yet run on a GPU. Buffers in
+PyTorch symmetric memory across processes (step 2 of the plan), per-source readiness (the overlap),
+CUDA-graph replay (the epoch would have to live on the device) and the backward are not built;
+`megamoe.ep.ep_fused_moe` (all_to_all around the single-GPU kernel) remains the EP path in use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megamoe import alloc
+from megamoe.contract import check_moe_inputs
+from megamoe.fused import (_check_backend, _config, _counters, _default_lag, _metadata_buffers, _num_programs,
+                           _r_max, persistent_constexprs)
+
+_ADDRESS_ROWS = ("recv_x", "recv_id", "recv_w", "out", "dsig", "csig")  # the kernel's EP_* rows
+# polls per wait before a time-out: each an acquire load, so seconds on a GPU; under the interpreter
+# a poll is a Python call, so a wait that can never be satisfied would take hours at the GPU's limit
+SPIN_MAX = {"cuda": 1 << 22, "cpu": 4096}
+
+
+@dataclasses.dataclass
+class EPWorkspace:
+    rank: int
+    world: int
+    max_tokens: int
+    k: int
+    H: int
+    dtype: torch.dtype
+    device: torch.device
+    recv_x: torch.Tensor
+    recv_id: torch.Tensor
+    recv_w: torch.Tensor
+    out: torch.Tensor
+    dsig: torch.Tensor
+    csig: torch.Tensor
+    err: torch.Tensor                  # int32 [2]: time-out record (signal code, pad entry), 0 = none
+    table: torch.Tensor | None = None  # int64 [6, W] addresses of every rank's buffers
+    epoch: int = 0
+    # in-process linking: every rank's workspace, so the buffers the table points at stay alive
+    linked: list["EPWorkspace"] = dataclasses.field(default_factory=list, repr=False)
+
+
+def _allocate(rank: int, world: int, max_tokens: int, k: int, H: int, dtype: torch.dtype,
+              device: torch.device) -> EPWorkspace:
+    for name, value in (("max_tokens", max_tokens), ("k", k), ("H", H), ("world", world)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    rows = world * max_tokens * k
+    return EPWorkspace(
+        rank=rank, world=world, max_tokens=max_tokens, k=k, H=H, dtype=dtype, device=torch.device(device),
+        recv_x=torch.zeros(rows, H, dtype=dtype, device=device),
+        recv_id=torch.full((rows,), -1, dtype=torch.int32, device=device),
+        recv_w=torch.zeros(rows, dtype=torch.float32, device=device),
+        out=torch.zeros(rows, H, dtype=dtype, device=device),
+        dsig=torch.zeros(world, dtype=torch.int64, device=device),
+        csig=torch.zeros(world, dtype=torch.int64, device=device),
+        err=torch.zeros(2, dtype=torch.int32, device=device))
+
+
+def linked_workspaces(world: int, max_tokens: int, k: int, H: int, dtype: torch.dtype,
+                      device: torch.device | str) -> list[EPWorkspace]:
+    """`world` ranks' workspaces in this one process, each one's address table pointing at all of
+    them (what symmetric memory would give each process). W = 1 is the single-process EP op."""
+    spaces = [_allocate(r, world, max_tokens, k, H, dtype, torch.device(device)) for r in range(world)]
+    table = torch.tensor([[getattr(ws, name).data_ptr() for ws in spaces] for name in _ADDRESS_ROWS],
+                         dtype=torch.int64, device=device)
+    for ws in spaces:
+        ws.table, ws.linked = table, spaces
+    return spaces
+
+
+def ep_fused_moe_fwd(x_TH: torch.Tensor, w13_L2IH: torch.Tensor, w2_LHI: torch.Tensor,
+                     topk_weights_Tk: torch.Tensor, topk_ids_Tk: torch.Tensor, ws: EPWorkspace, *,
+                     num_experts: int, check_ids: bool = True, spin_max: int | None = None) -> torch.Tensor:
+    """This rank's y [T, H] for its tokens (x, global top-k ids, weights) and its L experts (w13, w2),
+    in one persistent launch that dispatches, computes and combines (module docstring). Every rank of
+    the workspace's world calls it for the same epoch. Raises before the launch on bad input, and
+    after it when a wait timed out."""
+    s = check_moe_inputs(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, check_ids=False)
+    W = ws.world
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts != s.E * W:
+        raise ValueError(f"num_experts: expected L * W = {s.E} * {W} = {s.E * W} (w13 holds L={s.E} experts, "
+                         f"the workspace {W} ranks), got {num_experts!r}")
+    if s.T > ws.max_tokens:
+        raise ValueError(f"x: expected at most max_tokens={ws.max_tokens} tokens (the workspace's rows), got T={s.T}")
+    if (s.H, s.k, x_TH.dtype, x_TH.device) != (ws.H, ws.k, ws.dtype, ws.device):
+        raise ValueError(f"x, topk_ids: expected H={ws.H}, k={ws.k}, dtype {ws.dtype} on {ws.device} (the "
+                         f"workspace's), got H={s.H}, k={s.k}, {x_TH.dtype} on {x_TH.device}")
+    if ws.table is None:
+        raise ValueError("ws: its address table is not set (make workspaces with linked_workspaces)")
+    if check_ids and topk_ids_Tk.numel():
+        lo, hi = int(topk_ids_Tk.min()), int(topk_ids_Tk.max())
+        if lo < -1 or hi >= num_experts:
+            raise ValueError(f"topk_ids: expected global expert ids in [-1, num_experts={num_experts}), "
+                             f"got min {lo}, max {hi}")
+    _check_backend(x_TH, "triton")
+    spin_max = SPIN_MAX[x_TH.device.type] if spin_max is None else spin_max
+    from megamoe.kernels.moe_kernels import CTR_SLOTS, _moe_persistent_kernel
+
+    x, w13, w2 = x_TH.contiguous(), w13_L2IH.contiguous(), w2_LHI.contiguous()
+    tw, ids = topk_weights_Tk.float().contiguous(), topk_ids_Tk.contiguous()
+    L, H, I = s.E, s.H, s.I  # noqa: E741
+    TMK = ws.max_tokens * ws.k
+    N = W * TMK  # received rows, source-major: the single-GPU kernel's slots with K = 1
+    cfg = _config(x)
+    consts = persistent_constexprs(cfg, False, x.dtype, L, ep=True)
+    n1, n2 = -(-I // consts["BN1"]), -(-H // cfg.BN2)
+    r_max = _r_max(N, L, cfg.BM)
+    nb = -(-N // cfg.BLK)
+    meta = _metadata_buffers(N, L, nb, x.device)
+    act = alloc.empty(N, I, dtype=x.dtype, device=x.device)
+    y = alloc.empty(s.T, H, dtype=x.dtype, device=x.device)
+    ctr = _counters(x.device, r_max)
+    programs = _num_programs(x.device, cfg)
+    lag = cfg.lag if cfg.lag is not None else _default_lag(programs, n1, n2)
+    ws.epoch += 1
+    _moe_persistent_kernel[(programs,)](
+        ws.recv_x, w13, w2, ws.recv_w, ws.recv_id, ws.recv_x, *meta,
+        act, act, act, ws.recv_w, ws.recv_w, ws.out, y, ctr, ctr[CTR_SLOTS.value:],
+        ws.table, ws.err, x, ids, tw, y,
+        N, N, L, H, I, 1, lag, r_max, nb, ws.rank, W, s.T, s.k, TMK, ws.epoch, spin_max,
+        **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    code, entry = ws.err.tolist()  # one small copy: the time-out check (synchronises)
+    if code:
+        ws.err.zero_()
+        what = "dispatch" if code == 1 else "combine"
+        raise RuntimeError(f"ep_fused_moe_fwd: rank {ws.rank} timed out after {spin_max} polls waiting for the "
+                           f"{what} signal of rank {entry} (epoch {ws.epoch}); its output is invalid")
+    return y

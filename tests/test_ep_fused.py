@@ -1,0 +1,113 @@
+"""The expert-parallel persistent launch (megamoe/ep_fused.py: dispatch, compute and combine in one
+launch per rank), under the Triton interpreter on CPU (fp32, one program) and on a GPU when there
+is one. W = 1 runs the whole protocol (store-to-peer through the address table, signal pads and
+epochs, the combine reading the owner's rows) with the rank as its own peer; W = 2 in one process
+with only rank 0 running exercises the time-out path. Every case is compared with the single-GPU
+op on the same tokens, which the fused EP op must equal bitwise (same tiles, same reduction order).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from megamoe.ep_fused import ep_fused_moe_fwd, linked_workspaces
+from megamoe.fused import fused_moe_fwd
+from megamoe.testing import make_problem
+
+from test_fused import EDGE_CASES  # noqa: E402  (tests/ is on the path: no package)
+
+
+def _device_and_dtype():
+    if torch.cuda.is_available():
+        return "cuda", torch.bfloat16
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1 (conftest sets it on CPU machines)")
+    return "cpu", torch.float32
+
+
+@pytest.mark.parametrize("T,H,I,E,k,routing,drop", EDGE_CASES)
+def test_one_rank_equals_the_single_gpu_op(T, H, I, E, k, routing, drop, nan_fill):  # noqa: E741
+    device, dtype = _device_and_dtype()
+    p = make_problem(T, H, I, E, k, seed=11, dtype=dtype, device=device, routing=routing, drop_frac=drop)
+    (ws,) = linked_workspaces(1, T + 3, k, H, dtype, device)  # rows past this call's T*k stay unused
+    y = ep_fused_moe_fwd(*p.args(), ws, num_experts=E)
+    ref = fused_moe_fwd(*p.args(), backend="triton")
+    assert torch.equal(y, ref), float((y.float() - ref.float()).abs().max())
+    # the protocol ran: this rank's epoch in both of its pads, ids of unsent rows -1
+    assert ws.dsig.tolist() == [1] and ws.csig.tolist() == [1]
+    assert (ws.recv_id[T * k:] == -1).all()
+
+
+def test_repeated_calls_with_changing_batches(nan_fill):
+    """Epochs advance without clearing; a shorter batch after a longer one does not see the longer
+    one's rows; the shared counter workspace is left zero for the next op."""
+    device, dtype = _device_and_dtype()
+    H, I, E, k = 24, 16, 6, 2  # noqa: E741
+    (ws,) = linked_workspaces(1, 20, k, H, dtype, device)
+    for n, T in enumerate((20, 3, 17, 20)):
+        p = make_problem(T, H, I, E, k, seed=100 + n, dtype=dtype, device=device, drop_frac=0.2)
+        y = ep_fused_moe_fwd(*p.args(), ws, num_experts=E)
+        assert torch.equal(y, fused_moe_fwd(*p.args(), backend="triton")), f"call {n} (T={T})"
+        assert ws.epoch == n + 1 and ws.dsig.tolist() == [n + 1] and ws.csig.tolist() == [n + 1]
+    from megamoe.fused import _COUNTERS
+    assert all(int(buf.abs().sum()) == 0 for buf in _COUNTERS.values())
+
+
+@pytest.mark.parametrize("drop", [0.0, 0.25])
+def test_rank_1_of_2_whose_peer_sends_nothing(drop, nan_fill):
+    """Rank 1 of 2 in one process, its tokens routed only to its own experts [L, 2L); rank 0 is
+    simulated as a peer that sent no rows (its receive rows keep their -1 ids) and whose signals
+    already arrived. Exercises the rank offsets (rows RANK*TMK + slot, table column RANK, local ids
+    gid - RANK*L) that a one-rank run cannot tell from zero."""
+    device, dtype = _device_and_dtype()
+    T, H, I, L, k = 9, 24, 16, 4, 3  # noqa: E741
+    _, ws1 = linked_workspaces(2, 11, k, H, dtype, device)
+    p = make_problem(T, H, I, L, k, seed=21, dtype=dtype, device=device, drop_frac=drop)
+    gids = torch.where(p.topk_ids >= 0, p.topk_ids + L, p.topk_ids)
+    ws1.dsig[0] = ws1.csig[0] = ws1.epoch + 1
+    y = ep_fused_moe_fwd(p.x, p.w13, p.w2, p.topk_weights, gids, ws1, num_experts=2 * L)
+    assert torch.equal(y, fused_moe_fwd(*p.args(), backend="triton"))
+    # it signalled both ranks' pads at its own entry
+    assert ws1.dsig.tolist() == [1, 1] and ws1.linked[0].dsig.tolist() == [0, 1]
+    assert ws1.linked[0].csig.tolist() == [0, 1]
+
+
+def test_a_rank_that_never_arrives_raises_instead_of_hanging(nan_fill):
+    """Two ranks' workspaces in one process, only rank 0 launched: its waits for rank 1's dispatch
+    (and combine) signals time out; the error names the rank and the signal. The workspace stays
+    usable: the single-GPU op and a one-rank EP call still give the right answer afterwards."""
+    device, dtype = _device_and_dtype()
+    H, I, L, k = 16, 16, 3, 2  # noqa: E741
+    ws0, _ = linked_workspaces(2, 8, k, H, dtype, device)
+    p = make_problem(8, H, I, L, k, seed=5, dtype=dtype, device=device)
+    g = make_problem(8, H, I, 2 * L, k, seed=6, dtype=dtype, device=device)  # global ids over both ranks
+    args = (p.x, p.w13, p.w2, g.topk_weights, g.topk_ids)
+    for _ in range(2):  # the record is cleared after it is reported: the second call reports afresh
+        with pytest.raises(RuntimeError, match=r"rank 0 timed out after 64 polls waiting for the dispatch "
+                                               r"signal of rank 1"):
+            ep_fused_moe_fwd(*args, ws0, num_experts=2 * L, spin_max=64)
+    (ws,) = linked_workspaces(1, 8, k, H, dtype, device)
+    y = ep_fused_moe_fwd(*p.args(), ws, num_experts=L)
+    assert torch.equal(y, fused_moe_fwd(*p.args(), backend="triton"))
+
+
+def test_bad_input_is_refused_before_the_launch():
+    device, dtype = _device_and_dtype()
+    p = make_problem(6, 16, 8, 4, 2, seed=1, dtype=dtype, device=device)
+    (ws,) = linked_workspaces(1, 5, 2, 16, dtype, device)
+    with pytest.raises(ValueError, match=r"x: expected at most max_tokens=5 tokens .* got T=6"):
+        ep_fused_moe_fwd(*p.args(), ws, num_experts=4)
+    (ws,) = linked_workspaces(1, 6, 2, 16, dtype, device)
+    with pytest.raises(ValueError, match=r"num_experts: expected L \* W = 4 \* 1 = 4"):
+        ep_fused_moe_fwd(*p.args(), ws, num_experts=8)
+    bad = p.topk_ids.clone()
+    bad[0, 0] = 4
+    with pytest.raises(ValueError, match=r"topk_ids: expected global expert ids in \[-1, num_experts=4\)"):
+        ep_fused_moe_fwd(p.x, p.w13, p.w2, p.topk_weights, bad, ws, num_experts=4)
+    (ws3,) = linked_workspaces(1, 6, 3, 16, dtype, device)
+    with pytest.raises(ValueError, match=r"expected H=16, k=3"):
+        ep_fused_moe_fwd(*p.args(), ws3, num_experts=4)
+    assert ws.epoch == 0 and ws3.epoch == 0 and ws.dsig.tolist() == [0]  # nothing launched
