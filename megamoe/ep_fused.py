@@ -23,12 +23,16 @@ owner never overwrites rows a source is still reading. Every wait is bounded (`s
 on time-out the kernel records which pad entry it waited for, finishes the launch (the result is
 then garbage) and the host raises naming the rank and the signal.
 
-Status (2026-12-01): forward only; W = 1, and W > 1 with workspaces linked inside one process
-(`linked_workspaces`, used by the time-out test). Tested under the Triton interpreter on CPU and
-compiled for sm_90 (benchmarks/device/compile_check.py); NOT yet run on a GPU. Buffers in
-PyTorch symmetric memory across processes (step 2 of the plan), per-source readiness (the overlap),
-CUDA-graph replay (the epoch would have to live on the device) and the backward are not built;
-`megamoe.ep.ep_fused_moe` (all_to_all around the single-GPU kernel) remains the EP path in use.
+Status (2026-12-01): forward only. Workspaces: `linked_workspaces` (W ranks in one process),
+`ep_workspace` (a process group: /dev/shm files on CPU, `torch.distributed._symmetric_memory` on
+CUDA). Tested under the Triton interpreter on CPU, in one process (tests/test_ep_fused.py) and
+across 2 gloo processes sharing the /dev/shm workspaces (tests/test_ep_fused_gloo.py: bitwise equal
+to the single-process op, uneven routing), and compiled for sm_90 (benchmarks/device/compile_check.py,
+no stack). NOT yet run on a GPU: the CUDA workspace path and the system-scope memory ordering are
+unverified. Not built: separate communication and compute programs (every program takes dispatch,
+compute and combine tickets in order), per-source readiness (the overlap), CUDA-graph replay (the
+epoch would have to live on the device), the backward. `megamoe.ep.ep_fused_moe` (all_to_all
+around the single-GPU kernel) remains the EP path the trainer and rollout use.
 """
 
 from __future__ import annotations
@@ -44,8 +48,9 @@ from megamoe.fused import (_check_backend, _config, _counters, _default_lag, _me
 
 _ADDRESS_ROWS = ("recv_x", "recv_id", "recv_w", "out", "dsig", "csig")  # the kernel's EP_* rows
 # polls per wait before a time-out: each an acquire load, so seconds on a GPU; under the interpreter
-# a poll is a Python call, so a wait that can never be satisfied would take hours at the GPU's limit
-SPIN_MAX = {"cuda": 1 << 22, "cpu": 4096}
+# a poll is a Python call (tens of microseconds), so about a minute
+SPIN_MAX = {"cuda": 1 << 22, "cpu": 1 << 21}
+_ALIGN = 256
 
 
 @dataclasses.dataclass
@@ -63,40 +68,101 @@ class EPWorkspace:
     out: torch.Tensor
     dsig: torch.Tensor
     csig: torch.Tensor
-    err: torch.Tensor                  # int32 [2]: time-out record (signal code, pad entry), 0 = none
-    table: torch.Tensor | None = None  # int64 [6, W] addresses of every rank's buffers
+    err: torch.Tensor        # int32 [2]: time-out record (signal code, pad entry), 0 = none
+    table: torch.Tensor      # int64 [6, W] addresses of every rank's buffers, as this process sees them
     epoch: int = 0
-    # in-process linking: every rank's workspace, so the buffers the table points at stay alive
-    linked: list["EPWorkspace"] = dataclasses.field(default_factory=list, repr=False)
+    # what keeps the buffers the table points at alive (peer mappings, the symmetric-memory handle)
+    keep: list = dataclasses.field(default_factory=list, repr=False)
 
 
-def _allocate(rank: int, world: int, max_tokens: int, k: int, H: int, dtype: torch.dtype,
-              device: torch.device) -> EPWorkspace:
-    for name, value in (("max_tokens", max_tokens), ("k", k), ("H", H), ("world", world)):
+def _layout(world: int, max_tokens: int, k: int, H: int, dtype: torch.dtype) -> tuple[dict, int]:
+    """(name -> (byte offset, shape, dtype)), total bytes: one buffer per rank holds all of them."""
+    rows = world * max_tokens * k
+    parts = {"recv_x": ((rows, H), dtype), "recv_id": ((rows,), torch.int32), "recv_w": ((rows,), torch.float32),
+             "out": ((rows, H), dtype), "dsig": ((world,), torch.int64), "csig": ((world,), torch.int64)}
+    layout, offset = {}, 0
+    for name, (shape, dt) in parts.items():
+        layout[name] = (offset, shape, dt)
+        n = dt.itemsize
+        for d in shape:
+            n *= d
+        offset += -(-n // _ALIGN) * _ALIGN
+    return layout, offset
+
+
+def _workspace(rank: int, world: int, max_tokens: int, k: int, H: int, dtype: torch.dtype, mine: torch.Tensor,
+               bases: list[int], keep: list) -> EPWorkspace:
+    """Views of this rank's byte buffer `mine` and the address table from every rank's base address."""
+    layout, _ = _layout(world, max_tokens, k, H, dtype)
+    views = {}
+    for name, (offset, shape, dt) in layout.items():
+        n = dt.itemsize
+        for d in shape:
+            n *= d
+        views[name] = mine[offset:offset + n].view(dt).view(shape)
+    table = torch.tensor([[b + layout[name][0] for b in bases] for name in _ADDRESS_ROWS], dtype=torch.int64,
+                         device=mine.device)
+    return EPWorkspace(rank=rank, world=world, max_tokens=max_tokens, k=k, H=H, dtype=dtype, device=mine.device,
+                       err=torch.zeros(2, dtype=torch.int32, device=mine.device), table=table, keep=keep + [mine],
+                       **views)
+
+
+def _check_sizes(**sizes) -> None:
+    for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    rows = world * max_tokens * k
-    return EPWorkspace(
-        rank=rank, world=world, max_tokens=max_tokens, k=k, H=H, dtype=dtype, device=torch.device(device),
-        recv_x=torch.zeros(rows, H, dtype=dtype, device=device),
-        recv_id=torch.full((rows,), -1, dtype=torch.int32, device=device),
-        recv_w=torch.zeros(rows, dtype=torch.float32, device=device),
-        out=torch.zeros(rows, H, dtype=dtype, device=device),
-        dsig=torch.zeros(world, dtype=torch.int64, device=device),
-        csig=torch.zeros(world, dtype=torch.int64, device=device),
-        err=torch.zeros(2, dtype=torch.int32, device=device))
 
 
 def linked_workspaces(world: int, max_tokens: int, k: int, H: int, dtype: torch.dtype,
                       device: torch.device | str) -> list[EPWorkspace]:
-    """`world` ranks' workspaces in this one process, each one's address table pointing at all of
-    them (what symmetric memory would give each process). W = 1 is the single-process EP op."""
-    spaces = [_allocate(r, world, max_tokens, k, H, dtype, torch.device(device)) for r in range(world)]
-    table = torch.tensor([[getattr(ws, name).data_ptr() for ws in spaces] for name in _ADDRESS_ROWS],
-                         dtype=torch.int64, device=device)
-    for ws in spaces:
-        ws.table, ws.linked = table, spaces
-    return spaces
+    """`world` ranks' workspaces in this one process, each one's table pointing at all of them (what
+    symmetric memory gives each process of a group). W = 1 is the single-process EP op."""
+    _check_sizes(world=world, max_tokens=max_tokens, k=k, H=H)
+    _, nbytes = _layout(world, max_tokens, k, H, dtype)
+    bufs = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(world)]
+    bases = [b.data_ptr() for b in bufs]
+    return [_workspace(r, world, max_tokens, k, H, dtype, bufs[r], bases, keep=bufs) for r in range(world)]
+
+
+def ep_workspace(max_tokens: int, k: int, H: int, dtype: torch.dtype, device: torch.device | str,
+                 group=None) -> EPWorkspace:
+    """This rank's workspace for a torch.distributed group (collective: every rank calls it with the
+    same sizes; allocate once, outside CUDA-graph capture, and reuse for every call and layer).
+    CUDA: one `torch.distributed._symmetric_memory` allocation per rank, peers' addresses from the
+    rendezvous handle (not yet run on a GPU). CPU: one file per rank in /dev/shm, mapped by every rank
+    and unlinked once all have mapped it (the Triton interpreter then runs the same protocol across
+    processes)."""
+    import torch.distributed as dist
+
+    _check_sizes(max_tokens=max_tokens, k=k, H=H)
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("ep_workspace: torch.distributed is not initialised (call init_process_group first)")
+    group = group if group is not None else dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    device = torch.device(device)
+    _, nbytes = _layout(world, max_tokens, k, H, dtype)
+    if device.type == "cuda":
+        import torch.distributed._symmetric_memory as symm_mem
+        mine = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(mine, group.group_name)
+        mine.zero_()  # the signal pads start at epoch 0 on every rank before any rank's first call
+        torch.cuda.synchronize(device)
+        dist.barrier(group)
+        return _workspace(rank, world, max_tokens, k, H, dtype, mine, list(handle.buffer_ptrs), keep=[handle])
+    if device.type != "cpu":
+        raise ValueError(f"device: expected cuda or cpu, got {device}")
+    import os
+    import uuid
+    token = [uuid.uuid4().hex if rank == 0 else None]
+    dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
+    path = f"/dev/shm/megamoe-ep-{token[0]}-{{}}"
+    mine = torch.from_file(path.format(rank), shared=True, size=nbytes, dtype=torch.uint8)  # created, zeroed
+    dist.barrier(group)
+    peers = [mine if r == rank else torch.from_file(path.format(r), shared=True, size=nbytes, dtype=torch.uint8)
+             for r in range(world)]
+    dist.barrier(group)
+    os.unlink(path.format(rank))  # every rank has mapped it: nothing is left behind in /dev/shm
+    return _workspace(rank, world, max_tokens, k, H, dtype, mine, [p.data_ptr() for p in peers], keep=peers)
 
 
 def ep_fused_moe_fwd(x_TH: torch.Tensor, w13_L2IH: torch.Tensor, w2_LHI: torch.Tensor,
@@ -116,8 +182,6 @@ def ep_fused_moe_fwd(x_TH: torch.Tensor, w13_L2IH: torch.Tensor, w2_LHI: torch.T
     if (s.H, s.k, x_TH.dtype, x_TH.device) != (ws.H, ws.k, ws.dtype, ws.device):
         raise ValueError(f"x, topk_ids: expected H={ws.H}, k={ws.k}, dtype {ws.dtype} on {ws.device} (the "
                          f"workspace's), got H={s.H}, k={s.k}, {x_TH.dtype} on {x_TH.device}")
-    if ws.table is None:
-        raise ValueError("ws: its address table is not set (make workspaces with linked_workspaces)")
     if check_ids and topk_ids_Tk.numel():
         lo, hi = int(topk_ids_Tk.min()), int(topk_ids_Tk.max())
         if lo < -1 or hi >= num_experts:

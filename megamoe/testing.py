@@ -149,3 +149,19 @@ def saved_for_backward_bytes(fn, *inputs: torch.Tensor, detail: list | None = No
         out = fn(*inputs)
     del out
     return sum(n for p, n in saved.items() if p not in inputs_at), sum(saved.values())
+
+
+def run_processes(worker, args: tuple, nprocs: int, timeout_s: float, what: str) -> None:
+    """Spawn `nprocs` processes running worker(rank, *args) and wait for all of them; past
+    `timeout_s` terminate them and raise (a hung rank fails the caller instead of blocking it)."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=2):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.terminate()
+            raise RuntimeError(f"the {nprocs} {what} processes did not finish within {timeout_s}s (a rank hung?)")

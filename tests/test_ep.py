@@ -15,16 +15,15 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import re
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megamoe.ep import ep_fused_moe, ep_moe_unfused
 from megamoe.ref import moe_ground_truth
-from megamoe.testing import TOLERANCES, MoEProblem, assert_close, make_problem, weight_grad_condition
+from megamoe.testing import (TOLERANCES, MoEProblem, assert_close, make_problem, run_processes,
+                             weight_grad_condition)
 
 WORLD = 2
 MAX_TOKENS = 16
@@ -224,15 +223,8 @@ def _worker(rank: int, backend: str, init_file: str, out_dir: str) -> None:
 def ep_results(request, tmp_path_factory):
     backend = request.param
     out = tmp_path_factory.mktemp(f"ep-{backend}")
-    ctx = mp.start_processes(_worker, args=(backend, str(out / "store"), str(out)), nprocs=WORLD, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not ctx.join(timeout=2):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.terminate()
-            pytest.fail(f"the {WORLD} EP worker processes ({backend}) did not finish within {SPAWN_TIMEOUT_S}s "
-                        f"(a rank hung?)")
+    run_processes(_worker, (backend, str(out / "store"), str(out)), WORLD, SPAWN_TIMEOUT_S,
+                  f"EP worker ({backend})")
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 

@@ -59,20 +59,21 @@ def test_repeated_calls_with_changing_batches(nan_fill):
 @pytest.mark.parametrize("drop", [0.0, 0.25])
 def test_rank_1_of_2_whose_peer_sends_nothing(drop, nan_fill):
     """Rank 1 of 2 in one process, its tokens routed only to its own experts [L, 2L); rank 0 is
-    simulated as a peer that sent no rows (its receive rows keep their -1 ids) and whose signals
-    already arrived. Exercises the rank offsets (rows RANK*TMK + slot, table column RANK, local ids
+    simulated as a peer that sent no rows (-1 ids in its receive rows) and whose signals already
+    arrived. Exercises the rank offsets (rows RANK*TMK + slot, table column RANK, local ids
     gid - RANK*L) that a one-rank run cannot tell from zero."""
     device, dtype = _device_and_dtype()
     T, H, I, L, k = 9, 24, 16, 4, 3  # noqa: E741
-    _, ws1 = linked_workspaces(2, 11, k, H, dtype, device)
+    ws0, ws1 = linked_workspaces(2, 11, k, H, dtype, device)
     p = make_problem(T, H, I, L, k, seed=21, dtype=dtype, device=device, drop_frac=drop)
     gids = torch.where(p.topk_ids >= 0, p.topk_ids + L, p.topk_ids)
+    # what rank 0's dispatch of no rows would leave at rank 1: -1 ids in its rows, its epoch in the pads
+    ws1.recv_id[: 11 * k] = -1
     ws1.dsig[0] = ws1.csig[0] = ws1.epoch + 1
     y = ep_fused_moe_fwd(p.x, p.w13, p.w2, p.topk_weights, gids, ws1, num_experts=2 * L)
     assert torch.equal(y, fused_moe_fwd(*p.args(), backend="triton"))
     # it signalled both ranks' pads at its own entry
-    assert ws1.dsig.tolist() == [1, 1] and ws1.linked[0].dsig.tolist() == [0, 1]
-    assert ws1.linked[0].csig.tolist() == [0, 1]
+    assert ws1.dsig.tolist() == [1, 1] and ws0.dsig.tolist() == [0, 1] and ws0.csig.tolist() == [0, 1]
 
 
 def test_a_rank_that_never_arrives_raises_instead_of_hanging(nan_fill):
