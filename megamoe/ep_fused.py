@@ -27,7 +27,7 @@ Status (2026-12-01): forward only. Workspaces: `linked_workspaces` (W ranks in o
 `ep_workspace` (a process group: /dev/shm files on CPU, `torch.distributed._symmetric_memory` on
 CUDA). Tested under the Triton interpreter on CPU, in one process (tests/test_ep_fused.py) and
 across 2 gloo processes sharing the /dev/shm workspaces (tests/test_ep_fused_gloo.py: bitwise equal
-to the single-process op, uneven routing), and compiled for sm_90 (benchmarks/device/compile_check.py,
+to the single-process op, uneven routing, bad input on one rank raised on both), and compiled for sm_90 (benchmarks/device/compile_check.py,
 no stack). NOT yet run on a GPU: the CUDA workspace path and the system-scope memory ordering are
 unverified. Not built: separate communication and compute programs (every program takes dispatch,
 compute and combine tickets in order), per-source readiness (the overlap), CUDA-graph replay (the
@@ -71,6 +71,7 @@ class EPWorkspace:
     err: torch.Tensor        # int32 [2]: time-out record (signal code, pad entry), 0 = none
     table: torch.Tensor      # int64 [6, W] addresses of every rank's buffers, as this process sees them
     epoch: int = 0
+    group: object = None     # the process group of `ep_workspace` (None: linked in one process)
     # what keeps the buffers the table points at alive (peer mappings, the symmetric-memory handle)
     keep: list = dataclasses.field(default_factory=list, repr=False)
 
@@ -91,7 +92,7 @@ def _layout(world: int, max_tokens: int, k: int, H: int, dtype: torch.dtype) -> 
 
 
 def _workspace(rank: int, world: int, max_tokens: int, k: int, H: int, dtype: torch.dtype, mine: torch.Tensor,
-               bases: list[int], keep: list) -> EPWorkspace:
+               bases: list[int], keep: list, group=None) -> EPWorkspace:
     """Views of this rank's byte buffer `mine` and the address table from every rank's base address."""
     layout, _ = _layout(world, max_tokens, k, H, dtype)
     views = {}
@@ -104,7 +105,7 @@ def _workspace(rank: int, world: int, max_tokens: int, k: int, H: int, dtype: to
                          device=mine.device)
     return EPWorkspace(rank=rank, world=world, max_tokens=max_tokens, k=k, H=H, dtype=dtype, device=mine.device,
                        err=torch.zeros(2, dtype=torch.int32, device=mine.device), table=table, keep=keep + [mine],
-                       **views)
+                       group=group, **views)
 
 
 def _check_sizes(**sizes) -> None:
@@ -148,7 +149,8 @@ def ep_workspace(max_tokens: int, k: int, H: int, dtype: torch.dtype, device: to
         mine.zero_()  # the signal pads start at epoch 0 on every rank before any rank's first call
         torch.cuda.synchronize(device)
         dist.barrier(group)
-        return _workspace(rank, world, max_tokens, k, H, dtype, mine, list(handle.buffer_ptrs), keep=[handle])
+        return _workspace(rank, world, max_tokens, k, H, dtype, mine, list(handle.buffer_ptrs), keep=[handle],
+                          group=group)
     if device.type != "cpu":
         raise ValueError(f"device: expected cuda or cpu, got {device}")
     import os
@@ -162,7 +164,19 @@ def ep_workspace(max_tokens: int, k: int, H: int, dtype: torch.dtype, device: to
              for r in range(world)]
     dist.barrier(group)
     os.unlink(path.format(rank))  # every rank has mapped it: nothing is left behind in /dev/shm
-    return _workspace(rank, world, max_tokens, k, H, dtype, mine, [p.data_ptr() for p in peers], keep=peers)
+    return _workspace(rank, world, max_tokens, k, H, dtype, mine, [p.data_ptr() for p in peers], keep=peers,
+                      group=group)
+
+
+def _check_workspace(x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, ws: EPWorkspace) -> dict:
+    T, H = x_TH.shape
+    k = topk_ids_Tk.shape[1]
+    if T > ws.max_tokens:
+        raise ValueError(f"x: expected at most max_tokens={ws.max_tokens} tokens (the workspace's rows), got T={T}")
+    if (H, k, x_TH.dtype, x_TH.device) != (ws.H, ws.k, ws.dtype, ws.device):
+        raise ValueError(f"x, topk_ids: expected H={ws.H}, k={ws.k}, dtype {ws.dtype} on {ws.device} (the "
+                         f"workspace's), got H={H}, k={k}, {x_TH.dtype} on {x_TH.device}")
+    return {}
 
 
 def ep_fused_moe_fwd(x_TH: torch.Tensor, w13_L2IH: torch.Tensor, w2_LHI: torch.Tensor,
@@ -170,18 +184,20 @@ def ep_fused_moe_fwd(x_TH: torch.Tensor, w13_L2IH: torch.Tensor, w2_LHI: torch.T
                      num_experts: int, check_ids: bool = True, spin_max: int | None = None) -> torch.Tensor:
     """This rank's y [T, H] for its tokens (x, global top-k ids, weights) and its L experts (w13, w2),
     in one persistent launch that dispatches, computes and combines (module docstring). Every rank of
-    the workspace's world calls it for the same epoch. Raises before the launch on bad input, and
-    after it when a wait timed out."""
+    the workspace's world calls it for the same epoch. Raises before the launch on bad input (with a
+    group workspace: the same error on every rank, after one exchange of the ranks' sizes, so no
+    rank launches and waits for one that will not), and after it when a wait timed out."""
+    if ws.group is not None:
+        from megamoe.ep import _check_everywhere, _check_local
+        _check_everywhere(ws.group, lambda: _check_local(
+            x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, num_experts, ws.max_tokens, "megamoe", check_ids)
+            | _check_workspace(x_TH, topk_ids_Tk, ws))
     s = check_moe_inputs(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, check_ids=False)
     W = ws.world
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts != s.E * W:
         raise ValueError(f"num_experts: expected L * W = {s.E} * {W} = {s.E * W} (w13 holds L={s.E} experts, "
                          f"the workspace {W} ranks), got {num_experts!r}")
-    if s.T > ws.max_tokens:
-        raise ValueError(f"x: expected at most max_tokens={ws.max_tokens} tokens (the workspace's rows), got T={s.T}")
-    if (s.H, s.k, x_TH.dtype, x_TH.device) != (ws.H, ws.k, ws.dtype, ws.device):
-        raise ValueError(f"x, topk_ids: expected H={ws.H}, k={ws.k}, dtype {ws.dtype} on {ws.device} (the "
-                         f"workspace's), got H={s.H}, k={s.k}, {x_TH.dtype} on {x_TH.device}")
+    _check_workspace(x_TH, topk_ids_Tk, ws)
     if check_ids and topk_ids_Tk.numel():
         lo, hi = int(topk_ids_Tk.min()), int(topk_ids_Tk.max())
         if lo < -1 or hi >= num_experts:

@@ -45,6 +45,9 @@ CASES = [
 ]
 
 
+BAD = ["too-many-tokens", "experts-differ"]
+
+
 def _problem(case: Case):
     p = make_problem(sum(case.tokens), H, I, E, K, seed=CASES.index(case) + 40, drop_frac=case.drop_frac)
     ids = p.topk_ids
@@ -69,6 +72,25 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
                                                 p.topk_weights[toks], ids[toks], ws, num_experts=E)
         except Exception as exc:  # noqa: BLE001  (the parent judges it)
             results[case.id] = (type(exc).__name__, str(exc))
+    # bad input on ONE rank: every rank raises the same error before launching (no rank left waiting)
+    for bad in BAD:
+        p, ids = _problem(CASES[0])
+        n = MAX_TOKENS + 1 if (rank == 1 and bad == "too-many-tokens") else MAX_TOKENS
+        x, tw, ids = p.x[:n], p.topk_weights[:n], ids[:n]
+        w13, w2 = p.w13[rank * L:(rank + 1) * L], p.w2[rank * L:(rank + 1) * L]
+        if rank == 1 and bad == "experts-differ":
+            w13, w2 = p.w13[:L + 1], p.w2[:L + 1]
+        try:
+            ep_fused_moe_fwd(x, w13, w2, tw, ids, ws, num_experts=E)
+            results[bad] = None
+        except Exception as exc:  # noqa: BLE001
+            results[bad] = (type(exc).__name__, str(exc))
+    # and the group is still in step: a good call afterwards
+    p, ids = _problem(CASES[0])
+    toks = slice(sum(CASES[0].tokens[:rank]), sum(CASES[0].tokens[:rank + 1]))
+    results["after-errors"] = ep_fused_moe_fwd(p.x[toks], p.w13[rank * L:(rank + 1) * L],
+                                               p.w2[rank * L:(rank + 1) * L], p.topk_weights[toks], ids[toks], ws,
+                                               num_experts=E)
     results["pads"] = (ws.dsig.tolist(), ws.csig.tolist(), ws.epoch)
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.barrier()
@@ -99,8 +121,28 @@ def test_two_processes_equal_the_single_process_op(case, ranks):
         assert torch.equal(got, want), f"rank {rank}: max |diff| {float((got - want).abs().max())}"
 
 
+@pytest.mark.parametrize("bad,match", [
+    ("too-many-tokens", r"invalid input on rank 1: ValueError: x: expected at most max_tokens=12 tokens"),
+    ("experts-differ", r"w13, w2: expected E/W=3 local experts on every rank .* got \[4\] on rank\(s\) \[1\]"),
+])
+def test_bad_input_on_one_rank_raises_on_every_rank(bad, match, ranks):
+    import re
+    for rank in range(WORLD):
+        got = ranks[rank][bad]
+        assert got is not None and got[0] == "ValueError" and re.search(match, got[1]), (rank, got)
+    assert ranks[0][bad] == ranks[1][bad]
+
+
+def test_a_good_call_after_the_errors(ranks):
+    p, ids = _problem(CASES[0])
+    ref = fused_moe_fwd(p.x, p.w13, p.w2, p.topk_weights, ids, backend="triton")
+    for rank in range(WORLD):
+        t0 = sum(CASES[0].tokens[:rank])
+        assert torch.equal(ranks[rank]["after-errors"], ref[t0:t0 + CASES[0].tokens[rank]])
+
+
 def test_every_rank_saw_every_epoch(ranks):
-    n = len(CASES)
+    n = len(CASES) + 1  # the refused calls launched nothing
     for rank in range(WORLD):
         dsig, csig, epoch = ranks[rank]["pads"]
         assert epoch == n and dsig == [n] * WORLD and csig == [n] * WORLD, (rank, dsig, csig, epoch)
