@@ -26,13 +26,14 @@ then garbage) and the host raises naming the rank and the signal.
 Status (2026-12-01): forward only. Workspaces: `linked_workspaces` (W ranks in one process),
 `ep_workspace` (a process group: /dev/shm files on CPU, `torch.distributed._symmetric_memory` on
 CUDA). Tested under the Triton interpreter on CPU, in one process (tests/test_ep_fused.py) and
-across 2 gloo processes sharing the /dev/shm workspaces (tests/test_ep_fused_gloo.py: bitwise equal
-to the single-process op, uneven routing, bad input on one rank raised on both), and compiled for sm_90 (benchmarks/device/compile_check.py,
-no stack). NOT yet run on a GPU: the CUDA workspace path and the system-scope memory ordering are
-unverified. Not built: separate communication and compute programs (every program takes dispatch,
-compute and combine tickets in order), per-source readiness (the overlap), CUDA-graph replay (the
-epoch would have to live on the device), the backward. `megamoe.ep.ep_fused_moe` (all_to_all
-around the single-GPU kernel) remains the EP path the trainer and rollout use.
+across 2 gloo processes sharing the /dev/shm workspaces (tests/test_ep_fused_gloo.py: bitwise
+equal to the single-process op, uneven routing, bad input on one rank raised on both), and
+compiled for sm_90 (benchmarks/device/compile_check.py, no stack). NOT yet run on a GPU: the CUDA
+workspace path and the system-scope memory ordering are unverified. Not built: separate
+communication and compute programs (every program takes dispatch, compute and combine tickets in
+order), per-source readiness (the overlap), CUDA-graph replay (the epoch would have to live on the
+device), the backward. `megamoe.ep.ep_fused_moe` (all_to_all around the single-GPU kernel) remains
+the EP path the trainer and rollout use.
 """
 
 from __future__ import annotations
