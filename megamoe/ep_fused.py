@@ -17,8 +17,9 @@ the W*TMK received rows (K=1, L experts) into `out`; release-stores its epoch in
 combine pad; waits for every owner's epoch; sums each token's k rows, read from their owners' `out`,
 in slot order in fp32. A token's y is therefore the single-GPU op's bits for the same tokens.
 
-No host clearing and no barrier per call: epochs grow by one per call and a wait is satisfied by a
-pad entry >= the epoch. A rank's next dispatch implies it finished its previous combine, so an
+No host clearing and no barrier per call: epochs grow by one per call (the kernel reads the last one
+from the workspace and its last program out stores the new one) and a wait is satisfied by a pad
+entry >= the epoch. A rank's next dispatch implies it finished its previous combine, so an
 owner never overwrites rows a source is still reading. Every wait is bounded (`spin_max` polls);
 on time-out the kernel records which pad entry it waited for, finishes the launch (the result is
 then garbage) and the host raises naming the rank and the signal.
@@ -31,8 +32,9 @@ equal to the single-process op, uneven routing, bad input on one rank raised on 
 compiled for sm_90 (benchmarks/device/compile_check.py, no stack). NOT yet run on a GPU: the CUDA
 workspace path and the system-scope memory ordering are unverified. Not built: separate
 communication and compute programs (every program takes dispatch, compute and combine tickets in
-order), per-source readiness (the overlap), CUDA-graph replay (the epoch would have to live on the
-device), the backward. `megamoe.ep.ep_fused_moe` (all_to_all around the single-GPU kernel) remains
+order), per-source readiness (the overlap), the backward. CUDA-graph replay: the epoch lives on the
+device and the kernel advances it, and `check=False` keeps the call free of synchronisation, but no
+graph has been captured (no GPU run). `megamoe.ep.ep_fused_moe` (all_to_all around the single-GPU kernel) remains
 the EP path the trainer and rollout use.
 """
 
@@ -71,10 +73,15 @@ class EPWorkspace:
     csig: torch.Tensor
     err: torch.Tensor        # int32 [2]: time-out record (signal code, pad entry), 0 = none
     table: torch.Tensor      # int64 [6, W] addresses of every rank's buffers, as this process sees them
-    epoch: int = 0
+    epoch_dev: torch.Tensor  # int64 [1]: the last call's epoch, advanced by the kernel itself
     group: object = None     # the process group of `ep_workspace` (None: linked in one process)
     # what keeps the buffers the table points at alive (peer mappings, the symmetric-memory handle)
     keep: list = dataclasses.field(default_factory=list, repr=False)
+
+    @property
+    def epoch(self) -> int:
+        """The last call's epoch (reads the device: synchronises)."""
+        return int(self.epoch_dev.item())
 
 
 def _layout(world: int, max_tokens: int, k: int, H: int, dtype: torch.dtype) -> tuple[dict, int]:
@@ -106,6 +113,7 @@ def _workspace(rank: int, world: int, max_tokens: int, k: int, H: int, dtype: to
                          device=mine.device)
     return EPWorkspace(rank=rank, world=world, max_tokens=max_tokens, k=k, H=H, dtype=dtype, device=mine.device,
                        err=torch.zeros(2, dtype=torch.int32, device=mine.device), table=table, keep=keep + [mine],
+                       epoch_dev=torch.zeros(1, dtype=torch.int64, device=mine.device),
                        group=group, **views)
 
 
@@ -182,16 +190,20 @@ def _check_workspace(x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, ws: EPWorksp
 
 def ep_fused_moe_fwd(x_TH: torch.Tensor, w13_L2IH: torch.Tensor, w2_LHI: torch.Tensor,
                      topk_weights_Tk: torch.Tensor, topk_ids_Tk: torch.Tensor, ws: EPWorkspace, *,
-                     num_experts: int, check_ids: bool = True, spin_max: int | None = None) -> torch.Tensor:
+                     num_experts: int, check: bool = True, spin_max: int | None = None) -> torch.Tensor:
     """This rank's y [T, H] for its tokens (x, global top-k ids, weights) and its L experts (w13, w2),
     in one persistent launch that dispatches, computes and combines (module docstring). Every rank of
-    the workspace's world calls it for the same epoch. Raises before the launch on bad input (with a
-    group workspace: the same error on every rank, after one exchange of the ranks' sizes, so no
-    rank launches and waits for one that will not), and after it when a wait timed out."""
-    if ws.group is not None:
+    the workspace's world calls it, once per epoch.
+
+    check=True: before the launch, the expert-id range and (group workspace) the same error on every
+    rank after one exchange of the ranks' sizes, so no rank launches and waits for one that will
+    not; after it, the time-out record (raises naming the rank and the signal). These synchronise.
+    check=False (CUDA-graph capture): only the shape checks, nothing synchronises; call
+    `ep_check(ws)` after the replay to learn of a time-out."""
+    if check and ws.group is not None:
         from megamoe.ep import _check_everywhere, _check_local
         _check_everywhere(ws.group, lambda: _check_local(
-            x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, num_experts, ws.max_tokens, "megamoe", check_ids)
+            x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, num_experts, ws.max_tokens, "megamoe", True)
             | _check_workspace(x_TH, topk_ids_Tk, ws))
     s = check_moe_inputs(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, check_ids=False)
     W = ws.world
@@ -199,7 +211,7 @@ def ep_fused_moe_fwd(x_TH: torch.Tensor, w13_L2IH: torch.Tensor, w2_LHI: torch.T
         raise ValueError(f"num_experts: expected L * W = {s.E} * {W} = {s.E * W} (w13 holds L={s.E} experts, "
                          f"the workspace {W} ranks), got {num_experts!r}")
     _check_workspace(x_TH, topk_ids_Tk, ws)
-    if check_ids and topk_ids_Tk.numel():
+    if check and topk_ids_Tk.numel():
         lo, hi = int(topk_ids_Tk.min()), int(topk_ids_Tk.max())
         if lo < -1 or hi >= num_experts:
             raise ValueError(f"topk_ids: expected global expert ids in [-1, num_experts={num_experts}), "
@@ -224,17 +236,24 @@ def ep_fused_moe_fwd(x_TH: torch.Tensor, w13_L2IH: torch.Tensor, w2_LHI: torch.T
     ctr = _counters(x.device, r_max)
     programs = _num_programs(x.device, cfg)
     lag = cfg.lag if cfg.lag is not None else _default_lag(programs, n1, n2)
-    ws.epoch += 1
     _moe_persistent_kernel[(programs,)](
         ws.recv_x, w13, w2, ws.recv_w, ws.recv_id, ws.recv_x, *meta,
         act, act, act, ws.recv_w, ws.recv_w, ws.out, y, ctr, ctr[CTR_SLOTS.value:],
-        ws.table, ws.err, x, ids, tw, y,
-        N, N, L, H, I, 1, lag, r_max, nb, ws.rank, W, s.T, s.k, TMK, ws.epoch, spin_max,
+        ws.table, ws.err, ws.epoch_dev, x, ids, tw, y,
+        N, N, L, H, I, 1, lag, r_max, nb, ws.rank, W, s.T, s.k, TMK, spin_max,
         **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    code, entry = ws.err.tolist()  # one small copy: the time-out check (synchronises)
+    if check:
+        ep_check(ws, spin_max)
+    return y
+
+
+def ep_check(ws: EPWorkspace, spin_max: int | None = None) -> None:
+    """Raise if a wait of an earlier call on this workspace timed out (then that call's output, and
+    any later one's, is invalid), and clear the record. One small copy from the device."""
+    code, entry = ws.err.tolist()
     if code:
         ws.err.zero_()
         what = "dispatch" if code == 1 else "combine"
-        raise RuntimeError(f"ep_fused_moe_fwd: rank {ws.rank} timed out after {spin_max} polls waiting for the "
-                           f"{what} signal of rank {entry} (epoch {ws.epoch}); its output is invalid")
-    return y
+        polls = f"after {spin_max} polls " if spin_max is not None else ""
+        raise RuntimeError(f"ep_fused_moe_fwd: rank {ws.rank} timed out {polls}waiting for the {what} signal of "
+                           f"rank {entry} (epoch {ws.epoch}); its output is invalid")

@@ -257,8 +257,8 @@ def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg
         x, w13, w2, tw, ids, dy if dy is not None else x,
         sorted_slot, inv_slot, key_start, key_count, tile_cum, num_tiles, blk,
         act, hw, gu if use_gu else act, dtw_part, dtw, slot_out, out, ctr, ctr[CTR_SLOTS.value:],
-        ctr, ctr, x, ids, tw, out,  # the EP arguments, unused here
-        T, N, E, H, I, K, lag, r_max, nb, 0, 1, 0, 0, 0, 0, 0,
+        ctr, ctr, ctr, x, ids, tw, out,  # the EP arguments, unused here
+        T, N, E, H, I, K, lag, r_max, nb, 0, 1, 0, 0, 0, 0,
         **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     meta = KernelMeta(sorted_slot, inv_slot, key_start[1:], key_count[1:], tile_cum, num_tiles)
     return out, act, hw, dtw, meta, (gu if use_gu and not is_bwd else None)

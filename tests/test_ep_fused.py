@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from megamoe.ep_fused import ep_fused_moe_fwd, linked_workspaces
+from megamoe.ep_fused import ep_check, ep_fused_moe_fwd, linked_workspaces
 from megamoe.fused import fused_moe_fwd
 from megamoe.testing import make_problem
 
@@ -112,3 +112,40 @@ def test_bad_input_is_refused_before_the_launch():
     with pytest.raises(ValueError, match=r"expected H=16, k=3"):
         ep_fused_moe_fwd(*p.args(), ws3, num_experts=4)
     assert ws.epoch == 0 and ws3.epoch == 0 and ws.dsig.tolist() == [0]  # nothing launched
+
+
+def test_unchecked_call_reports_its_time_out_later(nan_fill):
+    """check=False (what CUDA-graph capture needs) does not synchronise: the time-out is recorded on
+    the device and `ep_check` raises it afterwards, once."""
+    device, dtype = _device_and_dtype()
+    H, I, L, k = 16, 16, 3, 2  # noqa: E741
+    ws0, _ = linked_workspaces(2, 8, k, H, dtype, device)
+    g = make_problem(8, H, I, 2 * L, k, seed=6, dtype=dtype, device=device)
+    ep_fused_moe_fwd(g.x, g.w13[:L], g.w2[:L], g.topk_weights, g.topk_ids, ws0, num_experts=2 * L, check=False,
+                     spin_max=64)
+    assert ws0.epoch == 1  # the kernel advanced its own epoch
+    with pytest.raises(RuntimeError, match=r"rank 0 timed out waiting for the dispatch signal of rank 1"):
+        ep_check(ws0)
+    ep_check(ws0)  # reported once
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_advances_the_epoch_and_matches_eager():
+    if not torch.cuda.is_available():
+        pytest.skip("needs 1 CUDA GPU")
+    T, H, I, E, k = 64, 128, 64, 8, 2  # noqa: E741
+    (ws,) = linked_workspaces(1, T, k, H, torch.bfloat16, "cuda")
+    p = make_problem(T, H, I, E, k, seed=1, dtype=torch.bfloat16, device="cuda")
+    static = [t.clone() for t in p.args()]
+    ep_fused_moe_fwd(*static, ws, num_experts=E)  # warm-up: compiles, sizes the counter workspace
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = ep_fused_moe_fwd(*static, ws, num_experts=E, check=False)
+    for n in range(5):
+        q = make_problem(T, H, I, E, k, seed=10 + n, dtype=torch.bfloat16, device="cuda")
+        for dst, src in zip(static, q.args()):
+            dst.copy_(src)
+        graph.replay()
+        ep_check(ws)
+        assert torch.equal(y, fused_moe_fwd(*q.args(), backend="triton")), n
+    assert ws.epoch == 1 + 5  # the warm-up call and the replays (capture records the launch, runs nothing)

@@ -64,7 +64,7 @@ def check() -> list[dict]:
         cfg = fused.default_config(dtype, torch.device("cuda"))
         data = {n: f"*{tname}" for n in ("x_ptr", "w13_ptr", "w2_ptr", "dy_ptr", "act_ptr", "hw_ptr",
                                           "slot_out_ptr", "out_ptr", "dgu_ptr", "dw13_ptr", "dw2_ptr", "gu_ptr")}
-        data.update(tw_ptr="*fp32", ids_ptr="*i64", dtw_part_ptr="*fp32", dtw_ptr="*fp32", ep_ptr="*i64",
+        data.update(tw_ptr="*fp32", ids_ptr="*i64", dtw_part_ptr="*fp32", dtw_ptr="*fp32", ep_ptr="*i64", ep_epoch_ptr="*i64",
                     xs_ptr=f"*{tname}", ids_src_ptr="*i64", tw_src_ptr="*fp32", y_ptr=f"*{tname}")
         for is_bwd, gu, ep in ((False, False, False), (False, True, False), (True, False, False), (True, True, False),
                                (False, False, True)):

@@ -255,8 +255,7 @@ def _ep_combine_item(blk, ep_ptr, ids_src_ptr, y_ptr, RANK, W, L, TS, SK, TMK, H
     _combine_tokens(blk, y_ptr, ids_src_ptr, y_ptr, TS, SK, L * W, H, ep_ptr, RANK, W, TMK, BT, BH, True)
 
 
-@triton.jit(do_not_specialize=["T", "N", "LAG", "R_MAX", "NB", "RANK", "W", "TS", "SK", "TMK", "EPOCH",
-                             "SPIN_MAX"])
+@triton.jit(do_not_specialize=["T", "N", "LAG", "R_MAX", "NB", "RANK", "W", "TS", "SK", "TMK", "SPIN_MAX"])
 def _moe_persistent_kernel(
     # inputs
     x_ptr, w13_ptr, w2_ptr, tw_ptr, ids_ptr, dy_ptr,
@@ -274,9 +273,10 @@ def _moe_persistent_kernel(
     tile_done_ptr,  # int32 [R_MAX]: phase-1 items finished per tile
     ep_ptr,       # EP: int64 [EP_ROWS, W] addresses of every rank's buffers (see EP_*)
     ep_err_ptr,   # EP: int32 [2] time-out record (signal code, pad entry), 0 = none
+    ep_epoch_ptr,  # EP: int64 [1] the last call's epoch; this call's is one more (stored by the last program out)
     xs_ptr, ids_src_ptr, tw_src_ptr, y_ptr,  # EP: the rank's own tokens [TS, H], [TS, SK] routing, y [TS, H]
     T, N, E, H, I, K, LAG, R_MAX, NB,
-    RANK, W, TS, SK, TMK, EPOCH, SPIN_MAX,  # EP: rank, ranks, own tokens, top-k, rows per source, call epoch
+    RANK, W, TS, SK, TMK, SPIN_MAX,  # EP: rank, ranks, own tokens, top-k, rows per source, polls per wait
     IS_BWD: tl.constexpr, GU: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
     BN2: tl.constexpr, BK2: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
     BLK: tl.constexpr, SUB: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr,
@@ -290,6 +290,9 @@ def _moe_persistent_kernel(
         # tickets [0, ND) dispatch blocks of BT source slots, ND the dispatch signal, then the rest
         ND = tl.cdiv(TMK, BT)
         PD = ND + 1
+        # read by every program before any program can finish, so before the last one out stores it:
+        # the epoch lives on the device, so a CUDA-graph replay advances it too
+        EPOCH = tl.load(ep_epoch_ptr) + 1
         total = PD + P0 + R_MAX * (n1 + n2) + 1 + tl.cdiv(TS, BT)
     else:
         PD = 0
@@ -464,6 +467,8 @@ def _moe_persistent_kernel(
             tl.store(tile_done_ptr + rr, tl.zeros((1024,), dtype=tl.int32), mask=rr < R_last)
         for c in tl.static_range(1, CTR_SLOTS):
             tl.atomic_xchg(ctr_ptr + c, 0)
+        if EP:
+            tl.atomic_xchg(ep_epoch_ptr, EPOCH)
         tl.atomic_xchg(ctr_ptr + CTR_TICKET, 0)  # the ticket counter last
 
 
