@@ -93,8 +93,9 @@ class KernelConfig:
     lag: int | None = None          # None: about two waves of programs (see _default_lag)
     programs: int | None = None     # None: one per SM
     # weight-gradient kernel
-    # H200, Qwen3, T=4096 / 16384 (benchmarks/RESULTS.md, 2026-12-01): 128x128 with 2 stages 1.28 / 3.87 ms
-    # (121 registers, two programs per SM) vs 256x128 1.60 / 4.82; 3 or 4 stages slower
+    # H200, Qwen3, T=4096 / 16384 (results/2026-12-01-h200-tune-saved-gu.log): 128x128 with 2 stages
+    # 1.258 / 3.726 ms (113 registers and 64 KB of shared memory in the compile check: two programs
+    # per SM) vs 256x128 1.777 / 5.005; 3 stages 1.277 / 3.807
     BMW: int = 128
     BNW: int = 128
     BKR: int = 64
