@@ -25,19 +25,14 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from benchmarks.bench_moe import SHAPES  # noqa: E402
+from benchmarks.bench_moe import SHAPES, make_inputs  # noqa: E402
 from megamoe.moe import fused_moe  # noqa: E402
-from megamoe.routing import route  # noqa: E402
 from megamoe.testing import saved_for_backward_bytes  # noqa: E402
 
 
-def inputs(E, H, I, k, T, dtype, seed=0):  # noqa: E741
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g).to(dtype).requires_grad_(True)
-    w13 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(dtype).requires_grad_(True)
-    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(dtype).requires_grad_(True)
-    tw, ids = route(torch.randn(T, E, generator=g), k, renormalize=True)
-    return x, w13, w2, tw.requires_grad_(True), ids
+def inputs(E, H, I, k, T, dtype):  # noqa: E741
+    x, w13, w2, tw, ids = make_inputs(E, H, I, k, T, device="cpu", dtype=dtype)
+    return [t.requires_grad_(True) for t in (x, w13, w2, tw)] + [ids]
 
 
 def main():

@@ -75,12 +75,12 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() / (ms * 1e-3)
 
 
-def make_inputs(E, H, I, k, T, seed=0):  # noqa: E741
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
-    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H ** 0.5).bfloat16()
-    w2 = (torch.randn(E, H, I, device="cuda", generator=g) / I ** 0.5).bfloat16()
-    logits = torch.randn(T, E, device="cuda", generator=g)
+def make_inputs(E, H, I, k, T, seed=0, device="cuda", dtype=torch.bfloat16):  # noqa: E741
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(T, H, device=device, generator=g).to(dtype)
+    w13 = (torch.randn(E, 2 * I, H, device=device, generator=g) / H ** 0.5).to(dtype)
+    w2 = (torch.randn(E, H, I, device=device, generator=g) / I ** 0.5).to(dtype)
+    logits = torch.randn(T, E, device=device, generator=g)
     tw, ids = route(logits, k, renormalize=True)
     return x, w13, w2, tw, ids
 

@@ -70,20 +70,31 @@ def _comm_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def _check_local(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, num_experts, max_tokens_per_rank,
-                 impl, check_ids) -> dict[str, int]:
-    """This rank's own checks; raises TypeError/ValueError naming the argument."""
-    check_impl(impl)
-    for name, value in (("num_experts", num_experts), ("max_tokens_per_rank", max_tokens_per_rank)):
+def check_positive_ints(**values) -> None:
+    """ValueError naming the first argument that is not a positive int (bools refused)."""
+    for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    # The shard is a complete MoE problem of L experts; only the id range differs (global ids).
-    s = check_moe_inputs(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, check_ids=False)
-    if check_ids and topk_ids_Tk.numel():
+
+
+def check_global_ids(topk_ids_Tk: torch.Tensor, num_experts: int) -> None:
+    """Global expert ids in [-1, num_experts) (synchronises on a GPU)."""
+    if topk_ids_Tk.numel():
         lo, hi = int(topk_ids_Tk.min()), int(topk_ids_Tk.max())
         if lo < -1 or hi >= num_experts:
             raise ValueError(f"topk_ids: expected global expert ids in [-1, num_experts={num_experts}), "
                              f"got min {lo}, max {hi}")
+
+
+def _check_local(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, num_experts, max_tokens_per_rank,
+                 impl, check_ids) -> dict[str, int]:
+    """This rank's own checks; raises TypeError/ValueError naming the argument."""
+    check_impl(impl)
+    check_positive_ints(num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank)
+    # The shard is a complete MoE problem of L experts; only the id range differs (global ids).
+    s = check_moe_inputs(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, check_ids=False)
+    if check_ids:
+        check_global_ids(topk_ids_Tk, num_experts)
     if impl == "megamoe":
         import megamoe.fused  # noqa: F401  (an implementation that cannot run fails here, on every rank)
     grad = torch.is_grad_enabled()

@@ -41,11 +41,13 @@ the EP path the trainer and rollout use.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
 from megamoe import alloc
 from megamoe.contract import check_moe_inputs
+from megamoe.ep import _check_everywhere, _check_local, check_global_ids, check_positive_ints
 from megamoe.fused import (_check_backend, _config, _counters, _default_lag, _metadata_buffers, _num_programs,
                            _r_max, persistent_constexprs)
 
@@ -85,17 +87,15 @@ class EPWorkspace:
 
 
 def _layout(world: int, max_tokens: int, k: int, H: int, dtype: torch.dtype) -> tuple[dict, int]:
-    """(name -> (byte offset, shape, dtype)), total bytes: one buffer per rank holds all of them."""
+    """(name -> (byte offset, bytes, shape, dtype)), total bytes: one buffer per rank holds them all."""
     rows = world * max_tokens * k
     parts = {"recv_x": ((rows, H), dtype), "recv_id": ((rows,), torch.int32), "recv_w": ((rows,), torch.float32),
              "out": ((rows, H), dtype), "dsig": ((world,), torch.int64), "csig": ((world,), torch.int64)}
     layout, offset = {}, 0
     for name, (shape, dt) in parts.items():
-        layout[name] = (offset, shape, dt)
-        n = dt.itemsize
-        for d in shape:
-            n *= d
-        offset += -(-n // _ALIGN) * _ALIGN
+        nbytes = dt.itemsize * math.prod(shape)
+        layout[name] = (offset, nbytes, shape, dt)
+        offset += -(-nbytes // _ALIGN) * _ALIGN
     return layout, offset
 
 
@@ -103,12 +103,7 @@ def _workspace(rank: int, world: int, max_tokens: int, k: int, H: int, dtype: to
                bases: list[int], keep: list, group=None) -> EPWorkspace:
     """Views of this rank's byte buffer `mine` and the address table from every rank's base address."""
     layout, _ = _layout(world, max_tokens, k, H, dtype)
-    views = {}
-    for name, (offset, shape, dt) in layout.items():
-        n = dt.itemsize
-        for d in shape:
-            n *= d
-        views[name] = mine[offset:offset + n].view(dt).view(shape)
+    views = {name: mine[offset:offset + n].view(dt).view(shape) for name, (offset, n, shape, dt) in layout.items()}
     table = torch.tensor([[b + layout[name][0] for b in bases] for name in _ADDRESS_ROWS], dtype=torch.int64,
                          device=mine.device)
     return EPWorkspace(rank=rank, world=world, max_tokens=max_tokens, k=k, H=H, dtype=dtype, device=mine.device,
@@ -117,17 +112,11 @@ def _workspace(rank: int, world: int, max_tokens: int, k: int, H: int, dtype: to
                        group=group, **views)
 
 
-def _check_sizes(**sizes) -> None:
-    for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected a positive int, got {value!r}")
-
-
 def linked_workspaces(world: int, max_tokens: int, k: int, H: int, dtype: torch.dtype,
                       device: torch.device | str) -> list[EPWorkspace]:
     """`world` ranks' workspaces in this one process, each one's table pointing at all of them (what
     symmetric memory gives each process of a group). W = 1 is the single-process EP op."""
-    _check_sizes(world=world, max_tokens=max_tokens, k=k, H=H)
+    check_positive_ints(world=world, max_tokens=max_tokens, k=k, H=H)
     _, nbytes = _layout(world, max_tokens, k, H, dtype)
     bufs = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(world)]
     bases = [b.data_ptr() for b in bufs]
@@ -144,7 +133,7 @@ def ep_workspace(max_tokens: int, k: int, H: int, dtype: torch.dtype, device: to
     processes)."""
     import torch.distributed as dist
 
-    _check_sizes(max_tokens=max_tokens, k=k, H=H)
+    check_positive_ints(max_tokens=max_tokens, k=k, H=H)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("ep_workspace: torch.distributed is not initialised (call init_process_group first)")
     group = group if group is not None else dist.group.WORLD
@@ -200,22 +189,21 @@ def ep_fused_moe_fwd(x_TH: torch.Tensor, w13_L2IH: torch.Tensor, w2_LHI: torch.T
     not; after it, the time-out record (raises naming the rank and the signal). These synchronise.
     check=False (CUDA-graph capture): only the shape checks, nothing synchronises; call
     `ep_check(ws)` after the replay to learn of a time-out."""
-    if check and ws.group is not None:
-        from megamoe.ep import _check_everywhere, _check_local
+    exchanged = check and ws.group is not None
+    if exchanged:  # ep.py's checks (ids included) and the workspace's, the same verdict on every rank
         _check_everywhere(ws.group, lambda: _check_local(
             x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, num_experts, ws.max_tokens, "megamoe", True)
             | _check_workspace(x_TH, topk_ids_Tk, ws))
     s = check_moe_inputs(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, check_ids=False)
     W = ws.world
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts != s.E * W:
+    check_positive_ints(num_experts=num_experts)
+    if num_experts != s.E * W:
         raise ValueError(f"num_experts: expected L * W = {s.E} * {W} = {s.E * W} (w13 holds L={s.E} experts, "
                          f"the workspace {W} ranks), got {num_experts!r}")
-    _check_workspace(x_TH, topk_ids_Tk, ws)
-    if check and topk_ids_Tk.numel():
-        lo, hi = int(topk_ids_Tk.min()), int(topk_ids_Tk.max())
-        if lo < -1 or hi >= num_experts:
-            raise ValueError(f"topk_ids: expected global expert ids in [-1, num_experts={num_experts}), "
-                             f"got min {lo}, max {hi}")
+    if not exchanged:
+        _check_workspace(x_TH, topk_ids_Tk, ws)
+        if check:
+            check_global_ids(topk_ids_Tk, num_experts)
     _check_backend(x_TH, "triton")
     spin_max = SPIN_MAX[x_TH.device.type] if spin_max is None else spin_max
     from megamoe.kernels.moe_kernels import CTR_SLOTS, _moe_persistent_kernel

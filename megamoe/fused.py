@@ -494,9 +494,11 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
-def _backward(ctx, dy):
-    x, w13, w2, tw, ids = ctx.saved_tensors
-    dx, dw13, dw2, dtw = _fused_moe_bwd_op(dy, x, w13, w2, tw, ids)
+def _backward(ctx, dy, *_):
+    # the training op also saved (gate, up): passed on, the backward reads it instead of recomputing;
+    # (gate, up) itself is an internal output that receives no gradient
+    x, w13, w2, tw, ids, *gu = ctx.saved_tensors
+    dx, dw13, dw2, dtw = _fused_moe_bwd_op(dy, x, w13, w2, tw, ids, *gu)
     return dx, dw13, dw2, dtw, None
 
 
@@ -511,14 +513,7 @@ def _setup_context_train(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward_train(ctx, dy, _dgu):
-    # (gate, up) is an internal output: no gradient flows through it
-    x, w13, w2, tw, ids, gu = ctx.saved_tensors
-    dx, dw13, dw2, dtw = _fused_moe_bwd_op(dy, x, w13, w2, tw, ids, gu)
-    return dx, dw13, dw2, dtw, None
-
-
-_fused_moe_train_op.register_autograd(_backward_train, setup_context=_setup_context_train)
+_fused_moe_train_op.register_autograd(_backward, setup_context=_setup_context_train)
 
 
 def megamoe_moe(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk) -> torch.Tensor:

@@ -39,6 +39,16 @@ def _compile(fn, types: dict, consts: dict, divisible: tuple[str, ...], num_warp
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
+def arg_types(tname: str) -> dict:
+    """The kernels' pointer arguments as a launch types them (x's dtype `tname` where it applies);
+    pointers not named here are int32 (`_compile`'s default)."""
+    types = {n: f"*{tname}" for n in ("x_ptr", "w13_ptr", "w2_ptr", "dy_ptr", "act_ptr", "hw_ptr", "slot_out_ptr",
+                                      "out_ptr", "dgu_ptr", "dw13_ptr", "dw2_ptr", "gu_ptr", "xs_ptr", "y_ptr")}
+    types.update(tw_ptr="*fp32", ids_ptr="*i64", dtw_part_ptr="*fp32", dtw_ptr="*fp32", ep_ptr="*i64",
+                 ep_epoch_ptr="*i64", ids_src_ptr="*i64", tw_src_ptr="*fp32")
+    return types
+
+
 def _resources(cubin: bytes) -> dict:
     import triton
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -62,10 +72,7 @@ def check() -> list[dict]:
     rows = []
     for dtype, tname in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
         cfg = fused.default_config(dtype, torch.device("cuda"))
-        data = {n: f"*{tname}" for n in ("x_ptr", "w13_ptr", "w2_ptr", "dy_ptr", "act_ptr", "hw_ptr",
-                                          "slot_out_ptr", "out_ptr", "dgu_ptr", "dw13_ptr", "dw2_ptr", "gu_ptr")}
-        data.update(tw_ptr="*fp32", ids_ptr="*i64", dtw_part_ptr="*fp32", dtw_ptr="*fp32", ep_ptr="*i64", ep_epoch_ptr="*i64",
-                    xs_ptr=f"*{tname}", ids_src_ptr="*i64", tw_src_ptr="*fp32", y_ptr=f"*{tname}")
+        data = arg_types(tname)
         for is_bwd, gu, ep in ((False, False, False), (False, True, False), (True, False, False), (True, True, False),
                                (False, False, True)):
             k = _compile(mk._moe_persistent_kernel, data,

@@ -19,9 +19,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from benchmarks.bench_moe import SHAPES  # noqa: E402
+from benchmarks.bench_moe import SHAPES, make_inputs  # noqa: E402
 from megamoe.moe import fused_moe  # noqa: E402
-from megamoe.routing import route  # noqa: E402
 
 SHAPES = dict(SHAPES, tiny=(8, 64, 32, 2))
 
@@ -29,13 +28,10 @@ SHAPES = dict(SHAPES, tiny=(8, 64, 32, 2))
 def step_fn(name: str, T: int, impl: str, device: str):
     E, H, I, k = SHAPES[name]  # noqa: E741
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    g = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(T, H, device=device, generator=g).to(dtype).requires_grad_(True)
-    w13 = (torch.randn(E, 2 * I, H, device=device, generator=g) / H ** 0.5).to(dtype).requires_grad_(True)
-    w2 = (torch.randn(E, H, I, device=device, generator=g) / I ** 0.5).to(dtype).requires_grad_(True)
-    tw, ids = route(torch.randn(T, E, device=device, generator=g), k, renormalize=True)
-    tw.requires_grad_(True)
-    dy = torch.randn(T, H, device=device, generator=g).to(dtype)
+    x, w13, w2, tw, ids = make_inputs(E, H, I, k, T, device=device, dtype=dtype)
+    for t in (x, w13, w2, tw):
+        t.requires_grad_(True)
+    dy = torch.randn_like(x)
 
     def step():
         for t in (x, w13, w2, tw):

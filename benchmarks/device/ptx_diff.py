@@ -42,7 +42,7 @@ def main():
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("ptx_diff: unset TRITON_INTERPRET")
     import torch
-    from compile_check import _compile
+    from compile_check import _compile, arg_types
 
     from megamoe import fused
     from megamoe.kernels import moe_kernels as new
@@ -57,10 +57,7 @@ def main():
     same_all = True
     for dtype, tname in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
         cfg = fused.default_config(dtype, torch.device("cuda"))
-        types = {n: f"*{tname}" for n in ("x_ptr", "w13_ptr", "w2_ptr", "dy_ptr", "act_ptr", "hw_ptr", "slot_out_ptr",
-                                          "out_ptr", "gu_ptr", "xs_ptr", "y_ptr")}
-        types.update(tw_ptr="*fp32", ids_ptr="*i64", dtw_part_ptr="*fp32", dtw_ptr="*fp32", ep_ptr="*i64",
-                     ep_epoch_ptr="*i64", ids_src_ptr="*i64", tw_src_ptr="*fp32")
+        types = arg_types(tname)
         for is_bwd, gu in ((False, False), (False, True), (True, False), (True, True)):
             consts = fused.persistent_constexprs(cfg, is_bwd, dtype, E, gu=gu)
             got = []

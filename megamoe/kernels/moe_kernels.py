@@ -109,6 +109,13 @@ def _publish(ptr):
 
 
 @triton.jit
+def _publish_sys(ptr):
+    # as _publish, at system scope: the stores it publishes include stores to other GPUs (EP)
+    tl.debug_barrier()
+    tl.atomic_add(ptr, 1, sem="release", scope="sys")
+
+
+@triton.jit
 def _ep_addr(ep_ptr, row, rank, W, ty: tl.constexpr):
     """Base pointer of buffer `row` of `rank` (rank may be a tensor of ranks)."""
     return tl.load(ep_ptr + row * W + rank).to(tl.pointer_type(ty))
@@ -217,8 +224,7 @@ def _ep_dispatch_item(b, ep_ptr, xs_ptr, ids_src_ptr, tw_src_ptr, ctr_ptr, RANK,
             m = mine[:, None] & (hs < H)[None, :]
             v = tl.load(xs_ptr + tok[:, None] * H + hs[None, :], mask=m, other=0.0)
             tl.store(xd + row[:, None] * H + hs[None, :], v, mask=m)
-    tl.debug_barrier()
-    tl.atomic_add(ctr_ptr + CTR_D, 1, sem="release", scope="sys")
+    _publish_sys(ctr_ptr + CTR_D)
 
 
 @triton.jit
@@ -425,8 +431,7 @@ def _moe_persistent_kernel(
                         tl.store(slot_out_ptr + slot[:, None] * H + cols2[None, :], acc2.to(dtype),
                                  mask=rmask[:, None] & cmask2[None, :])
                         if EP:
-                            tl.debug_barrier()
-                            tl.atomic_add(ctr_ptr + CTR_P2, 1, sem="release", scope="sys")
+                            _publish_sys(ctr_ptr + CTR_P2)
                         else:
                             _publish(ctr_ptr + CTR_P2)
             elif EP:
