@@ -6,6 +6,9 @@ import re
 import subprocess
 import sys
 
+import pytest
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -33,3 +36,12 @@ def test_bench_memory_reports_both_paths():
     out = _run("benchmarks/bench_memory.py", "--shapes", "qwen3", "--tokens", "8", "--dtype", "float32")
     # Qwen3 in fp32: megamoe saves exactly k * 2I fp32 per token = 8 * 1536 * 4 bytes = 48 KiB
     assert re.search(r"\| qwen3 \(128, 2048, 768, 8\) \| 8 \| 48\.0 KiB \| [\d.]+ KiB \| 0\.\d\d \|", out), out
+
+
+def test_host_path_imports_and_refuses_without_a_gpu():
+    """host_path.py runs on a GPU only; here its imports and its refusal (the numbers are in RESULTS.md)."""
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal on a machine without a GPU")
+    proc = subprocess.run([sys.executable, "benchmarks/device/host_path.py"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0 and "host_path.py needs a CUDA GPU" in proc.stderr, proc.stderr[-2000:]

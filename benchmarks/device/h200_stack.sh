@@ -7,7 +7,7 @@
 # consistency issue) | invariance | consistency (the CLI, 8 layers H=1024 E=64 k=8 bf16) | rl_megamoe |
 # rl_reference | kernel_tests (op + trainer GPU tests) | bench (bench_moe.py; carry .whl with the
 # Liger wheel; BENCH_ARGS overrides its shapes/tokens) | tune (tune_moe.py: stage split, tile
-# variants) | profile (one training step under torch.profiler: kernels and gaps) | ep (multigpu EP tests + bench_ep.py; needs 2 GPUs). docs/GPU_MACHINE.md: costs.
+# variants) | profile (one training step under torch.profiler: kernels and gaps) | host (host_path.py: host time per layer, one-call latency vs a CUDA graph) | ep (multigpu EP tests + bench_ep.py; needs 2 GPUs). docs/GPU_MACHINE.md: costs.
 set -u
 cd "$(dirname "$0")/../.."
 RUNS=runs/h200; LOG="${OUT:-$RUNS}"; mkdir -p "$RUNS" "$LOG"
@@ -50,6 +50,7 @@ for stage in "$@"; do
       PYTHONPATH="$PYTHONPATH:/tmp/ligersite" timeout 540 $PY benchmarks/bench_moe.py "${BENCH[@]}" \
         --reps 50 --out "$LOG/bench_moe.md"; rc=$? ;;
     profile) timeout 240 $PY benchmarks/device/profile_step.py --shape qwen3 --tokens 4096 16384; rc=$? ;;
+    host) timeout 200 $PY benchmarks/device/host_path.py --shape qwen3 --tokens 64 512 4096; rc=$? ;;
     tune) timeout 300 $PY benchmarks/tune_moe.py --shape qwen3 --tokens 64 4096 16384 --reps 15; rc=$? ;;
     ep) # two or more GPUs (kind nvidia-h200-x2)
       timeout 300 $PY -m pytest -p no:cacheprovider -q -s -m multigpu tests/test_ep.py; rc=$?

@@ -4,14 +4,20 @@ outside the three kernels (forward, backward persistent, weight gradients) can b
 
     python3 benchmarks/device/profile_step.py --shape qwen3 --tokens 4096 16384 [--impl reference]
 
-On a GPU it lists CUDA kernels and memsets; on a CPU machine (torch backend, small shapes through
---shape tiny) it lists CPU ops instead, which only checks that the script runs.
+On a GPU it lists CUDA kernels and memsets, then the host's side of the same step (the top-level
+CPU ops on the same clock: when each kernel was asked for) and a cProfile of the step's Python
+(--host-calls steps, functions by own time, no device sync inside the window); on a CPU machine
+(torch backend, small shapes through --shape tiny) it lists CPU ops instead, which only checks that
+the script runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import sys
 
 import torch
@@ -46,41 +52,61 @@ def main():
     ap.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384])
     ap.add_argument("--impl", default="megamoe", choices=["megamoe", "reference"])
     ap.add_argument("--top", type=int, default=25, help="rows of the per-kernel table")
+    ap.add_argument("--host-calls", type=int, default=20, help="steps under cProfile (0: none)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    activity = ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     for T in args.tokens:
         step = step_fn(args.shape, T, args.impl, device)
         for _ in range(3):  # compile, allocator warm-up
             step()
         if device == "cuda":
             torch.cuda.synchronize()
-        with profile(activities=[activity]) as prof:
+        with profile(activities=activities) as prof:
             step()
             if device == "cuda":
                 torch.cuda.synchronize()
-        # device events in time order (on CPU: the top-level ops)
-        events = [e for e in prof.events() if (e.device_type.name == "CUDA") == (device == "cuda")]
-        if device == "cpu":
-            events = [e for e in events if e.cpu_parent is None]
-        events.sort(key=lambda e: e.time_range.start)
-        if not events:
+        every = sorted(prof.events(), key=lambda e: e.time_range.start)
+        host = [e for e in every if e.device_type.name == "CPU" and e.cpu_parent is None]
+        kernels = [e for e in every if e.device_type.name == "CUDA"] if device == "cuda" else host
+        if not kernels:
             print(f"{args.shape} T={T}: no events recorded")
             continue
-        span = (events[-1].time_range.end - events[0].time_range.start) / 1e3
-        busy = sum(e.time_range.elapsed_us() for e in events) / 1e3
-        print(f"\n{args.shape} T={T} {args.impl} on {device}: {len(events)} events, span {span:.3f} ms, "
-              f"busy {busy:.3f} ms, idle {span - busy:.3f} ms")
-        print(f"{'start ms':>9} {'ms':>8} {'gap before':>10}  name")
-        prev_end = events[0].time_range.start
-        for e in events[: args.top]:
-            gap = (e.time_range.start - prev_end) / 1e3
-            print(f"{(e.time_range.start - events[0].time_range.start) / 1e3:9.3f} "
-                  f"{e.time_range.elapsed_us() / 1e3:8.3f} {gap:10.3f}  {e.name[:90]}")
-            prev_end = max(prev_end, e.time_range.end)
-        if len(events) > args.top:
-            print(f"... {len(events) - args.top} more")
+        t0 = min(e.time_range.start for e in (kernels + host))
+        _timeline(f"{args.shape} T={T} {args.impl} on {device}", kernels, t0, args.top)
+        if device == "cuda":
+            _timeline(f"{args.shape} T={T} host (top-level CPU ops, same clock)", host, t0, args.top)
+            if args.host_calls:
+                _host_profile(step, args.host_calls)
 
+
+def _timeline(title: str, events, t0: float, top: int) -> None:
+    span = (events[-1].time_range.end - events[0].time_range.start) / 1e3
+    busy = sum(e.time_range.elapsed_us() for e in events) / 1e3
+    print(f"\n{title}: {len(events)} events, span {span:.3f} ms, busy {busy:.3f} ms, idle {span - busy:.3f} ms")
+    print(f"{'start ms':>9} {'ms':>8} {'gap before':>10}  name")
+    prev_end = events[0].time_range.start
+    for e in events[:top]:
+        gap = (e.time_range.start - prev_end) / 1e3
+        print(f"{(e.time_range.start - t0) / 1e3:9.3f} {e.time_range.elapsed_us() / 1e3:8.3f} {gap:10.3f}  {e.name[:90]}")
+        prev_end = max(prev_end, e.time_range.end)
+    if len(events) > top:
+        print(f"... {len(events) - top} more")
+
+
+def _host_profile(step, n: int) -> None:
+    """cProfile over n steps with no synchronisation inside (as a training loop issues them)."""
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        step()
+    pr.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(22)
+    print(f"\ncProfile of {n} steps (times are totals over the {n}):")
+    print("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[:6000])
 
 if __name__ == "__main__":
     main()
