@@ -168,6 +168,46 @@ def test_public_autograd_matches_fwd_bwd():
     assert torch.equal(leaves.w2.grad, dw2) and torch.equal(leaves.topk_weights.grad, dtw)
 
 
+GRAD_NAMES = ("x", "w13", "w2", "topk_weights")
+
+
+def test_compiled_call_runs_the_registered_op_with_the_same_bits():
+    """Under torch.compile the call is one graph holding the registered op (the inference op under
+    no_grad, the training op with grad), and through aot_eager (the registered fake implementation
+    and autograd) y and every gradient equal the eager call's bits."""
+    p = make_problem(13, 24, 16, 5, 2, seed=9)
+    graphs = []
+
+    def keep_graph(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    def f(*args):
+        return megamoe.fused_moe(*args, check_ids=False)
+
+    with torch.no_grad():
+        y_c = torch.compile(f, backend=keep_graph, fullgraph=True)(*p.args())
+    assert len(graphs) == 1 and "megamoe.fused_moe" in graphs[0] and "fused_moe_train" not in graphs[0], graphs
+    assert torch.equal(y_c, f(*p.args()))
+    a, b = p.leaves(), p.leaves()
+    torch.compile(f, backend=keep_graph, fullgraph=True)(*a.args())
+    assert len(graphs) == 2 and "megamoe.fused_moe_train" in graphs[1], graphs[1:]
+    y_a = torch.compile(f, backend="aot_eager", fullgraph=True)(*a.args())
+    y_b = f(*b.args())
+    g = torch.randn_like(y_b)
+    y_a.backward(g)
+    y_b.backward(g)
+    assert torch.equal(y_a, y_b) and all(torch.equal(getattr(a, n).grad, getattr(b, n).grad) for n in GRAD_NAMES)
+
+
+def test_fake_tensors_go_through_the_fake_implementation():
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    p = make_problem(13, 24, 16, 5, 2, seed=9)
+    with FakeTensorMode() as mode:
+        y = megamoe.fused_moe(*(mode.from_tensor(t) for t in p.args()), check_ids=False)
+    assert isinstance(y, FakeTensor) and tuple(y.shape) == (13, 24) and y.dtype == p.x.dtype
+
+
 def test_triton_backend_refused_without_gpu_or_interpreter(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("checks the CPU refusal; this machine has a GPU")
