@@ -24,18 +24,25 @@ owner never overwrites rows a source is still reading. Every wait is bounded (`s
 on time-out the kernel records which pad entry it waited for, finishes the launch (the result is
 then garbage) and the host raises naming the rank and the signal.
 
-Status (2026-12-01): forward only. Workspaces: `linked_workspaces` (W ranks in one process),
+Backward (`ep_fused_moe`, differentiable; `ep_fused_moe_bwd`): not one launch. The token and dy
+rows go to their experts' owners again by all_to_all over the workspace's group (the forward saves
+only its inputs), each owner runs the single-GPU fused backward on its received slots (K = 1), and
+each slot's dx row and d(topk_weights) come back by all_to_all; the token's rank sums its k dx rows
+in slot order in fp32, as the single-GPU op does (across 2 CPU processes every gradient is that
+op's bits, tests/test_ep_fused_gloo.py; not yet compared on GPUs).
+
+Status (2026-12-01). Workspaces: `linked_workspaces` (W ranks in one process; forward only),
 `ep_workspace` (a process group: /dev/shm files on CPU, `torch.distributed._symmetric_memory` on
 CUDA). Tested under the Triton interpreter on CPU, in one process (tests/test_ep_fused.py) and
-across 2 gloo processes sharing the /dev/shm workspaces (tests/test_ep_fused_gloo.py: bitwise
-equal to the single-process op, uneven routing, bad input on one rank raised on both), and
-compiled for sm_90 (benchmarks/device/compile_check.py, no stack). NOT yet run on a GPU: the CUDA
-workspace path and the system-scope memory ordering are unverified. Not built: separate
+across 2 gloo processes sharing the /dev/shm workspaces (tests/test_ep_fused_gloo.py: y and every
+gradient bitwise equal to the single-process op, uneven routing, bad input or differing
+requires_grad on one rank raised on both), and compiled for sm_90 (benchmarks/device/compile_check.py,
+no stack). On one H200 (bf16) the single-process tests pass, CUDA-graph capture and replay and the
+time-out path included (benchmarks/RESULTS.md). NOT yet run across two GPUs: the CUDA workspace
+path and the system-scope ordering between devices are unverified. Not built: separate
 communication and compute programs (every program takes dispatch, compute and combine tickets in
-order), per-source readiness (the overlap), the backward. CUDA-graph replay: the epoch lives on the
-device and the kernel advances it, and `check=False` keeps the call free of synchronisation, but no
-graph has been captured (no GPU run). `megamoe.ep.ep_fused_moe` (all_to_all around the single-GPU kernel) remains
-the EP path the trainer and rollout use.
+order), per-source readiness (the overlap), a one-launch backward. `megamoe.ep.ep_fused_moe`
+(all_to_all around the single-GPU kernel) remains the EP path the trainer and rollout use.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import dataclasses
 import math
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from megamoe import alloc
 from megamoe.contract import check_moe_inputs
@@ -177,20 +185,12 @@ def _check_workspace(x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, ws: EPWorksp
     return {}
 
 
-def ep_fused_moe_fwd(x_TH: torch.Tensor, w13_L2IH: torch.Tensor, w2_LHI: torch.Tensor,
-                     topk_weights_Tk: torch.Tensor, topk_ids_Tk: torch.Tensor, ws: EPWorkspace, *,
-                     num_experts: int, check: bool = True, spin_max: int | None = None) -> torch.Tensor:
-    """This rank's y [T, H] for its tokens (x, global top-k ids, weights) and its L experts (w13, w2),
-    in one persistent launch that dispatches, computes and combines (module docstring). Every rank of
-    the workspace's world calls it, once per epoch.
-
-    check=True: before the launch, the expert-id range and (group workspace) the same error on every
-    rank after one exchange of the ranks' sizes, so no rank launches and waits for one that will
-    not; after it, the time-out record (raises naming the rank and the signal). These synchronise.
-    check=False (CUDA-graph capture): only the shape checks, nothing synchronises; call
-    `ep_check(ws)` after the replay to learn of a time-out."""
+def _checked(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws: EPWorkspace, num_experts: int,
+             check: bool):
+    """The checks before a launch; with check and a group workspace, ep.py's checks (ids and
+    requires_grad flags included) and the workspace's, the same verdict on every rank."""
     exchanged = check and ws.group is not None
-    if exchanged:  # ep.py's checks (ids included) and the workspace's, the same verdict on every rank
+    if exchanged:
         _check_everywhere(ws.group, lambda: _check_local(
             x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, num_experts, ws.max_tokens, "megamoe", True)
             | _check_workspace(x_TH, topk_ids_Tk, ws))
@@ -205,9 +205,31 @@ def ep_fused_moe_fwd(x_TH: torch.Tensor, w13_L2IH: torch.Tensor, w2_LHI: torch.T
         if check:
             check_global_ids(topk_ids_Tk, num_experts)
     _check_backend(x_TH, "triton")
-    spin_max = SPIN_MAX[x_TH.device.type] if spin_max is None else spin_max
+    return s
+
+
+def ep_fused_moe_fwd(x_TH: torch.Tensor, w13_L2IH: torch.Tensor, w2_LHI: torch.Tensor,
+                     topk_weights_Tk: torch.Tensor, topk_ids_Tk: torch.Tensor, ws: EPWorkspace, *,
+                     num_experts: int, check: bool = True, spin_max: int | None = None) -> torch.Tensor:
+    """This rank's y [T, H] for its tokens (x, global top-k ids, weights) and its L experts (w13, w2),
+    in one persistent launch that dispatches, computes and combines (module docstring). Every rank of
+    the workspace's world calls it, once per epoch. Not differentiable: `ep_fused_moe` is.
+
+    check=True: before the launch, the expert-id range and (group workspace) the same error on every
+    rank after one exchange of the ranks' sizes, so no rank launches and waits for one that will
+    not; after it, the time-out record (raises naming the rank and the signal). These synchronise.
+    check=False (CUDA-graph capture): only the shape checks, nothing synchronises; call
+    `ep_check(ws)` after the replay to learn of a time-out."""
+    s = _checked(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws, num_experts, check)
+    return _launch(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws, s, check, spin_max)
+
+
+def _launch(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws: EPWorkspace, s, check: bool,
+            spin_max: int | None) -> torch.Tensor:
     from megamoe.kernels.moe_kernels import CTR_SLOTS, _moe_persistent_kernel
 
+    W = ws.world
+    spin_max = SPIN_MAX[x_TH.device.type] if spin_max is None else spin_max
     x, w13, w2 = x_TH.contiguous(), w13_L2IH.contiguous(), w2_LHI.contiguous()
     tw, ids = topk_weights_Tk.float().contiguous(), topk_ids_Tk.contiguous()
     L, H, I = s.E, s.H, s.I  # noqa: E741
@@ -233,6 +255,80 @@ def ep_fused_moe_fwd(x_TH: torch.Tensor, w13_L2IH: torch.Tensor, w2_LHI: torch.T
     if check:
         ep_check(ws, spin_max)
     return y
+
+
+def ep_fused_moe_bwd(dy_TH: torch.Tensor, x_TH: torch.Tensor, w13_L2IH: torch.Tensor, w2_LHI: torch.Tensor,
+                     topk_weights_Tk: torch.Tensor, topk_ids_Tk: torch.Tensor, *, num_experts: int, group
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx [T,H], dw13 [L,2I,H], dw2 [L,H,I], d(topk_weights) [T,k]) of `ep_fused_moe` for upstream dy:
+    dx and d(topk_weights) for this rank's tokens, dw13 and dw2 for its experts. Collective over
+    `group`: the token rows and dy rows go to their experts' owners again (all_to_all; the forward
+    saved only its inputs), each owner runs the single-GPU fused backward on its received slots
+    (K = 1: one row per slot, so a slot's dx and d(topk_weights) are exactly the single-GPU op's
+    per-slot values and its weight gradients sum its experts' rows), and each slot's dx row and
+    d(topk_weights) go back to the token's rank, which sums a token's k dx rows in slot order in fp32
+    as the single-GPU op does. Exchanges counts on the host (synchronises; not graph-capturable)."""
+    from megamoe.ep import _all_to_all, _exchange_counts, _plan
+    from megamoe.fused import fused_moe_bwd
+
+    W = torch.distributed.get_world_size(group)
+    T, H = x_TH.shape
+    k = topk_ids_Tk.shape[1]
+    if tuple(dy_TH.shape) != (T, H):
+        raise ValueError(f"dy: expected shape [T={T}, H={H}], got {tuple(dy_TH.shape)}")
+    plan = _plan(topk_ids_Tk, num_experts // W, W)
+    _exchange_counts(plan, group)
+
+    def dispatch(t):
+        return _all_to_all(t.index_select(0, plan.send_token_S), plan.send_rows, plan.recv_rows, group)
+
+    x_R, dy_R, tw_R = dispatch(x_TH), dispatch(dy_TH.to(x_TH.dtype)), dispatch(topk_weights_Tk.float())
+    lid_R = _all_to_all(plan.send_lid_Sk, plan.send_rows, plan.recv_rows, group)
+    row_N, slot_N = (lid_R >= 0).nonzero(as_tuple=True)  # the sender's (token, slot) order
+    dx_N, dw13, dw2, dtw_N = fused_moe_bwd(dy_R.index_select(0, row_N), x_R.index_select(0, row_N), w13_L2IH,
+                                           w2_LHI, tw_R[row_N, slot_N][:, None], lid_R[row_N, slot_N][:, None],
+                                           backend="triton")
+    dx_M = _all_to_all(dx_N, plan.recv_slots, plan.send_slots, group)
+    dtw_M = _all_to_all(dtw_N.reshape(-1), plan.recv_slots, plan.send_slots, group)
+    dx_TkH = torch.zeros(T * k, H, dtype=x_TH.dtype, device=x_TH.device)
+    dx_TkH = dx_TkH.index_copy_(0, plan.result_slot_M, dx_M).view(T, k, H)
+    dx32 = torch.zeros(T, H, dtype=torch.float32, device=x_TH.device)
+    for j in range(k):  # slot order, fp32
+        dx32 += dx_TkH[:, j].float()
+    dtw = torch.zeros(T * k, dtype=torch.float32, device=x_TH.device).index_copy_(0, plan.result_slot_M, dtw_M)
+    return dx32.to(x_TH.dtype), dw13, dw2, dtw.view(T, k).to(topk_weights_Tk.dtype)
+
+
+class _EPFusedMoE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws, s, num_experts, check, spin_max):
+        y = _launch(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws, s, check, spin_max)
+        ctx.save_for_backward(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk)
+        ctx.group, ctx.num_experts = ws.group, num_experts
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy_TH):
+        grads = ep_fused_moe_bwd(dy_TH, *ctx.saved_tensors, num_experts=ctx.num_experts, group=ctx.group)
+        return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)),) + (None,) * 6
+
+
+def ep_fused_moe(x_TH: torch.Tensor, w13_L2IH: torch.Tensor, w2_LHI: torch.Tensor, topk_weights_Tk: torch.Tensor,
+                 topk_ids_Tk: torch.Tensor, ws: EPWorkspace, *, num_experts: int, check: bool = True,
+                 spin_max: int | None = None) -> torch.Tensor:
+    """`ep_fused_moe_fwd`, differentiable w.r.t. x, w13, w2 and topk_weights (backward:
+    `ep_fused_moe_bwd`, collective over the workspace's group, which every rank's requires_grad
+    flags must agree on: checked with check=True). Saves only the inputs."""
+    train = torch.is_grad_enabled() and any(t.requires_grad for t in (x_TH, w13_L2IH, w2_LHI, topk_weights_Tk))
+    if train and ws.group is None:
+        raise ValueError("ws: the backward exchanges rows over a process group; this workspace has none "
+                         "(linked_workspaces); use ep_workspace(..., group) or call under torch.no_grad()")
+    s = _checked(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws, num_experts, check)
+    if not train:
+        return _launch(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws, s, check, spin_max)
+    return _EPFusedMoE.apply(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws, s, num_experts, check,
+                             spin_max)
 
 
 def ep_check(ws: EPWorkspace, spin_max: int | None = None) -> None:

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from megamoe.ep_fused import ep_check, ep_fused_moe_fwd, linked_workspaces
+from megamoe.ep_fused import ep_check, ep_fused_moe, ep_fused_moe_fwd, linked_workspaces
 from megamoe.fused import fused_moe_fwd
 from megamoe.testing import make_problem
 
@@ -112,6 +112,20 @@ def test_bad_input_is_refused_before_the_launch():
     with pytest.raises(ValueError, match=r"expected H=16, k=3"):
         ep_fused_moe_fwd(*p.args(), ws3, num_experts=4)
     assert ws.epoch == 0 and ws3.epoch == 0 and ws.dsig.tolist() == [0]  # nothing launched
+
+
+def test_differentiable_call_needs_a_group_workspace():
+    """`ep_fused_moe` without grad is the forward; with grad on an in-process workspace (no group
+    for the backward's exchanges) it is refused before the launch."""
+    device, dtype = _device_and_dtype()
+    p = make_problem(7, 16, 8, 4, 2, seed=2, dtype=dtype, device=device)
+    (ws,) = linked_workspaces(1, 7, 2, 16, dtype, device)
+    with torch.no_grad():
+        y = ep_fused_moe(*p.leaves().args(), ws, num_experts=4)
+    assert torch.equal(y, fused_moe_fwd(*p.args(), backend="triton")) and ws.epoch == 1
+    with pytest.raises(ValueError, match=r"ws: the backward exchanges rows over a process group"):
+        ep_fused_moe(*p.leaves().args(), ws, num_experts=4)
+    assert ws.epoch == 1  # nothing launched
 
 
 def test_unchecked_call_reports_its_time_out_later(nan_fill):

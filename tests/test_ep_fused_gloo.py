@@ -3,7 +3,9 @@
 and each process runs the persistent kernel under the Triton interpreter, so the dispatch into the
 other process's buffers, the signal pads it waits on and the combine reading the other rank's
 results are the real protocol with a real peer. Every rank's y must equal, bitwise, the
-single-process op on all ranks' tokens with all experts.
+single-process op on all ranks' tokens with all experts; so must, through `ep_fused_moe`'s backward
+(rows exchanged over gloo, the fused backward on each owner's received slots), every rank's dx and
+d(topk_weights) and its experts' dw13 and dw2.
 
     .venv/bin/python -m pytest -q tests/test_ep_fused_gloo.py
 """
@@ -19,8 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megamoe.ep_fused import ep_fused_moe_fwd, ep_workspace
-from megamoe.fused import fused_moe_fwd
+from megamoe.ep_fused import ep_fused_moe, ep_fused_moe_fwd, ep_workspace
+from megamoe.fused import fused_moe_bwd, fused_moe_fwd
 from megamoe.testing import make_problem, run_processes
 
 WORLD = 2
@@ -46,6 +48,24 @@ CASES = [
 
 
 BAD = ["too-many-tokens", "experts-differ"]
+TRAIN_CASES = CASES[:3]
+GRADS = ("x", "w13", "w2", "topk_weights")
+
+
+def _dy(case: Case) -> torch.Tensor:
+    return torch.randn(sum(case.tokens), H, generator=torch.Generator().manual_seed(CASES.index(case) + 80))
+
+
+def _train(p, ids, dy, case: Case, rank: int, ws, x_grad: bool = True):
+    """One differentiable call and its backward on this rank's share: (y, dx, dw13, dw2, dtw)."""
+    L = E // WORLD
+    t0 = sum(case.tokens[:rank])
+    toks = slice(t0, t0 + case.tokens[rank])
+    leaves = [t.clone().requires_grad_(g) for t, g in ((p.x[toks], x_grad), (p.w13[rank * L:(rank + 1) * L], True),
+                                                        (p.w2[rank * L:(rank + 1) * L], True), (p.topk_weights[toks], True))]
+    y = ep_fused_moe(*leaves, ids[toks], ws, num_experts=E)
+    y.backward(dy[toks])
+    return (y.detach(), *(t.grad for t in leaves))
 
 
 def _problem(case: Case):
@@ -92,6 +112,20 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
                                                p.w2[rank * L:(rank + 1) * L], p.topk_weights[toks], ids[toks], ws,
                                                num_experts=E)
     results["pads"] = (ws.dsig.tolist(), ws.csig.tolist(), ws.epoch)
+    for case in TRAIN_CASES:
+        p, ids = _problem(case)
+        try:
+            results["train-" + case.id] = _train(p, ids, _dy(case), case, rank, ws)
+        except Exception as exc:  # noqa: BLE001
+            results["train-" + case.id] = (type(exc).__name__, str(exc))
+    # requires_grad differing between ranks: refused on both before anything runs (the backward's
+    # collectives would otherwise wait for a rank that never calls them)
+    p, ids = _problem(CASES[0])
+    try:
+        _train(p, ids, _dy(CASES[0]), CASES[0], rank, ws, x_grad=rank == 0)
+        results["grad-flags-differ"] = None
+    except Exception as exc:  # noqa: BLE001
+        results["grad-flags-differ"] = (type(exc).__name__, str(exc))
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -146,3 +180,36 @@ def test_every_rank_saw_every_epoch(ranks):
     for rank in range(WORLD):
         dsig, csig, epoch = ranks[rank]["pads"]
         assert epoch == n and dsig == [n] * WORLD and csig == [n] * WORLD, (rank, dsig, csig, epoch)
+
+
+@pytest.mark.parametrize("case", TRAIN_CASES, ids=[c.id for c in TRAIN_CASES])
+def test_two_processes_backward_equals_the_single_process_op(case, ranks):
+    """Bitwise, and why it can be: a slot's dx and d(topk_weights) rows are computed the same way
+    whichever rows share the launch (the kernels' batch invariance), a token's k dx rows are summed
+    in slot order in fp32 on both sides, and an owner's received slots reach its weight-gradient
+    kernel in the single-process op's row order (rank 0's tokens first, each in (token, slot) order)."""
+    p, ids = _problem(case)
+    dy = _dy(case)
+    y_ref = fused_moe_fwd(p.x, p.w13, p.w2, p.topk_weights, ids, backend="triton")
+    ref = dict(zip(GRADS, fused_moe_bwd(dy, p.x, p.w13, p.w2, p.topk_weights, ids, backend="triton")))
+    L = E // WORLD
+    for rank in range(WORLD):
+        got = ranks[rank]["train-" + case.id]
+        assert isinstance(got[0], torch.Tensor), f"rank {rank}: {got}"
+        y, dx, dw13, dw2, dtw = got
+        t0 = sum(case.tokens[:rank])
+        toks = slice(t0, t0 + case.tokens[rank])
+        mine = slice(rank * L, (rank + 1) * L)
+        for name, a, b in (("y", y, y_ref[toks]), ("dx", dx, ref["x"][toks]), ("dw13", dw13, ref["w13"][mine]),
+                           ("dw2", dw2, ref["w2"][mine]), ("dtopk_weights", dtw, ref["topk_weights"][toks])):
+            assert torch.equal(a, b), f"rank {rank} {name}: max |diff| {float((a - b).abs().max())}"
+        if case.routing == "rank0-only" and rank == 1:
+            assert not dw13.any() and not dw2.any(), "rank 1 received no rows, its weight gradients are zero"
+
+
+def test_differing_requires_grad_raises_on_every_rank(ranks):
+    for rank in range(WORLD):
+        got = ranks[rank]["grad-flags-differ"]
+        assert got is not None and got[0] == "ValueError", (rank, got)
+        assert "x: expected requires_grad to agree on every rank" in got[1] and "[True, False]" in got[1], got
+    assert ranks[0]["grad-flags-differ"] == ranks[1]["grad-flags-differ"]
