@@ -29,12 +29,12 @@ rows go to their experts' owners again by all_to_all over the workspace's group 
 only its inputs), each owner runs the single-GPU fused backward on its received slots (K = 1), and
 each slot's dx row and d(topk_weights) come back by all_to_all; the token's rank sums its k dx rows
 in slot order in fp32, as the single-GPU op does (across 2 CPU processes every gradient is that
-op's bits, tests/test_ep_fused_gloo.py; not yet compared on GPUs).
+op's bits, tests/test_ep_fused_multiproc.py; not yet compared on GPUs).
 
 Status (2026-12-01). Workspaces: `linked_workspaces` (W ranks in one process; forward only),
 `ep_workspace` (a process group: /dev/shm files on CPU, `torch.distributed._symmetric_memory` on
 CUDA). Tested under the Triton interpreter on CPU, in one process (tests/test_ep_fused.py) and
-across 2 gloo processes sharing the /dev/shm workspaces (tests/test_ep_fused_gloo.py: y and every
+across 2 gloo processes sharing the /dev/shm workspaces (tests/test_ep_fused_multiproc.py: y and every
 gradient bitwise equal to the single-process op, uneven routing, bad input or differing
 requires_grad on one rank raised on both), and compiled for sm_90 (benchmarks/device/compile_check.py,
 no stack). On one H200 (bf16) the single-process tests pass, CUDA-graph capture and replay and the

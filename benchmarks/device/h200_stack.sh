@@ -53,7 +53,7 @@ for stage in "$@"; do
     host) timeout 200 $PY benchmarks/device/host_path.py --shape qwen3 --tokens 64 512 4096; rc=$? ;;
     tune) timeout 300 $PY benchmarks/tune_moe.py --shape qwen3 --tokens 64 4096 16384 --reps 15; rc=$? ;;
     ep) # two or more GPUs (kind nvidia-h200-x2)
-      timeout 300 $PY -m pytest -p no:cacheprovider -q -s -m multigpu tests/test_ep.py; rc=$?
+      timeout 300 $PY -m pytest -p no:cacheprovider -q -s -m multigpu tests/test_ep.py tests/test_ep_fused_multiproc.py; rc=$?
       timeout 300 $PY benchmarks/bench_ep.py --reps 20 --out "$LOG/bench_ep.md" || rc=$? ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -1,13 +1,17 @@
-"""The one-launch EP forward across 2 real processes on CPU: each rank's workspace is a file in
-/dev/shm that both processes map (megamoe.ep_fused.ep_workspace), gloo only exchanges the file name,
-and each process runs the persistent kernel under the Triton interpreter, so the dispatch into the
-other process's buffers, the signal pads it waits on and the combine reading the other rank's
-results are the real protocol with a real peer. Every rank's y must equal, bitwise, the
-single-process op on all ranks' tokens with all experts; so must, through `ep_fused_moe`'s backward
-(rows exchanged over gloo, the fused backward on each owner's received slots), every rank's dx and
-d(topk_weights) and its experts' dw13 and dw2.
+"""The one-launch EP forward and its backward across 2 real processes.
 
-    .venv/bin/python -m pytest -q tests/test_ep_fused_gloo.py
+gloo (CPU, CI): each rank's workspace is a file in /dev/shm that both processes map
+(megamoe.ep_fused.ep_workspace), gloo only exchanges the file name and the backward's rows, and each
+process runs the persistent kernel under the Triton interpreter (fp32), so the dispatch into the
+other process's buffers, the signal pads it waits on and the combine reading the other rank's
+results are the real protocol with a real peer. nccl (`multigpu`, 2 GPUs, bf16; written 2026-12-01,
+not yet run): the workspaces are symmetric memory and the same cases run on the GPUs.
+
+Every rank's y must equal, bitwise, the single-process op on all ranks' tokens with all experts; so
+must, through `ep_fused_moe`'s backward (rows exchanged by all_to_all, the fused backward on each
+owner's received slots), every rank's dx and d(topk_weights) and its experts' dw13 and dw2.
+
+    .venv/bin/python -m pytest -q tests/test_ep_fused_multiproc.py
 """
 
 from __future__ import annotations
@@ -52,8 +56,9 @@ TRAIN_CASES = CASES[:3]
 GRADS = ("x", "w13", "w2", "topk_weights")
 
 
-def _dy(case: Case) -> torch.Tensor:
-    return torch.randn(sum(case.tokens), H, generator=torch.Generator().manual_seed(CASES.index(case) + 80))
+def _dy(case: Case, device="cpu", dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(CASES.index(case) + 80)
+    return torch.randn(sum(case.tokens), H, generator=g).to(device, dtype)
 
 
 def _train(p, ids, dy, case: Case, rank: int, ws, x_grad: bool = True):
@@ -68,23 +73,33 @@ def _train(p, ids, dy, case: Case, rank: int, ws, x_grad: bool = True):
     return (y.detach(), *(t.grad for t in leaves))
 
 
-def _problem(case: Case):
-    p = make_problem(sum(case.tokens), H, I, E, K, seed=CASES.index(case) + 40, drop_frac=case.drop_frac)
+def _setup(backend: str, rank: int = 0) -> tuple[torch.device, torch.dtype]:
+    if backend == "nccl":
+        return torch.device("cuda", rank), torch.bfloat16
+    return torch.device("cpu"), torch.float32
+
+
+def _problem(case: Case, device="cpu", dtype=torch.float32):
+    p = make_problem(sum(case.tokens), H, I, E, K, seed=CASES.index(case) + 40, drop_frac=case.drop_frac,
+                     dtype=dtype, device=device)
     ids = p.topk_ids
     if case.routing == "rank0-only":
         ids = torch.where(ids >= 0, ids % (E // WORLD), ids)
     return p, ids
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
+def _worker(rank: int, backend: str, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+    device, dtype = _setup(backend, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=120))
-    ws = ep_workspace(MAX_TOKENS, K, H, torch.float32, "cpu")
+    ws = ep_workspace(MAX_TOKENS, K, H, dtype, device)
     results = {}
     L = E // WORLD
     for case in CASES:
-        p, ids = _problem(case)
+        p, ids = _problem(case, device, dtype)
         t0 = sum(case.tokens[:rank])
         toks = slice(t0, t0 + case.tokens[rank])
         try:
@@ -94,7 +109,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             results[case.id] = (type(exc).__name__, str(exc))
     # bad input on ONE rank: every rank raises the same error before launching (no rank left waiting)
     for bad in BAD:
-        p, ids = _problem(CASES[0])
+        p, ids = _problem(CASES[0], device, dtype)
         n = MAX_TOKENS + 1 if (rank == 1 and bad == "too-many-tokens") else MAX_TOKENS
         x, tw, ids = p.x[:n], p.topk_weights[:n], ids[:n]
         w13, w2 = p.w13[rank * L:(rank + 1) * L], p.w2[rank * L:(rank + 1) * L]
@@ -106,47 +121,57 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         except Exception as exc:  # noqa: BLE001
             results[bad] = (type(exc).__name__, str(exc))
     # and the group is still in step: a good call afterwards
-    p, ids = _problem(CASES[0])
+    p, ids = _problem(CASES[0], device, dtype)
     toks = slice(sum(CASES[0].tokens[:rank]), sum(CASES[0].tokens[:rank + 1]))
     results["after-errors"] = ep_fused_moe_fwd(p.x[toks], p.w13[rank * L:(rank + 1) * L],
                                                p.w2[rank * L:(rank + 1) * L], p.topk_weights[toks], ids[toks], ws,
                                                num_experts=E)
     results["pads"] = (ws.dsig.tolist(), ws.csig.tolist(), ws.epoch)
     for case in TRAIN_CASES:
-        p, ids = _problem(case)
+        p, ids = _problem(case, device, dtype)
         try:
-            results["train-" + case.id] = _train(p, ids, _dy(case), case, rank, ws)
+            results["train-" + case.id] = _train(p, ids, _dy(case, device, dtype), case, rank, ws)
         except Exception as exc:  # noqa: BLE001
             results["train-" + case.id] = (type(exc).__name__, str(exc))
     # requires_grad differing between ranks: refused on both before anything runs (the backward's
     # collectives would otherwise wait for a rank that never calls them)
-    p, ids = _problem(CASES[0])
+    p, ids = _problem(CASES[0], device, dtype)
     try:
-        _train(p, ids, _dy(CASES[0]), CASES[0], rank, ws, x_grad=rank == 0)
+        _train(p, ids, _dy(CASES[0], device, dtype), CASES[0], rank, ws, x_grad=rank == 0)
         results["grad-flags-differ"] = None
     except Exception as exc:  # noqa: BLE001
         results["grad-flags-differ"] = (type(exc).__name__, str(exc))
+    results = {key: (tuple(v.cpu() if isinstance(v, torch.Tensor) else v for v in val) if isinstance(val, tuple)
+                     else val.cpu() if isinstance(val, torch.Tensor) else val) for key, val in results.items()}
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    if os.environ.get("TRITON_INTERPRET") != "1":
+@pytest.fixture(scope="module", params=["gloo", pytest.param("nccl", marks=pytest.mark.multigpu)])
+def ranks(request, tmp_path_factory):
+    backend = request.param
+    if backend == "gloo" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs the kernels under the Triton interpreter (CPU machines; conftest sets it)")
     before = set(glob.glob("/dev/shm/megamoe-ep-*"))
-    out = tmp_path_factory.mktemp("ep-fused-gloo")
-    run_processes(_worker, (str(out / "store"), str(out)), WORLD, SPAWN_TIMEOUT_S, "fused EP")
+    out = tmp_path_factory.mktemp(f"ep-fused-{backend}")
+    run_processes(_worker, (backend, str(out / "store"), str(out)), WORLD, SPAWN_TIMEOUT_S, f"fused EP ({backend})")
     leftover = set(glob.glob("/dev/shm/megamoe-ep-*")) - before
     assert not leftover, f"workspace files left in /dev/shm: {leftover}"
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    return backend, [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+
+
+def _reference(case: Case, backend: str):
+    """The single-process op on every rank's tokens with all experts, on the backend's device."""
+    device, dtype = _setup(backend)
+    p, ids = _problem(case, device, dtype)
+    return p, ids, fused_moe_fwd(p.x, p.w13, p.w2, p.topk_weights, ids, backend="triton").cpu()
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_two_processes_equal_the_single_process_op(case, ranks):
-    p, ids = _problem(case)
-    ref = fused_moe_fwd(p.x, p.w13, p.w2, p.topk_weights, ids, backend="triton")
+    backend, ranks = ranks
+    _, _, ref = _reference(case, backend)
     for rank in range(WORLD):
         got = ranks[rank][case.id]
         assert isinstance(got, torch.Tensor), f"rank {rank}: {got}"
@@ -161,6 +186,7 @@ def test_two_processes_equal_the_single_process_op(case, ranks):
 ])
 def test_bad_input_on_one_rank_raises_on_every_rank(bad, match, ranks):
     import re
+    _, ranks = ranks
     for rank in range(WORLD):
         got = ranks[rank][bad]
         assert got is not None and got[0] == "ValueError" and re.search(match, got[1]), (rank, got)
@@ -168,14 +194,15 @@ def test_bad_input_on_one_rank_raises_on_every_rank(bad, match, ranks):
 
 
 def test_a_good_call_after_the_errors(ranks):
-    p, ids = _problem(CASES[0])
-    ref = fused_moe_fwd(p.x, p.w13, p.w2, p.topk_weights, ids, backend="triton")
+    backend, ranks = ranks
+    _, _, ref = _reference(CASES[0], backend)
     for rank in range(WORLD):
         t0 = sum(CASES[0].tokens[:rank])
         assert torch.equal(ranks[rank]["after-errors"], ref[t0:t0 + CASES[0].tokens[rank]])
 
 
 def test_every_rank_saw_every_epoch(ranks):
+    _, ranks = ranks
     n = len(CASES) + 1  # the refused calls launched nothing
     for rank in range(WORLD):
         dsig, csig, epoch = ranks[rank]["pads"]
@@ -188,10 +215,11 @@ def test_two_processes_backward_equals_the_single_process_op(case, ranks):
     whichever rows share the launch (the kernels' batch invariance), a token's k dx rows are summed
     in slot order in fp32 on both sides, and an owner's received slots reach its weight-gradient
     kernel in the single-process op's row order (rank 0's tokens first, each in (token, slot) order)."""
-    p, ids = _problem(case)
-    dy = _dy(case)
-    y_ref = fused_moe_fwd(p.x, p.w13, p.w2, p.topk_weights, ids, backend="triton")
-    ref = dict(zip(GRADS, fused_moe_bwd(dy, p.x, p.w13, p.w2, p.topk_weights, ids, backend="triton")))
+    backend, ranks = ranks
+    p, ids, y_ref = _reference(case, backend)
+    dy = _dy(case, p.x.device, p.x.dtype)
+    ref = dict(zip(GRADS, (g.cpu() for g in fused_moe_bwd(dy, p.x, p.w13, p.w2, p.topk_weights, ids,
+                                                             backend="triton"))))
     L = E // WORLD
     for rank in range(WORLD):
         got = ranks[rank]["train-" + case.id]
@@ -208,6 +236,7 @@ def test_two_processes_backward_equals_the_single_process_op(case, ranks):
 
 
 def test_differing_requires_grad_raises_on_every_rank(ranks):
+    _, ranks = ranks
     for rank in range(WORLD):
         got = ranks[rank]["grad-flags-differ"]
         assert got is not None and got[0] == "ValueError", (rank, got)
