@@ -5,7 +5,11 @@ own launch binding.
     python benchmarks/host_overhead.py
 
 Runs the Triton launchers on CPU tensors (TRITON_INTERPRET=1 only to let them accept CPU tensors;
-no kernel runs). Wall time per call, mean of 500 after 20 warm-up calls.
+no kernel runs). Wall time per call, mean of 500 after 20 warm-up calls. The last two rows time a
+training step through the public op (the registered op, its autograd, the backward op, gradient
+accumulation), with the backend forced to the Triton launchers, against the same launchers called
+directly: what the autograd layers cost on the host (on the H200 machine: ≈ 0.5–1 ms per step,
+benchmarks/device/host_path.py). Both include the (gate, up) zero fill, a real memset on CPU.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch  # noqa: E402
 
 from megamoe import fused  # noqa: E402
 from megamoe.contract import check_moe_inputs  # noqa: E402
+from megamoe.moe import fused_moe  # noqa: E402
 from megamoe.kernels import moe_kernels  # noqa: E402
 from megamoe.testing import make_problem  # noqa: E402
 
@@ -56,6 +61,19 @@ def main():
          lambda: fused._launch_persistent(False, *p.args(), None, T, H, I, E, k, cfg)),
         ("  of which check_moe_inputs", lambda: check_moe_inputs(*p.args(), check_ids=False)),
     ]
+    leaves = [t.clone().requires_grad_(True) for t in (p.x, p.w13, p.w2, p.topk_weights)]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        fused_moe(*leaves, p.topk_ids, check_ids=False).backward(dy)
+
+    def direct():
+        _, g = fused.fused_moe_fwd(*p.args(), check=False, save_gu=True)
+        fused.fused_moe_bwd(dy, *p.args(), gu=g)
+
+    rows += [("training step, public op + autograd", step), ("training step, direct fwd + bwd calls", direct)]
+    fused._pick_backend = lambda x, backend: "triton"  # the public op on CPU tensors would pick "torch"
     print(f"torch {torch.__version__} | {os.cpu_count()} CPUs | launches replaced by no-ops")
     for name, fn in rows:
         print(f"{name:42s} {per_call_us(fn):6.0f} us")

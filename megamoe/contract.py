@@ -30,14 +30,9 @@ class MoEShape:
     k: int
 
 
-def _need(cond: bool, exc: type[Exception], msg: str) -> None:
-    if not cond:
-        raise exc(msg)
-
-
 def check_impl(impl: str) -> str:
-    _need(isinstance(impl, str) and impl in IMPLS, ValueError,
-          f"impl: expected one of {IMPLS}, got {impl!r}")
+    if not (isinstance(impl, str) and impl in IMPLS):
+        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
     return impl
 
 
@@ -48,39 +43,43 @@ def check_moe_inputs(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.T
     named = {"x": x_TH, "w13": w13_E2IH, "w2": w2_EHI,
              "topk_weights": topk_weights_Tk, "topk_ids": topk_ids_Tk}
     for name, t in named.items():
-        _need(isinstance(t, torch.Tensor), TypeError,
-              f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     for name, want in (("x", 2), ("w13", 3), ("w2", 3), ("topk_weights", 2), ("topk_ids", 2)):
-        _need(named[name].dim() == want, ValueError,
-              f"{name}: expected {want} dimensions, got shape {tuple(named[name].shape)}")
+        if named[name].dim() != want:
+            raise ValueError(f"{name}: expected {want} dimensions, got shape {tuple(named[name].shape)}")
     for name in ("x", "w13", "w2", "topk_weights"):
-        _need(named[name].dtype in FLOAT_DTYPES, TypeError,
-              f"{name}: expected a floating dtype in {FLOAT_DTYPES}, got {named[name].dtype}")
-    _need(topk_ids_Tk.dtype in INDEX_DTYPES, TypeError,
-          f"topk_ids: expected an integer dtype in {INDEX_DTYPES}, got {topk_ids_Tk.dtype}")
-    _need(w13_E2IH.dtype == x_TH.dtype and w2_EHI.dtype == x_TH.dtype, TypeError,
-          f"w13, w2: expected the dtype of x ({x_TH.dtype}), got {w13_E2IH.dtype} and {w2_EHI.dtype}")
-    devices = {name: t.device for name, t in named.items()}
-    _need(len(set(devices.values())) == 1, ValueError,
-          f"all tensors must be on one device, got {', '.join(f'{n}={d}' for n, d in devices.items())}")
+        if named[name].dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name}: expected a floating dtype in {FLOAT_DTYPES}, got {named[name].dtype}")
+    if topk_ids_Tk.dtype not in INDEX_DTYPES:
+        raise TypeError(f"topk_ids: expected an integer dtype in {INDEX_DTYPES}, got {topk_ids_Tk.dtype}")
+    if w13_E2IH.dtype != x_TH.dtype or w2_EHI.dtype != x_TH.dtype:
+        raise TypeError(f"w13, w2: expected the dtype of x ({x_TH.dtype}), got {w13_E2IH.dtype} and {w2_EHI.dtype}")
+    if any(t.device != x_TH.device for t in named.values()):
+        raise ValueError(
+            f"all tensors must be on one device, got {', '.join(f'{n}={t.device}' for n, t in named.items())}")
 
     T, H = x_TH.shape
     E, two_I, H13 = w13_E2IH.shape
-    _need(H13 == H, ValueError, f"w13: expected shape [E, 2I, H={H}] (H of x), got {tuple(w13_E2IH.shape)}")
-    _need(two_I % 2 == 0 and two_I > 0, ValueError,
-          f"w13: expected an even, positive second dimension 2I, got {two_I}")
+    if H13 != H:
+        raise ValueError(f"w13: expected shape [E, 2I, H={H}] (H of x), got {tuple(w13_E2IH.shape)}")
+    if two_I % 2 or two_I <= 0:
+        raise ValueError(f"w13: expected an even, positive second dimension 2I, got {two_I}")
     I = two_I // 2  # noqa: E741
-    _need(tuple(w2_EHI.shape) == (E, H, I), ValueError,
-          f"w2: expected shape [E={E}, H={H}, I={I}] (from w13 and x), got {tuple(w2_EHI.shape)}")
-    _need(topk_ids_Tk.shape[0] == T, ValueError,
-          f"topk_ids: expected shape [T={T}, k] (T of x), got {tuple(topk_ids_Tk.shape)}")
+    if tuple(w2_EHI.shape) != (E, H, I):
+        raise ValueError(f"w2: expected shape [E={E}, H={H}, I={I}] (from w13 and x), got {tuple(w2_EHI.shape)}")
+    if topk_ids_Tk.shape[0] != T:
+        raise ValueError(f"topk_ids: expected shape [T={T}, k] (T of x), got {tuple(topk_ids_Tk.shape)}")
     k = topk_ids_Tk.shape[1]
-    _need(k >= 1, ValueError, f"topk_ids: expected k >= 1 columns, got {tuple(topk_ids_Tk.shape)}")
-    _need(tuple(topk_weights_Tk.shape) == (T, k), ValueError,
-          f"topk_weights: expected shape [T={T}, k={k}] (as topk_ids), got {tuple(topk_weights_Tk.shape)}")
-    _need(E >= 1 and H >= 1, ValueError, f"w13: expected E >= 1 and H >= 1, got shape {tuple(w13_E2IH.shape)}")
+    if k < 1:
+        raise ValueError(f"topk_ids: expected k >= 1 columns, got {tuple(topk_ids_Tk.shape)}")
+    if tuple(topk_weights_Tk.shape) != (T, k):
+        raise ValueError(
+            f"topk_weights: expected shape [T={T}, k={k}] (as topk_ids), got {tuple(topk_weights_Tk.shape)}")
+    if E < 1 or H < 1:
+        raise ValueError(f"w13: expected E >= 1 and H >= 1, got shape {tuple(w13_E2IH.shape)}")
     if check_ids and topk_ids_Tk.numel() > 0 and topk_ids_Tk.device.type != "meta":
         lo, hi = int(topk_ids_Tk.min()), int(topk_ids_Tk.max())
-        _need(lo >= -1 and hi < E, ValueError,
-              f"topk_ids: expected ids in [-1, E={E}), got min {lo}, max {hi}")
+        if lo < -1 or hi >= E:
+            raise ValueError(f"topk_ids: expected ids in [-1, E={E}), got min {lo}, max {hi}")
     return MoEShape(T=T, H=H, I=I, E=E, k=k)

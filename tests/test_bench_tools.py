@@ -28,7 +28,8 @@ def test_profile_step_lists_the_step_on_cpu():
 
 def test_host_overhead_times_each_wrapper():
     out = _run("benchmarks/host_overhead.py")
-    for name in ("fused_moe_fwd (inference)", "fused_moe_fwd, saving (gate, up)", "fused_moe_bwd, from (gate, up)"):
+    for name in ("fused_moe_fwd (inference)", "fused_moe_fwd, saving (gate, up)", "fused_moe_bwd, from (gate, up)",
+                 "training step, public op + autograd", "training step, direct fwd + bwd calls"):
         assert re.search(re.escape(name) + r"\s+\d+ us", out), out
 
 
