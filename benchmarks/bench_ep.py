@@ -1,4 +1,4 @@
-"""Times expert-parallel MoE over W ranks: megamoe EP vs the unfused EP baseline vs compute only.
+"""Times expert-parallel MoE over W ranks: megamoe EP (all_to_all, one-launch) vs unfused EP vs compute only.
 
     python benchmarks/bench_ep.py                                   # all GPUs of this host, NCCL
     python benchmarks/bench_ep.py --shapes qwen3 --tokens 4096 --reps 20 --out $OUT/bench_ep.md
@@ -8,9 +8,12 @@ One process per rank (torch.multiprocessing, spawn), each with T tokens and E/W 
 GPUs (fp32 on CPU). Per shape and T, forward and forward+backward, median over --reps of the
 slowest rank (each repetition ends with a barrier, so every rank waits for the slowest):
 
-- `megamoe EP`: `megamoe.ep.ep_fused_moe` — today all_to_all dispatch (NCCL all_to_all_single), the
-  persistent megamoe kernel on the received rows, all_to_all combine. The fused symmetric-memory
-  kernel of the EP issue is not built; when it is, this column measures it.
+- `megamoe EP`: `megamoe.ep.ep_fused_moe` — all_to_all dispatch (NCCL all_to_all_single), the
+  persistent megamoe kernel on the received rows, all_to_all combine.
+- `one-launch EP`: `megamoe.ep_fused.ep_fused_moe` — dispatch, GEMMs and combine in one persistent
+  launch per rank over a workspace in symmetric memory (allocated once per shape and T, outside the
+  timing; calls unchecked, a time-out is looked for once after the timing); its backward is
+  all_to_all around the single-GPU fused backward. On --cpu it runs under the Triton interpreter.
 - `unfused EP`: `megamoe.ep.ep_moe_unfused` — the same exchanges around the unfused grouped GEMMs.
 - `compute only`: the local work with no exchange: `megamoe.fused_moe` on W*T tokens routed
   uniformly to this rank's E/W experts with the same k (the rows a rank computes when routing is
@@ -74,6 +77,7 @@ def _time(fn, reps, device, group) -> list[float]:
 
 
 def _worker(rank, world, backend, store_path, args, out_dir):
+    from megamoe import ep_fused as one_launch
     from megamoe.ep import ep_fused_moe, ep_moe_unfused
     from megamoe.moe import fused_moe
     from megamoe.routing import route
@@ -106,9 +110,13 @@ def _worker(rank, world, backend, store_path, args, out_dir):
                     fn(*leaves, ids, **kw).backward(dy)
                 return run
 
+            ws = one_launch.ep_workspace(T, k, H, dtype, device)
+            kw1 = dict(num_experts=E, check=False)
             times = {
                 ("megamoe EP", "fwd"): _time(lambda: ep_fused_moe(x, w13, w2, tw, ids, impl="megamoe", **kw),
                                              args.reps, device, None),
+                ("one-launch EP", "fwd"): _time(lambda: one_launch.ep_fused_moe(x, w13, w2, tw, ids, ws, **kw1),
+                                                args.reps, device, None),
                 ("unfused EP", "fwd"): _time(lambda: ep_moe_unfused(x, w13, w2, tw, ids, **kw), args.reps, device, None),
                 ("compute only", "fwd"): _time(lambda: fused_moe(xc, w13, w2, twc, idsc, impl="megamoe",
                                                                  check_ids=False), args.reps, device, None),
@@ -117,6 +125,10 @@ def _worker(rank, world, backend, store_path, args, out_dir):
                 times[("megamoe EP", "fwd+bwd")] = _time(fb(lambda *a, **k_: ep_fused_moe(*a, impl="megamoe", **k_)),
                                                          args.reps, device, None)
                 times[("unfused EP", "fwd+bwd")] = _time(fb(ep_moe_unfused), args.reps, device, None)
+                times[("one-launch EP", "fwd+bwd")] = _time(
+                    fb(lambda *a, **k_: one_launch.ep_fused_moe(*a, ws, **kw1)), args.reps, device, None)
+            one_launch.ep_check(ws)  # a wait that timed out in any timed call raises here
+            del ws
             if rank == 0:
                 flops = 6.0 * T * k * H * I
                 moved = 2 * T * min(k, world) * (world - 1) / world * H * torch.finfo(dtype).bits / 8
@@ -126,12 +138,15 @@ def _worker(rank, world, backend, store_path, args, out_dir):
                         continue
                     f = flops * (3 if mode == "fwd+bwd" else 1)
                     cells = "; ".join(f"{impl} {s * 1e3:.3f} ms ({f / s / 1e12:.0f} TF/s)" for impl, s in got.items())
-                    ratio = got["unfused EP"] / got["megamoe EP"]
-                    extra = f"{ratio:.2f}x vs unfused"
-                    if "compute only" in got:
-                        extra += f", {got['megamoe EP'] / got['compute only']:.2f}x compute-only"
-                    if mode == "fwd":
-                        extra += f", {moved / got['megamoe EP'] / 1e9:.1f} GB/s dispatch+combine"
+                    parts = []
+                    for impl in ("megamoe EP", "one-launch EP"):
+                        extra = f"{impl}: {got['unfused EP'] / got[impl]:.2f}x vs unfused"
+                        if "compute only" in got:
+                            extra += f", {got[impl] / got['compute only']:.2f}x compute-only"
+                        if mode == "fwd":
+                            extra += f", {moved / got[impl] / 1e9:.1f} GB/s dispatch+combine"
+                        parts.append(extra)
+                    extra = "; ".join(parts)
                     lines.append(f"| {name} (E={E}, H={H}, I={I}, k={k}) | T={T} {mode} | {cells} | {extra} |")
             dist.barrier()
     if rank == 0:
@@ -155,6 +170,8 @@ def main() -> None:
     if any(t < 1 for t in args.tokens):
         p.error(f"--tokens: expected positive counts, got {args.tokens}")
     backend = "gloo" if args.cpu else "nccl"
+    if args.cpu:  # the one-launch EP kernel runs under the Triton interpreter on CPU (workers inherit it)
+        os.environ["TRITON_INTERPRET"] = "1"
     world = args.world or (2 if args.cpu else torch.cuda.device_count())
     if world < 2:
         p.error(f"--world: expected >= 2 ranks, got {world} (GPUs visible: {torch.cuda.device_count()})")

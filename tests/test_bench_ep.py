@@ -15,5 +15,6 @@ def test_bench_ep_smoke_run_prints_every_row(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line for line in out.read_text().splitlines() if line.startswith("| tiny")]
     assert [row.split(" | ")[1] for row in rows] == ["T=16 fwd", "T=16 fwd+bwd"], rows
-    assert "megamoe EP" in rows[0] and "unfused EP" in rows[0] and "compute only" in rows[0]
-    assert "x vs unfused" in rows[1]
+    for impl in ("megamoe EP", "one-launch EP", "unfused EP", "compute only"):
+        assert f"{impl} " in rows[0], (impl, rows[0])
+    assert "megamoe EP: " in rows[1] and "one-launch EP: " in rows[1] and "x vs unfused" in rows[1], rows[1]
