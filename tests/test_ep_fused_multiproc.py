@@ -48,11 +48,12 @@ CASES = [
     Case("rank1-receives-nothing", (12, 5), routing="rank0-only"),
     Case("drops-uneven-T", (1, 11), drop_frac=0.3),
     Case("random-again", (12, 12)),  # a later epoch over rows the longer calls left behind
+    Case("rank0-has-no-tokens", (0, 12)),
 ]
 
 
 BAD = ["too-many-tokens", "experts-differ"]
-TRAIN_CASES = CASES[:3]
+TRAIN_CASES = CASES[:3] + CASES[4:]
 GRADS = ("x", "w13", "w2", "topk_weights")
 
 
