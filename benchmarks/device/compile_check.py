@@ -49,15 +49,39 @@ def arg_types(tname: str) -> dict:
     return types
 
 
-def _resources(cubin: bytes) -> dict:
+def _cuobjdump(cubin: bytes, flag: str) -> str:
     import triton
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    found = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", out))
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
+
+
+def _resources(cubin: bytes) -> dict:
+    found = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", _cuobjdump(cubin, "--dump-resource-usage")))
     return {k.lower(): int(v) for k, v in found.items()}
+
+
+def local_memory_ops(sass: str) -> tuple[int, int]:
+    """(all, in innermost loops): the SASS local-memory loads and stores (STL/LDL: register spills
+    and stack traffic). A loop is a backward branch's [target, branch] address range; innermost ones
+    contain no other loop: the GEMM K loops, where a spill costs on every iteration, as opposed to
+    the persistent item loop, where it costs once per work item."""
+    ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []
+    for addr, text in ins:
+        m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            loops.append((int(m.group(1), 16), addr))
+    inner = [(a, b) for a, b in loops if not any((c, d) != (a, b) and a <= c and d <= b for c, d in loops)]
+    local = [addr for addr, text in ins if re.search(r"\b(STL|LDL)(\.\w+)*\s", text)]
+    return len(local), sum(any(a <= x <= b for a, b in inner) for x in local)
+
+
+def _local_ops(cubin: bytes) -> dict:
+    total, inner = local_memory_ops(_cuobjdump(cubin, "-sass"))
+    return dict(local_ops=total, inner_loop_local_ops=inner)
 
 
 def check() -> list[dict]:
@@ -81,10 +105,11 @@ def check() -> list[dict]:
             name = ("bwd" if is_bwd else "fwd") + (" gu" if gu else "") + (" ep" if ep else "")
             rows.append(dict(kernel="persistent " + name, dtype=tname,
                              shared=k.metadata.shared, async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
-                             **_resources(k.asm["cubin"])))
+                             **_resources(k.asm["cubin"]), **_local_ops(k.asm["cubin"])))
         k = _compile(mk._moe_bwd_dw_kernel, data, fused.dw_constexprs(cfg, dtype), ("H", "I"), cfg.dw_warps, cfg.dw_stages)
         rows.append(dict(kernel="weight gradients", dtype=tname, shared=k.metadata.shared,
-                         async_copies=k.asm["ttgir"].count("async_copy_global_to_local"), **_resources(k.asm["cubin"])))
+                         async_copies=k.asm["ttgir"].count("async_copy_global_to_local"), **_resources(k.asm["cubin"]),
+                         **_local_ops(k.asm["cubin"])))
     return rows
 
 
@@ -177,10 +202,11 @@ def main():
     if args.json:
         print(json.dumps(rows))
         return
-    print(f"{'kernel':18s} {'dtype':5s} {'shared':>8s} {'async copies':>12s} {'reg':>4s} {'stack':>5s} {'local':>5s}")
+    print(f"{'kernel':18s} {'dtype':5s} {'shared':>8s} {'async copies':>12s} {'reg':>4s} {'stack':>5s} {'local':>5s} "
+          f"{'STL/LDL':>7s} {'in inner loops':>14s}")
     for r in rows:
         print(f"{r['kernel']:18s} {r['dtype']:5s} {r['shared']:8d} {r['async_copies']:12d} {r.get('reg', -1):4d} "
-              f"{r.get('stack', -1):5d} {r.get('local', -1):5d}")
+              f"{r.get('stack', -1):5d} {r.get('local', -1):5d} {r['local_ops']:7d} {r['inner_loop_local_ops']:14d}")
 
 
 if __name__ == "__main__":
