@@ -111,7 +111,7 @@ def _worker(rank, world, backend, store_path, args, out_dir):
                 return run
 
             ws = one_launch.ep_workspace(T, k, H, dtype, device)
-            kw1 = dict(num_experts=E, check=False)
+            kw1 = dict(num_experts=E, check=False, programs=args.programs)
             times = {
                 ("megamoe EP", "fwd"): _time(lambda: ep_fused_moe(x, w13, w2, tw, ids, impl="megamoe", **kw),
                                              args.reps, device, None),
@@ -163,6 +163,8 @@ def main() -> None:
     p.add_argument("--world", type=int, default=None, help="ranks (default: every CUDA GPU; 2 with --cpu)")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU processes (a smoke run of the mechanics)")
     p.add_argument("--no-backward", action="store_true")
+    p.add_argument("--programs", type=int, default=None,
+                   help="one-launch EP: persistent programs per rank (default one per SM; fewer leave SMs free)")
     p.add_argument("--out", default=None, help="also write the table to this file")
     args = p.parse_args()
     if args.reps < 1:

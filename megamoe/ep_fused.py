@@ -17,6 +17,10 @@ the W*TMK received rows (K=1, L experts) into `out`; release-stores its epoch in
 combine pad; waits for every owner's epoch; sums each token's k rows, read from their owners' `out`,
 in slot order in fp32. A token's y is therefore the single-GPU op's bits for the same tokens.
 
+The grid is one program per SM unless `programs` says fewer (to leave SMs to a concurrent kernel):
+programs take work tickets in order and never wait for work only a later program would take, so
+the result is the same for any grid and a program that is not resident yet is never waited for.
+
 No host clearing and no barrier per call: epochs grow by one per call (the kernel reads the last one
 from the workspace and its last program out stores the new one) and a wait is satisfied by a pad
 entry >= the epoch. A rank's next dispatch implies it finished its previous combine, so an
@@ -174,7 +178,10 @@ def ep_workspace(max_tokens: int, k: int, H: int, dtype: torch.dtype, device: to
                       group=group)
 
 
-def _check_workspace(x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, ws: EPWorkspace) -> dict:
+def _check_workspace(x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, ws: EPWorkspace, programs: int | None) -> dict:
+    """This rank's checks against its workspace (and its launch's program count)."""
+    if programs is not None:
+        check_positive_ints(programs=programs)
     T, H = x_TH.shape
     k = topk_ids_Tk.shape[1]
     if T > ws.max_tokens:
@@ -186,14 +193,14 @@ def _check_workspace(x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, ws: EPWorksp
 
 
 def _checked(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws: EPWorkspace, num_experts: int,
-             check: bool):
+             check: bool, programs: int | None):
     """The checks before a launch; with check and a group workspace, ep.py's checks (ids and
     requires_grad flags included) and the workspace's, the same verdict on every rank."""
     exchanged = check and ws.group is not None
     if exchanged:
         _check_everywhere(ws.group, lambda: _check_local(
             x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, num_experts, ws.max_tokens, "megamoe", True)
-            | _check_workspace(x_TH, topk_ids_Tk, ws))
+            | _check_workspace(x_TH, topk_ids_Tk, ws, programs))
     s = check_moe_inputs(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, check_ids=False)
     W = ws.world
     check_positive_ints(num_experts=num_experts)
@@ -201,7 +208,7 @@ def _checked(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws: EPWorkspa
         raise ValueError(f"num_experts: expected L * W = {s.E} * {W} = {s.E * W} (w13 holds L={s.E} experts, "
                          f"the workspace {W} ranks), got {num_experts!r}")
     if not exchanged:
-        _check_workspace(x_TH, topk_ids_Tk, ws)
+        _check_workspace(x_TH, topk_ids_Tk, ws, programs)
         if check:
             check_global_ids(topk_ids_Tk, num_experts)
     _check_backend(x_TH, "triton")
@@ -210,7 +217,8 @@ def _checked(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws: EPWorkspa
 
 def ep_fused_moe_fwd(x_TH: torch.Tensor, w13_L2IH: torch.Tensor, w2_LHI: torch.Tensor,
                      topk_weights_Tk: torch.Tensor, topk_ids_Tk: torch.Tensor, ws: EPWorkspace, *,
-                     num_experts: int, check: bool = True, spin_max: int | None = None) -> torch.Tensor:
+                     num_experts: int, check: bool = True, spin_max: int | None = None,
+                     programs: int | None = None) -> torch.Tensor:
     """This rank's y [T, H] for its tokens (x, global top-k ids, weights) and its L experts (w13, w2),
     in one persistent launch that dispatches, computes and combines (module docstring). Every rank of
     the workspace's world calls it, once per epoch. Not differentiable: `ep_fused_moe` is.
@@ -219,13 +227,17 @@ def ep_fused_moe_fwd(x_TH: torch.Tensor, w13_L2IH: torch.Tensor, w2_LHI: torch.T
     rank after one exchange of the ranks' sizes, so no rank launches and waits for one that will
     not; after it, the time-out record (raises naming the rank and the signal). These synchronise.
     check=False (CUDA-graph capture): only the shape checks, nothing synchronises; call
-    `ep_check(ws)` after the replay to learn of a time-out."""
-    s = _checked(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws, num_experts, check)
-    return _launch(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws, s, check, spin_max)
+    `ep_check(ws)` after the replay to learn of a time-out.
+
+    programs: persistent programs per rank (default: one per SM). Fewer leave SMs free for a kernel
+    that runs concurrently; the result does not depend on it, and a program that is not resident
+    yet is never waited for (tests/test_ep_fused.py runs them one after another)."""
+    s = _checked(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws, num_experts, check, programs)
+    return _launch(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws, s, check, spin_max, programs)
 
 
 def _launch(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws: EPWorkspace, s, check: bool,
-            spin_max: int | None) -> torch.Tensor:
+            spin_max: int | None, programs: int | None) -> torch.Tensor:
     from megamoe.kernels.moe_kernels import CTR_SLOTS, _moe_persistent_kernel
 
     W = ws.world
@@ -244,7 +256,7 @@ def _launch(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws: EPWorkspac
     act = alloc.empty(N, I, dtype=x.dtype, device=x.device)
     y = alloc.empty(s.T, H, dtype=x.dtype, device=x.device)
     ctr = _counters(x.device, r_max)
-    programs = _num_programs(x.device, cfg)
+    programs = programs or _num_programs(x.device, cfg)
     lag = cfg.lag if cfg.lag is not None else _default_lag(programs, n1, n2)
     _moe_persistent_kernel[(programs,)](
         ws.recv_x, w13, w2, ws.recv_w, ws.recv_id, ws.recv_x, *meta,
@@ -301,8 +313,9 @@ def ep_fused_moe_bwd(dy_TH: torch.Tensor, x_TH: torch.Tensor, w13_L2IH: torch.Te
 
 class _EPFusedMoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws, s, num_experts, check, spin_max):
-        y = _launch(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws, s, check, spin_max)
+    def forward(ctx, x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws, s, num_experts, check, spin_max,
+                programs):
+        y = _launch(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws, s, check, spin_max, programs)
         ctx.save_for_backward(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk)
         ctx.group, ctx.num_experts = ws.group, num_experts
         return y
@@ -311,12 +324,12 @@ class _EPFusedMoE(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy_TH):
         grads = ep_fused_moe_bwd(dy_TH, *ctx.saved_tensors, num_experts=ctx.num_experts, group=ctx.group)
-        return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)),) + (None,) * 6
+        return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)),) + (None,) * 7
 
 
 def ep_fused_moe(x_TH: torch.Tensor, w13_L2IH: torch.Tensor, w2_LHI: torch.Tensor, topk_weights_Tk: torch.Tensor,
                  topk_ids_Tk: torch.Tensor, ws: EPWorkspace, *, num_experts: int, check: bool = True,
-                 spin_max: int | None = None) -> torch.Tensor:
+                 spin_max: int | None = None, programs: int | None = None) -> torch.Tensor:
     """`ep_fused_moe_fwd`, differentiable w.r.t. x, w13, w2 and topk_weights (backward:
     `ep_fused_moe_bwd`, collective over the workspace's group, which every rank's requires_grad
     flags must agree on: checked with check=True). Saves only the inputs."""
@@ -324,11 +337,11 @@ def ep_fused_moe(x_TH: torch.Tensor, w13_L2IH: torch.Tensor, w2_LHI: torch.Tenso
     if train and ws.group is None:
         raise ValueError("ws: the backward exchanges rows over a process group; this workspace has none "
                          "(linked_workspaces); use ep_workspace(..., group) or call under torch.no_grad()")
-    s = _checked(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws, num_experts, check)
+    s = _checked(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws, num_experts, check, programs)
     if not train:
-        return _launch(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws, s, check, spin_max)
+        return _launch(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws, s, check, spin_max, programs)
     return _EPFusedMoE.apply(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws, s, num_experts, check,
-                             spin_max)
+                             spin_max, programs)
 
 
 def ep_check(ws: EPWorkspace, spin_max: int | None = None) -> None:

@@ -114,6 +114,22 @@ def test_bad_input_is_refused_before_the_launch():
     assert ws.epoch == 0 and ws3.epoch == 0 and ws.dsig.tolist() == [0]  # nothing launched
 
 
+@pytest.mark.parametrize("programs", [2, 3])
+def test_fewer_or_more_programs_give_the_same_bits(programs, nan_fill):
+    """`programs` sizes the grid (e.g. to leave SMs to a concurrent kernel). Under the interpreter
+    program p starts only after program p-1 has finished, so this also shows that no program waits
+    for one that is not resident yet."""
+    device, dtype = _device_and_dtype()
+    p = make_problem(19, 24, 16, 5, 3, seed=7, dtype=dtype, device=device, drop_frac=0.2)
+    (ws,) = linked_workspaces(1, 19, 3, 24, dtype, device)
+    y = ep_fused_moe_fwd(*p.args(), ws, num_experts=5, programs=programs)
+    assert torch.equal(y, fused_moe_fwd(*p.args(), backend="triton"))
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match=r"programs: expected a positive int, got"):
+            ep_fused_moe_fwd(*p.args(), ws, num_experts=5, programs=bad)
+    assert ws.epoch == 1  # the refused calls launched nothing
+
+
 def test_differentiable_call_needs_a_group_workspace():
     """`ep_fused_moe` without grad is the forward; with grad on an in-process workspace (no group
     for the backward's exchanges) it is refused before the launch."""

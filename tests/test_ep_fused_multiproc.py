@@ -41,6 +41,7 @@ class Case:
     tokens: tuple[int, int]      # T of each rank
     routing: str = "random"      # or "rank0-only": every slot on rank 0's experts (rank 1 receives none)
     drop_frac: float = 0.0
+    programs: int | None = None  # the persistent grid per rank (None: one program per SM / the interpreter's 1)
 
 
 CASES = [
@@ -49,6 +50,7 @@ CASES = [
     Case("drops-uneven-T", (1, 11), drop_frac=0.3),
     Case("random-again", (12, 12)),  # a later epoch over rows the longer calls left behind
     Case("rank0-has-no-tokens", (0, 12)),
+    Case("three-programs-per-rank", (10, 7), programs=3),  # run one after another under the interpreter
 ]
 
 
@@ -67,8 +69,9 @@ def _train(p, ids, dy, case: Case, rank: int, ws, x_grad: bool = True):
     L = E // WORLD
     t0 = sum(case.tokens[:rank])
     toks = slice(t0, t0 + case.tokens[rank])
-    leaves = [t.clone().requires_grad_(g) for t, g in ((p.x[toks], x_grad), (p.w13[rank * L:(rank + 1) * L], True),
-                                                        (p.w2[rank * L:(rank + 1) * L], True), (p.topk_weights[toks], True))]
+    mine = slice(rank * L, (rank + 1) * L)
+    leaves = [t.clone().requires_grad_(g) for t, g in ((p.x[toks], x_grad), (p.w13[mine], True), (p.w2[mine], True),
+                                                        (p.topk_weights[toks], True))]
     y = ep_fused_moe(*leaves, ids[toks], ws, num_experts=E)
     y.backward(dy[toks])
     return (y.detach(), *(t.grad for t in leaves))
@@ -105,7 +108,8 @@ def _worker(rank: int, backend: str, init_file: str, out_dir: str) -> None:
         toks = slice(t0, t0 + case.tokens[rank])
         try:
             results[case.id] = ep_fused_moe_fwd(p.x[toks], p.w13[rank * L:(rank + 1) * L], p.w2[rank * L:(rank + 1) * L],
-                                                p.topk_weights[toks], ids[toks], ws, num_experts=E)
+                                                p.topk_weights[toks], ids[toks], ws, num_experts=E,
+                                                programs=case.programs)
         except Exception as exc:  # noqa: BLE001  (the parent judges it)
             results[case.id] = (type(exc).__name__, str(exc))
     # bad input on ONE rank: every rank raises the same error before launching (no rank left waiting)
