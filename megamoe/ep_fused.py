@@ -39,8 +39,9 @@ Status (2026-12-01). Workspaces: `linked_workspaces` (W ranks in one process; fo
 `ep_workspace` (a process group: /dev/shm files on CPU, `torch.distributed._symmetric_memory` on
 CUDA). Tested under the Triton interpreter on CPU, in one process (tests/test_ep_fused.py) and
 across 2 gloo processes sharing the /dev/shm workspaces (tests/test_ep_fused_multiproc.py: y and every
-gradient bitwise equal to the single-process op, uneven routing, bad input or differing
-requires_grad on one rank raised on both), and compiled for sm_90 (benchmarks/device/compile_check.py,
+gradient bitwise equal to the single-process op, uneven routing, a rank with no tokens, repeated
+calls bitwise equal, bad input or differing requires_grad on one rank raised on both, a rank that
+never arrives reported by the other as a time-out naming it), and compiled for sm_90 (benchmarks/device/compile_check.py,
 no stack). On one H200 (bf16) the single-process tests pass, CUDA-graph capture and replay and the
 time-out path included (benchmarks/RESULTS.md). NOT yet run across two GPUs: the CUDA workspace
 path and the system-scope ordering between devices are unverified. Not built: separate

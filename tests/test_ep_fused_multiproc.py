@@ -9,7 +9,9 @@ not yet run): the workspaces are symmetric memory and the same cases run on the 
 
 Every rank's y must equal, bitwise, the single-process op on all ranks' tokens with all experts; so
 must, through `ep_fused_moe`'s backward (rows exchanged by all_to_all, the fused backward on each
-owner's received slots), every rank's dx and d(topk_weights) and its experts' dw13 and dw2.
+owner's received slots), every rank's dx and d(topk_weights) and its experts' dw13 and dw2. Also:
+repeated calls give the same bits, bad input or differing requires_grad on one rank is raised on
+both, and a rank that never arrives makes the other's call time out with an error naming it.
 
     .venv/bin/python -m pytest -q tests/test_ep_fused_multiproc.py
 """
@@ -20,12 +22,13 @@ import dataclasses
 import datetime
 import glob
 import os
+import re
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from megamoe.ep_fused import ep_fused_moe, ep_fused_moe_fwd, ep_workspace
+from megamoe.ep_fused import ep_check, ep_fused_moe, ep_fused_moe_fwd, ep_workspace
 from megamoe.fused import fused_moe_bwd, fused_moe_fwd
 from megamoe.testing import make_problem, run_processes
 
@@ -33,6 +36,7 @@ WORLD = 2
 MAX_TOKENS = 12
 H, I, E, K = 24, 16, 6, 3  # noqa: E741  (E = 3 experts per rank)
 SPAWN_TIMEOUT_S = 240
+NEVER_ARRIVES_SPIN = 5000  # polls per wait: well under a second under the interpreter, ms on a GPU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +150,22 @@ def _worker(rank: int, backend: str, init_file: str, out_dir: str) -> None:
         results["grad-flags-differ"] = None
     except Exception as exc:  # noqa: BLE001
         results["grad-flags-differ"] = (type(exc).__name__, str(exc))
+    # determinism across calls: the first training case again, later epochs, the same bits
+    case = TRAIN_CASES[0]
+    p, ids = _problem(case, device, dtype)
+    results["train-again"] = _train(p, ids, _dy(case, device, dtype), case, rank, ws)
+    # a rank that never arrives: rank 1 skips this call; rank 0's unchecked call (a checked one would
+    # wait in the size exchange instead) times out in the kernel and ep_check names rank 1's signal
+    if rank == 0:
+        p, ids = _problem(CASES[0], device, dtype)
+        toks = slice(0, CASES[0].tokens[0])
+        ep_fused_moe_fwd(p.x[toks], p.w13[:L], p.w2[:L], p.topk_weights[toks], ids[toks], ws, num_experts=E,
+                         check=False, spin_max=NEVER_ARRIVES_SPIN)
+        try:
+            ep_check(ws, NEVER_ARRIVES_SPIN)
+            results["never-arrives"] = None
+        except Exception as exc:  # noqa: BLE001
+            results["never-arrives"] = (type(exc).__name__, str(exc))
     results = {key: (tuple(v.cpu() if isinstance(v, torch.Tensor) else v for v in val) if isinstance(val, tuple)
                      else val.cpu() if isinstance(val, torch.Tensor) else val) for key, val in results.items()}
     torch.save(results, f"{out_dir}/rank{rank}.pt")
@@ -190,7 +210,6 @@ def test_two_processes_equal_the_single_process_op(case, ranks):
     ("experts-differ", r"w13, w2: expected E/W=3 local experts on every rank .* got \[4\] on rank\(s\) \[1\]"),
 ])
 def test_bad_input_on_one_rank_raises_on_every_rank(bad, match, ranks):
-    import re
     _, ranks = ranks
     for rank in range(WORLD):
         got = ranks[rank][bad]
@@ -247,3 +266,18 @@ def test_differing_requires_grad_raises_on_every_rank(ranks):
         assert got is not None and got[0] == "ValueError", (rank, got)
         assert "x: expected requires_grad to agree on every rank" in got[1] and "[True, False]" in got[1], got
     assert ranks[0]["grad-flags-differ"] == ranks[1]["grad-flags-differ"]
+
+
+def test_training_calls_are_deterministic(ranks):
+    _, ranks = ranks
+    for rank in range(WORLD):
+        first, again = ranks[rank]["train-" + TRAIN_CASES[0].id], ranks[rank]["train-again"]
+        assert all(torch.equal(a, b) for a, b in zip(first, again)), f"rank {rank}: a repeated call differs"
+
+
+def test_a_rank_that_never_arrives_raises_instead_of_hanging(ranks):
+    _, ranks = ranks
+    got = ranks[0]["never-arrives"]
+    assert got is not None and got[0] == "RuntimeError", got
+    assert re.search(rf"rank 0 timed out after {NEVER_ARRIVES_SPIN} polls waiting for the dispatch signal of "
+                     r"rank 1 \(epoch \d+\)", got[1]), got[1]
