@@ -5,7 +5,8 @@ gloo (CPU, CI): each rank's workspace is a file in /dev/shm that both processes 
 process runs the persistent kernel under the Triton interpreter (fp32), so the dispatch into the
 other process's buffers, the signal pads it waits on and the combine reading the other rank's
 results are the real protocol with a real peer. nccl (`multigpu`, 2 GPUs, bf16; written 2026-12-01,
-not yet run): the workspaces are symmetric memory and the same cases run on the GPUs.
+not yet run): the workspaces are symmetric memory and the same cases run on the GPUs, plus 100
+CUDA-graph replays with changing inputs and a call beside a kernel that holds the SMs.
 
 Every rank's y must equal, bitwise, the single-process op on all ranks' tokens with all experts; so
 must, through `ep_fused_moe`'s backward (rows exchanged by all_to_all, the fused backward on each
@@ -96,6 +97,57 @@ def _problem(case: Case, device="cpu", dtype=torch.float32):
     return p, ids
 
 
+def _my_args(case: Case, seed: int, rank: int, device, dtype):
+    """The full problem (every rank's tokens, all experts) and this rank's share of it."""
+    p = make_problem(sum(case.tokens), H, I, E, K, seed=seed, dtype=dtype, device=device)
+    L = E // WORLD
+    t0 = sum(case.tokens[:rank])
+    toks, mine = slice(t0, t0 + case.tokens[rank]), slice(rank * L, (rank + 1) * L)
+    return p, toks, (p.x[toks], p.w13[mine], p.w2[mine], p.topk_weights[toks], p.topk_ids[toks])
+
+
+def _graph_replays(rank: int, ws, device, dtype, replays: int = 100) -> list[int]:
+    """GPUs only: each rank captures one unchecked forward in a CUDA graph and replays it `replays`
+    times with new tokens, routing and weights copied into the captured inputs, no host barrier
+    between replays; returns the replays whose y differs from the single-GPU op's."""
+    case = CASES[0]
+    _, _, first = _my_args(case, 500, rank, device, dtype)
+    static = [t.clone() for t in first]
+    ep_fused_moe_fwd(*static, ws, num_experts=E)  # warm-up: compiles, sizes the counter workspace
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = ep_fused_moe_fwd(*static, ws, num_experts=E, check=False)
+    wrong = []
+    for n in range(replays):
+        p, toks, new = _my_args(case, 600 + n, rank, device, dtype)
+        for dst, src in zip(static, new):
+            dst.copy_(src)
+        graph.replay()
+        if not torch.equal(y, fused_moe_fwd(p.x, p.w13, p.w2, p.topk_weights, p.topk_ids, backend="triton")[toks]):
+            wrong.append(n)
+    ep_check(ws)
+    return wrong
+
+
+def _beside_a_concurrent_kernel(rank: int, ws, device, dtype) -> bool:
+    """GPUs only: a forward issued while a chain of large matmuls on another stream holds the SMs
+    (its programs become resident only as the matmuls' blocks retire); True if y is the single-GPU
+    op's and nothing timed out."""
+    p, toks, args = _my_args(CASES[0], 700, rank, device, dtype)
+    a = torch.randn(8192, 8192, device=device, dtype=dtype)
+    side = torch.cuda.Stream(device)
+    torch.cuda.synchronize(device)
+    dist.barrier()
+    with torch.cuda.stream(side):
+        for _ in range(8):
+            torch.mm(a, a)
+    y = ep_fused_moe_fwd(*args, ws, num_experts=E, check=False)
+    torch.cuda.synchronize(device)
+    ep_check(ws)
+    return torch.equal(y, fused_moe_fwd(p.x, p.w13, p.w2, p.topk_weights, p.topk_ids, backend="triton")[toks])
+
+
 def _worker(rank: int, backend: str, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     device, dtype = _setup(backend, rank)
@@ -154,6 +206,9 @@ def _worker(rank: int, backend: str, init_file: str, out_dir: str) -> None:
     case = TRAIN_CASES[0]
     p, ids = _problem(case, device, dtype)
     results["train-again"] = _train(p, ids, _dy(case, device, dtype), case, rank, ws)
+    if device.type == "cuda":
+        results["graph-replays"] = _graph_replays(rank, ws, device, dtype)
+        results["concurrent-kernel"] = _beside_a_concurrent_kernel(rank, ws, device, dtype)
     # a rank that never arrives: rank 1 skips this call; rank 0's unchecked call (a checked one would
     # wait in the size exchange instead) times out in the kernel and ep_check names rank 1's signal
     if rank == 0:
@@ -281,3 +336,18 @@ def test_a_rank_that_never_arrives_raises_instead_of_hanging(ranks):
     assert got is not None and got[0] == "RuntimeError", got
     assert re.search(rf"rank 0 timed out after {NEVER_ARRIVES_SPIN} polls waiting for the dispatch signal of "
                      r"rank 1 \(epoch \d+\)", got[1]), got[1]
+
+
+def test_cuda_graph_replays_with_changing_inputs(ranks):
+    backend, ranks = ranks
+    if backend != "nccl":
+        pytest.skip("CUDA graphs: the GPU (nccl) run only")
+    for rank in range(WORLD):
+        assert ranks[rank]["graph-replays"] == [], f"rank {rank}: replays differing from the single-GPU op"
+
+
+def test_works_beside_a_kernel_holding_the_sms(ranks):
+    backend, ranks = ranks
+    if backend != "nccl":
+        pytest.skip("a concurrent CUDA kernel: the GPU (nccl) run only")
+    assert [ranks[rank]["concurrent-kernel"] for rank in range(WORLD)] == [True] * WORLD
