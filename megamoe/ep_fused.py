@@ -41,8 +41,8 @@ CUDA). Tested under the Triton interpreter on CPU, in one process (tests/test_ep
 across 2 gloo processes sharing the /dev/shm workspaces (tests/test_ep_fused_multiproc.py: y and every
 gradient bitwise equal to the single-process op, uneven routing, a rank with no tokens, repeated
 calls bitwise equal, bad input or differing requires_grad on one rank raised on both, a rank that
-never arrives reported by the other as a time-out naming it), and compiled for sm_90 (benchmarks/device/compile_check.py,
-no stack). On one H200 (bf16) the single-process tests pass, CUDA-graph capture and replay and the
+never arrives reported by the other as a time-out naming it), and compiled for sm_90
+(benchmarks/device/compile_check.py, no stack). On one H200 (bf16) the single-process tests pass, CUDA-graph capture and replay and the
 time-out path included (benchmarks/RESULTS.md). NOT yet run across two GPUs: the CUDA workspace
 path and the system-scope ordering between devices are unverified. Not built: separate
 communication and compute programs (every program takes dispatch, compute and combine tickets in
@@ -332,8 +332,10 @@ def ep_fused_moe(x_TH: torch.Tensor, w13_L2IH: torch.Tensor, w2_LHI: torch.Tenso
                  topk_ids_Tk: torch.Tensor, ws: EPWorkspace, *, num_experts: int, check: bool = True,
                  spin_max: int | None = None, programs: int | None = None) -> torch.Tensor:
     """`ep_fused_moe_fwd`, differentiable w.r.t. x, w13, w2 and topk_weights (backward:
-    `ep_fused_moe_bwd`, collective over the workspace's group, which every rank's requires_grad
-    flags must agree on: checked with check=True). Saves only the inputs."""
+    `ep_fused_moe_bwd`, collective over the workspace's group, so every rank's requires_grad flags
+    must agree: check=True verifies it before the launch; with check=False a mismatch surfaces only
+    as the backward's collectives failing after the process group's time-out). Saves only the
+    inputs."""
     train = torch.is_grad_enabled() and any(t.requires_grad for t in (x_TH, w13_L2IH, w2_LHI, topk_weights_Tk))
     if train and ws.group is None:
         raise ValueError("ws: the backward exchanges rows over a process group; this workspace has none "
