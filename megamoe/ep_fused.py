@@ -43,8 +43,9 @@ gradient bitwise equal to the single-process op, uneven routing, a rank with no 
 calls bitwise equal, bad input or differing requires_grad on one rank raised on both, a rank that
 never arrives reported by the other as a time-out naming it), and compiled for sm_90
 (benchmarks/device/compile_check.py, no stack). On one H200 (bf16) the single-process tests pass,
-CUDA-graph capture and replay and the time-out path included (benchmarks/RESULTS.md). NOT yet run across two GPUs: the CUDA workspace
-path and the system-scope ordering between devices are unverified. Not built: separate
+CUDA-graph capture and replay and the time-out path included (benchmarks/RESULTS.md). NOT yet run
+across two GPUs: the CUDA workspace path and the system-scope ordering between devices are
+unverified. Not built: separate
 communication and compute programs (every program takes dispatch, compute and combine tickets in
 order), per-source readiness (the overlap), a one-launch backward. `megamoe.ep.ep_fused_moe`
 (all_to_all around the single-GPU kernel) remains the EP path the trainer and rollout use.
