@@ -5,8 +5,9 @@
 
 Forward and forward+backward, median over --reps repetitions timed with CUDA events, bf16.
 FLOPs: 6*T*k*H*I per forward (two GEMMs, gate+up counted as 2I), x3 for forward+backward.
-Decode (T=64) is also compared with its weight-read floor: bytes of the experts touched / the
-device copy bandwidth measured in the same process. Liger comes from `liger-kernel` (pure-Python
+Decode (T <= 512) is also compared with its weight-read floor: bytes of the experts touched / the
+device copy bandwidth measured in the same process; there megamoe's forward is also timed as a
+replayed CUDA graph (device time only, as vLLM runs decode steps). Liger comes from `liger-kernel` (pure-Python
 Triton package); when it is not importable its columns say so.
 """
 
@@ -65,6 +66,17 @@ def time_ms(fn, reps: int, warmup: int = 5) -> float:
         times.append(s.elapsed_time(e))
     times.sort()
     return times[len(times) // 2]
+
+
+def graph_ms(fn, reps: int) -> float:
+    """time_ms of `fn` captured once in a CUDA graph and replayed: device time without host time
+    (how vLLM runs decode steps)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay, reps)
 
 
 def copy_bandwidth() -> float:
@@ -136,6 +148,8 @@ def bench_shape(name, T, reps, impls, bw, lines, records):
     if T <= 512:
         touched = int(torch.unique(ids).numel())
         row["floor_ms"] = touched * 3 * H * I * 2 / bw * 1e3
+        if "megamoe" in impls:
+            row["megamoe_graph_fwd_ms"] = graph_ms(fwd["megamoe"], reps)
     records.append(row)
 
     def tf(ms, mult):
@@ -152,6 +166,9 @@ def bench_shape(name, T, reps, impls, bw, lines, records):
             if base != "megamoe" and row.get(f"{base}_{mode}_ms") and m:
                 ratios.append(f"{row[f'{base}_{mode}_ms'] / m:5.2f}x vs {base}")
         floor = f" | floor {row['floor_ms']:.3f} ms ({m / row['floor_ms']:.2f}x)" if mode == "fwd" and "floor_ms" in row and m else ""
+        if floor and "megamoe_graph_fwd_ms" in row:
+            g = row["megamoe_graph_fwd_ms"]
+            floor += f", megamoe as a replayed CUDA graph {g:.3f} ms ({g / row['floor_ms']:.2f}x)"
         line = f"{name:8s} T={T:6d} {mode:3s} | " + " | ".join(cells) + " | " + ", ".join(ratios) + floor
         print(line, flush=True)
         lines.append(line)

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from benchmarks.bench_moe import SHAPES, make_inputs, time_ms  # noqa: E402
+from benchmarks.bench_moe import SHAPES, graph_ms, make_inputs, time_ms  # noqa: E402
 from megamoe import fused  # noqa: E402
 from megamoe.kernels import moe_kernels  # noqa: E402
 from megamoe.moe import fused_moe  # noqa: E402
@@ -49,15 +49,6 @@ def host_us(fn, n: int = 20, batches: int = 10) -> float:
 
 def eager_ms(fn, n: int = 30) -> float:
     return time_ms(fn, n, warmup=1)
-
-
-def graph_ms(fn, n: int = 30) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return eager_ms(g.replay, n)
 
 
 def rows_for(name: str, T: int):
@@ -104,7 +95,7 @@ def rows_for(name: str, T: int):
                 moe_kernels._moe_persistent_kernel = real
         else:
             out.append((label, host_us(fn), eager_ms(fn)))
-    out.append(("CUDA graph of the no-grad forward", float("nan"), graph_ms(public_nograd)))
+    out.append(("CUDA graph of the no-grad forward", float("nan"), graph_ms(public_nograd, 30)))
     return out
 
 
