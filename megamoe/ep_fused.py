@@ -62,8 +62,7 @@ from torch.autograd.function import once_differentiable
 from megamoe import alloc
 from megamoe.contract import check_moe_inputs
 from megamoe.ep import _check_everywhere, _check_local, check_global_ids, check_positive_ints
-from megamoe.fused import (_check_backend, _config, _counters, _default_lag, _metadata_buffers, _num_programs,
-                           _r_max, persistent_constexprs)
+from megamoe.fused import _check_backend, _combine_slots, _config, persistent_setup
 
 _ADDRESS_ROWS = ("recv_x", "recv_id", "recv_w", "out", "dsig", "csig")  # the kernel's EP_* rows
 # polls per wait before a time-out: each an acquire load, so seconds on a GPU; under the interpreter
@@ -250,22 +249,16 @@ def _launch(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws: EPWorkspac
     TMK = ws.max_tokens * ws.k
     N = W * TMK  # received rows, source-major: the single-GPU kernel's slots with K = 1
     cfg = _config(x)
-    consts = persistent_constexprs(cfg, False, x.dtype, L, ep=True)
-    n1, n2 = -(-I // consts["BN1"]), -(-H // cfg.BN2)
-    r_max = _r_max(N, L, cfg.BM)
-    nb = -(-N // cfg.BLK)
-    meta = _metadata_buffers(N, L, nb, x.device)
+    setup = persistent_setup(N, L, H, I, x.dtype, x.device, cfg, False, ep=True, programs=programs)
     act = alloc.empty(N, I, dtype=x.dtype, device=x.device)
     y = alloc.empty(s.T, H, dtype=x.dtype, device=x.device)
-    ctr = _counters(x.device, r_max)
-    programs = programs or _num_programs(x.device, cfg)
-    lag = cfg.lag if cfg.lag is not None else _default_lag(programs, n1, n2)
-    _moe_persistent_kernel[(programs,)](
-        ws.recv_x, w13, w2, ws.recv_w, ws.recv_id, ws.recv_x, *meta,
+    ctr = setup.ctr
+    _moe_persistent_kernel[(setup.programs,)](
+        ws.recv_x, w13, w2, ws.recv_w, ws.recv_id, ws.recv_x, *setup.meta,
         act, act, act, ws.recv_w, ws.recv_w, ws.out, y, ctr, ctr[CTR_SLOTS.value:],
         ws.table, ws.err, ws.epoch_dev, x, ids, tw, y,
-        N, N, L, H, I, 1, lag, r_max, nb, ws.rank, W, s.T, s.k, TMK, spin_max,
-        **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        N, N, L, H, I, 1, setup.lag, setup.r_max, setup.nb, ws.rank, W, s.T, s.k, TMK, spin_max,
+        **setup.consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if check:
         ep_check(ws, spin_max)
     return y
@@ -304,13 +297,11 @@ def ep_fused_moe_bwd(dy_TH: torch.Tensor, x_TH: torch.Tensor, w13_L2IH: torch.Te
                                            backend="triton")
     dx_M = _all_to_all(dx_N, plan.recv_slots, plan.send_slots, group)
     dtw_M = _all_to_all(dtw_N.reshape(-1), plan.recv_slots, plan.send_slots, group)
-    dx_TkH = torch.zeros(T * k, H, dtype=x_TH.dtype, device=x_TH.device)
-    dx_TkH = dx_TkH.index_copy_(0, plan.result_slot_M, dx_M).view(T, k, H)
-    dx32 = torch.zeros(T, H, dtype=torch.float32, device=x_TH.device)
-    for j in range(k):  # slot order, fp32
-        dx32 += dx_TkH[:, j].float()
+    dx_slots = torch.zeros(T * k, H, dtype=x_TH.dtype, device=x_TH.device).index_copy_(0, plan.result_slot_M, dx_M)
     dtw = torch.zeros(T * k, dtype=torch.float32, device=x_TH.device).index_copy_(0, plan.result_slot_M, dtw_M)
-    return dx32.to(x_TH.dtype), dw13, dw2, dtw.view(T, k).to(topk_weights_Tk.dtype)
+    # a token's k slot rows summed in slot order in fp32: the single-GPU op's combine
+    return (_combine_slots(dx_slots, topk_ids_Tk, x_TH.dtype), dw13, dw2,
+            dtw.view(T, k).to(topk_weights_Tk.dtype))
 
 
 class _EPFusedMoE(torch.autograd.Function):

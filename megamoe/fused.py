@@ -225,6 +225,34 @@ def _metadata_buffers(N: int, E: int, nb: int, device) -> tuple[torch.Tensor, ..
     return torch.empty(sum(sizes), dtype=torch.int32, device=device).split(sizes)
 
 
+@dataclasses.dataclass
+class PersistentSetup:
+    """What a persistent launch needs besides its tensors (shared by the single-GPU and EP launchers)."""
+    consts: dict                # compile-time arguments
+    meta: tuple                 # the routing-metadata buffers (_metadata_buffers)
+    ctr: torch.Tensor           # the shared counter workspace
+    programs: int               # grid size
+    lag: int                    # phase-2 ticket lag
+    r_max: int                  # row tiles at most
+    nb: int                     # phase-0 blocks
+    n1: int                     # GEMM1 column blocks
+
+
+def persistent_setup(N: int, E: int, H: int, I: int, dtype: torch.dtype, device: torch.device,  # noqa: E741
+                     cfg: KernelConfig, is_bwd: bool, gu: bool = False, ep: bool = False,
+                     programs: int | None = None) -> PersistentSetup:
+    """Constants, metadata buffers, counters, grid and lag of one persistent launch over N slot rows
+    and E experts; `programs` overrides the grid (default: cfg.programs, else one per SM)."""
+    consts = persistent_constexprs(cfg, is_bwd, dtype, E, gu=gu, ep=ep)
+    n1, n2 = -(-I // consts["BN1"]), -(-H // cfg.BN2)
+    r_max, nb = _r_max(N, E, cfg.BM), -(-N // cfg.BLK)
+    meta = _metadata_buffers(N, E, nb, device)
+    ctr = _counters(device, r_max)
+    programs = programs or _num_programs(device, cfg)
+    lag = cfg.lag if cfg.lag is not None else _default_lag(programs, n1, n2)
+    return PersistentSetup(consts, meta, ctr, programs, lag, r_max, nb, n1)
+
+
 def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg: KernelConfig,
                        gu: torch.Tensor | None = None, save_gu: bool = False):
     """One persistent launch: routing metadata, then the forward (or the backward but dW).
@@ -235,12 +263,9 @@ def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg
     N = T * K
     dev, dtype = x.device, x.dtype
     use_gu = gu is not None if is_bwd else save_gu
-    consts = persistent_constexprs(cfg, is_bwd, dtype, E, gu=use_gu)
-    n1 = -(-I // consts["BN1"])
-    n2 = -(-H // cfg.BN2)
-    r_max = _r_max(N, E, cfg.BM)
-    nb = -(-N // cfg.BLK)
-    sorted_slot, inv_slot, key_start, key_count, tile_cum, num_tiles, blk = _metadata_buffers(N, E, nb, dev)
+    setup = persistent_setup(N, E, H, I, dtype, dev, cfg, is_bwd, gu=use_gu)
+    sorted_slot, inv_slot, key_start, key_count, tile_cum, num_tiles, blk = setup.meta
+    n1 = setup.n1
     act = alloc.empty(N, (2 * I) if is_bwd else I, dtype=dtype, device=dev)
     hw = alloc.empty(N, I, dtype=dtype, device=dev) if is_bwd else act
     dtw_part = alloc.empty(N, n1, dtype=torch.float32, device=dev) if is_bwd else tw
@@ -251,16 +276,14 @@ def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg
         # zeros: the rows of dropped (-1) slots are never written, and an op output must not hold
         # whatever memory held before (opcheck compares two runs)
         gu = torch.zeros(N, 2 * I, dtype=dtype, device=dev)
-    ctr = _counters(dev, r_max)
-    programs = _num_programs(dev, cfg)
-    lag = cfg.lag if cfg.lag is not None else _default_lag(programs, n1, n2)
-    _moe_persistent_kernel[(programs,)](
+    ctr = setup.ctr
+    _moe_persistent_kernel[(setup.programs,)](
         x, w13, w2, tw, ids, dy if dy is not None else x,
         sorted_slot, inv_slot, key_start, key_count, tile_cum, num_tiles, blk,
         act, hw, gu if use_gu else act, dtw_part, dtw, slot_out, out, ctr, ctr[CTR_SLOTS.value:],
         ctr, ctr, ctr, x, ids, tw, out,  # the EP arguments, unused here
-        T, N, E, H, I, K, lag, r_max, nb, 0, 1, 0, 0, 0, 0,
-        **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        T, N, E, H, I, K, setup.lag, setup.r_max, setup.nb, 0, 1, 0, 0, 0, 0,
+        **setup.consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     meta = KernelMeta(sorted_slot, inv_slot, key_start[1:], key_count[1:], tile_cum, num_tiles)
     return out, act, hw, dtw, meta, (gu if use_gu and not is_bwd else None)
 
@@ -325,7 +348,7 @@ def _blockwise(fn, *ts: torch.Tensor) -> torch.Tensor:
 
 def _combine_slots(slot_out_NH: torch.Tensor, ids_Tk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     T, K = ids_Tk.shape
-    rows = slot_out_NH.reshape(T, K, -1)
+    rows = slot_out_NH.reshape(T, K, slot_out_NH.shape[-1])  # explicit H: T may be 0
     acc = torch.zeros(T, rows.shape[-1], dtype=torch.float32, device=rows.device)
     for j in range(K):  # slot order, fp32
         acc += torch.where((ids_Tk[:, j] >= 0)[:, None], rows[:, j].float(), 0.0)
