@@ -254,7 +254,7 @@ def _launch(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws: EPWorkspac
     y = alloc.empty(s.T, H, dtype=x.dtype, device=x.device)
     ctr = setup.ctr
     _moe_persistent_kernel[(setup.programs,)](
-        ws.recv_x, w13, w2, ws.recv_w, ws.recv_id, ws.recv_x, *setup.meta,
+        ws.recv_x, w13, w2, ws.recv_w, ws.recv_id, ws.recv_x, w13, w2, w2, *setup.meta,
         act, act, act, ws.recv_w, ws.recv_w, ws.out, y, ctr, ctr[CTR_SLOTS.value:],
         ws.table, ws.err, ws.epoch_dev, x, ids, tw, y,
         N, N, L, H, I, 1, setup.lag, setup.r_max, setup.nb, ws.rank, W, s.T, s.k, TMK, spin_max,

@@ -92,6 +92,7 @@ class KernelConfig:
     SUB: int | None = None          # slots per step inside a block; None: SUB * keys <= 8192
     lag: int | None = None          # None: about two waves of programs (see _default_lag)
     programs: int | None = None     # None: one per SM
+    tma_weights: bool = True        # weights through TMA descriptors where the shape allows (_tma_weights)
     # weight-gradient kernel
     # H200, Qwen3, T=4096 / 16384 (results/2026-12-01-h200-tune-saved-gu.log): 128x128 with 2 stages
     # 1.258 / 3.726 ms (113 registers and 64 KB of shared memory in the compile check: two programs
@@ -114,8 +115,10 @@ def default_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
         return KernelConfig(BM=16, BN1=16, BK1=16, BN2=16, BK2=16, BT=8, BH=32, programs=1,
                             bwd_BN1=16, BMW=16, BNW=16, BKR=16, BLK=32, SUB=16)
     if dtype == torch.float32:
+        # no TMA: the exact fp32 dots read their operands into registers, and from TMA tiles they
+        # spill hundreds of registers (compile_check.py)
         return KernelConfig(BM=64, BN1=32, BK1=32, BN2=64, BK2=32, BT=16, BH=128, num_warps=4, bwd_BN1=32,
-                            num_stages=2, BMW=64, BNW=64, BKR=32, dw_warps=4, dw_stages=2)
+                            num_stages=2, BMW=64, BNW=64, BKR=32, dw_warps=4, dw_stages=2, tma_weights=False)
     return KernelConfig()
 
 
@@ -240,10 +243,10 @@ class PersistentSetup:
 
 def persistent_setup(N: int, E: int, H: int, I: int, dtype: torch.dtype, device: torch.device,  # noqa: E741
                      cfg: KernelConfig, is_bwd: bool, gu: bool = False, ep: bool = False,
-                     programs: int | None = None) -> PersistentSetup:
+                     programs: int | None = None, tma_w: bool = False) -> PersistentSetup:
     """Constants, metadata buffers, counters, grid and lag of one persistent launch over N slot rows
     and E experts; `programs` overrides the grid (default: cfg.programs, else one per SM)."""
-    consts = persistent_constexprs(cfg, is_bwd, dtype, E, gu=gu, ep=ep)
+    consts = persistent_constexprs(cfg, is_bwd, dtype, E, gu=gu, ep=ep, tma_w=tma_w)
     n1, n2 = -(-I // consts["BN1"]), -(-H // cfg.BN2)
     r_max, nb = _r_max(N, E, cfg.BM), -(-N // cfg.BLK)
     meta = _metadata_buffers(N, E, nb, device)
@@ -251,6 +254,32 @@ def persistent_setup(N: int, E: int, H: int, I: int, dtype: torch.dtype, device:
     programs = programs or _num_programs(device, cfg)
     lag = cfg.lag if cfg.lag is not None else _default_lag(programs, n1, n2)
     return PersistentSetup(consts, meta, ctr, programs, lag, r_max, nb, n1)
+
+
+def _tma_weights(cfg: KernelConfig, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the launch reads the weights through TMA descriptors: asked for by the config and
+    possible (the hardware needs 16-byte aligned bases and row strides, i.e. H and I a multiple of 8
+    in bf16, of 4 in fp32). Either way the kernel reads the same values into the same tiles and
+    gives the same bits (tests/test_fused.py); TMA only moves them with fewer registers."""
+    if not cfg.tma_weights:
+        return False
+    H, I = w13.shape[2], w2.shape[2]  # noqa: E741
+    return all(t.data_ptr() % 16 == 0 for t in (w13, w2)) and (H * w13.element_size()) % 16 == 0 and \
+        (I * w13.element_size()) % 16 == 0
+
+
+def weight_descriptors(w13: torch.Tensor, w2: torch.Tensor, consts: dict, is_bwd: bool, gu: bool) -> tuple:
+    """(w13_d1, w2_d1, w_d2) for the persistent kernel with TMA_W (see its argument list); the
+    descriptors a launch does not read are the weight tensors themselves."""
+    from triton.tools.tensor_descriptor import TensorDescriptor as TD
+
+    E, two_i, H = w13.shape
+    I = two_i // 2  # noqa: E741
+    BN1, BK1, BN2, BK2 = consts["BN1"], consts["BK1"], consts["BN2"], consts["BK2"]
+    w13_d1 = w13 if (is_bwd and gu) else TD.from_tensor(w13.view(E, 2, I, H), [1, 1, BN1, BK1])
+    if is_bwd:
+        return w13_d1, TD.from_tensor(w2, [1, BK1, BN1]), TD.from_tensor(w13, [1, BK2, BN2])
+    return w13_d1, w2, TD.from_tensor(w2, [1, BN2, BK2])
 
 
 def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg: KernelConfig,
@@ -263,7 +292,9 @@ def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg
     N = T * K
     dev, dtype = x.device, x.dtype
     use_gu = gu is not None if is_bwd else save_gu
-    setup = persistent_setup(N, E, H, I, dtype, dev, cfg, is_bwd, gu=use_gu)
+    tma_w = _tma_weights(cfg, w13, w2)
+    setup = persistent_setup(N, E, H, I, dtype, dev, cfg, is_bwd, gu=use_gu, tma_w=tma_w)
+    descs = weight_descriptors(w13, w2, setup.consts, is_bwd, use_gu) if tma_w else (w13, w2, w2)
     sorted_slot, inv_slot, key_start, key_count, tile_cum, num_tiles, blk = setup.meta
     n1 = setup.n1
     act = alloc.empty(N, (2 * I) if is_bwd else I, dtype=dtype, device=dev)
@@ -278,7 +309,7 @@ def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg
         gu = torch.zeros(N, 2 * I, dtype=dtype, device=dev)
     ctr = setup.ctr
     _moe_persistent_kernel[(setup.programs,)](
-        x, w13, w2, tw, ids, dy if dy is not None else x,
+        x, w13, w2, tw, ids, dy if dy is not None else x, *descs,
         sorted_slot, inv_slot, key_start, key_count, tile_cum, num_tiles, blk,
         act, hw, gu if use_gu else act, dtw_part, dtw, slot_out, out, ctr, ctr[CTR_SLOTS.value:],
         ctr, ctr, ctr, x, ids, tw, out,  # the EP arguments, unused here
@@ -289,14 +320,14 @@ def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg
 
 
 def persistent_constexprs(cfg: KernelConfig, is_bwd: bool, dtype: torch.dtype, E: int, gu: bool = False,
-                          ep: bool = False) -> dict:
+                          ep: bool = False, tma_w: bool = False) -> dict:
     """The persistent kernel's compile-time arguments (tests/test_kernel_compile.py compiles with them).
     gu: the forward writes (gate, up) / the backward reads it instead of recomputing GEMM1.
-    ep: the expert-parallel forward (megamoe/ep_fused.py)."""
+    ep: the expert-parallel forward (megamoe/ep_fused.py). tma_w: weights through TMA descriptors."""
     kb = max(16, _next_pow2(E + 1))  # keys: id + 1 in [0, E]
     return dict(IS_BWD=is_bwd, GU=gu, BM=cfg.BM, BN1=cfg.bwd_BN1 if is_bwd else cfg.BN1, BK1=cfg.BK1, BN2=cfg.BN2,
                 BK2=cfg.BK2, BT=cfg.BT, BH=cfg.BH, BLK=cfg.BLK, SUB=cfg.SUB or max(16, min(cfg.BLK, 8192 // kb)),
-                KB=kb, CB=max(16, 8192 // kb), DOT_PRECISION=_dot_precision(dtype), EP=ep)
+                KB=kb, CB=max(16, 8192 // kb), DOT_PRECISION=_dot_precision(dtype), EP=ep, TMA_W=tma_w)
 
 
 def dw_constexprs(cfg: KernelConfig, dtype: torch.dtype) -> dict:

@@ -114,6 +114,57 @@ def test_triton_kernel_leaves_its_workspace_as_found(nan_fill):
     assert torch.equal(y1, y2) and all(torch.equal(a, b) for a, b in zip(b1, b2))
 
 
+def _tma_vs_pointers(p, g):
+    """Every output of the persistent launches (forward with and without (gate, up), backward
+    recomputing GEMM1 or reading it), with the weights read through TMA descriptors and through
+    pointers: the same bits (same values into the same tiles, same dots)."""
+    import dataclasses
+
+    from megamoe import fused
+    x, w13, w2 = p.args()[:3]
+    base = fused.default_config(x.dtype, x.device)
+    results = {}
+    try:
+        for tma in (True, False):
+            cfg = dataclasses.replace(base, tma_weights=tma)
+            assert fused._tma_weights(cfg, w13, w2) == tma  # the case reaches the path it names
+            fused.set_config(cfg)
+            y, gu = fused_moe_fwd(*p.args(), backend="triton", save_gu=True)
+            results[tma] = (y, gu, fused_moe_fwd(*p.args(), backend="triton"),
+                            *fused_moe_bwd(g, *p.args(), backend="triton", gu=gu),
+                            *fused_moe_bwd(g, *p.args(), backend="triton"))
+    finally:
+        fused.set_config(None)
+    names = ("y", "gu", "y (inference)", "dx", "dw13", "dw2", "dtw", "dx (recompute)", "dw13 (recompute)",
+             "dw2 (recompute)", "dtw (recompute)")
+    for name, a, b in zip(names, results[True], results[False]):
+        assert torch.equal(a, b), f"{name}: TMA weight loads differ from pointer loads"
+
+
+@pytest.mark.parametrize("T,H,I,E,k,routing,drop", [EDGE_CASES[2], EDGE_CASES[5]])
+def test_triton_interpreter_tma_weight_loads_equal_pointer_loads(T, H, I, E, k, routing, drop, nan_fill):  # noqa: E741
+    """I and H not multiples of the tiles: the descriptors' per-expert bounds zero-fill what the
+    pointer loads mask."""
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("interpreter test: runs on CPU machines (conftest sets TRITON_INTERPRET=1 there)")
+    p = make_problem(T, H, I, E, k, routing=routing, drop_frac=drop, seed=T)
+    _tma_vs_pointers(p, torch.randn(T, H, generator=torch.Generator().manual_seed(3)))
+
+
+def test_tma_weights_only_where_the_hardware_can_address_the_rows():
+    from megamoe import fused
+    cfg = fused.KernelConfig()
+    w = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt)  # noqa: E731
+    assert fused._tma_weights(cfg, w(4, 2 * 24, 40), w(4, 40, 24))
+    assert not fused._tma_weights(cfg, w(4, 2 * 24, 36), w(4, 36, 24)), "H * 2 bytes not a multiple of 16"
+    assert not fused._tma_weights(cfg, w(4, 2 * 20, 40), w(4, 40, 20)), "I * 2 bytes not a multiple of 16"
+    assert fused._tma_weights(cfg, w(4, 2 * 20, 36, dt=torch.float32), w(4, 36, 20, dt=torch.float32))
+    shifted = w(4 * 48 * 40 + 4)[4:].view(4, 48, 40)  # base 8 bytes past an aligned one
+    assert not fused._tma_weights(cfg, shifted, w(4, 40, 24)), "base not 16-byte aligned"
+    assert not fused._tma_weights(fused.KernelConfig(tma_weights=False), w(4, 48, 40), w(4, 40, 24))
+    assert not fused.default_config(torch.float32, torch.device("cuda")).tma_weights
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("T,H,I,E,k,routing,drop", EDGE_CASES)
 def test_torch_backend(T, H, I, E, k, routing, drop, dtype, nan_fill):  # noqa: E741
@@ -316,6 +367,13 @@ def test_gpu_nan_stays_in_its_token():
     y = fused_moe_fwd(*p.args())
     bad = (~torch.isfinite(y).all(dim=1)).nonzero().flatten().tolist()
     assert bad == [17, 250]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H,I,E,k", [(517, 512, 192, 64, 8), (333, 1000, 200, 13, 3), (1, 2048, 768, 128, 8)])
+def test_gpu_tma_weight_loads_equal_pointer_loads(T, H, I, E, k):  # noqa: E741
+    p = make_problem(T, H, I, E, k, seed=T, drop_frac=0.1, dtype=torch.bfloat16, device="cuda")
+    _tma_vs_pointers(p, torch.randn(T, H, device="cuda", dtype=torch.bfloat16))
 
 
 @pytest.mark.gpu

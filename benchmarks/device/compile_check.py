@@ -49,6 +49,29 @@ def arg_types(tname: str) -> dict:
     return types
 
 
+# (backward, (gate, up), EP, weights through TMA): what the launchers compile. TMA where the dtype's
+# config asks for it (bf16; fp32's exact-precision dots read their operands into registers and with
+# TMA tiles spill hundreds); the pointer variants also serve shapes whose rows TMA cannot address
+# (H or I not a multiple of 16 bytes) and the EP forward.
+def persistent_variants(tma: bool) -> list[tuple[bool, bool, bool, bool]]:
+    main = [(is_bwd, gu, False, tma) for is_bwd in (False, True) for gu in (False, True)]
+    fallback = [(False, False, False, False), (True, True, False, False)] if tma else []
+    return main + fallback + [(False, False, True, False)]
+
+
+def descriptor_types(tname: str, consts: dict, is_bwd: bool, gu: bool) -> dict:
+    """The TMA descriptor arguments' types as megamoe.fused.weight_descriptors makes them."""
+    BN1, BK1, BN2, BK2 = consts["BN1"], consts["BK1"], consts["BN2"], consts["BK2"]
+    d = lambda *b: f"tensordesc<{tname}[{', '.join(map(str, b))}]>"  # noqa: E731
+    types = {"w_d2": d(1, BK2, BN2) if is_bwd else d(1, BN2, BK2)}
+    if not (is_bwd and gu):
+        types["w13_d1"] = d(1, 1, BN1, BK1)
+    types["w2_d1"] = d(1, BK1, BN1) if is_bwd else f"*{tname}"
+    if is_bwd and gu:
+        types["w13_d1"] = f"*{tname}"
+    return types
+
+
 def _cuobjdump(cubin: bytes, flag: str) -> str:
     import triton
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -97,18 +120,19 @@ def check() -> list[dict]:
     for dtype, tname in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
         cfg = fused.default_config(dtype, torch.device("cuda"))
         data = arg_types(tname)
-        for is_bwd, gu, ep in ((False, False, False), (False, True, False), (True, False, False), (True, True, False),
-                               (False, False, True)):
-            k = _compile(mk._moe_persistent_kernel, data,
-                         fused.persistent_constexprs(cfg, is_bwd, dtype, E, gu=gu, ep=ep),
-                         ("H", "I", "E"), cfg.num_warps, cfg.num_stages)
-            name = ("bwd" if is_bwd else "fwd") + (" gu" if gu else "") + (" ep" if ep else "")
+        for is_bwd, gu, ep, tma in persistent_variants(cfg.tma_weights):
+            consts = fused.persistent_constexprs(cfg, is_bwd, dtype, E, gu=gu, ep=ep, tma_w=tma)
+            k = _compile(mk._moe_persistent_kernel, {**data, **(descriptor_types(tname, consts, is_bwd, gu) if tma else {})},
+                         consts, ("H", "I", "E"), cfg.num_warps, cfg.num_stages)
+            name = ("bwd" if is_bwd else "fwd") + (" gu" if gu else "") + (" ep" if ep else "") + (" tma" if tma else "")
             rows.append(dict(kernel="persistent " + name, dtype=tname,
                              shared=k.metadata.shared, async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
+                             tma_loads=k.asm["ttgir"].count("async_tma_copy_global_to_local"),
                              **_resources(k.asm["cubin"]), **_local_ops(k.asm["cubin"])))
         k = _compile(mk._moe_bwd_dw_kernel, data, fused.dw_constexprs(cfg, dtype), ("H", "I"), cfg.dw_warps, cfg.dw_stages)
         rows.append(dict(kernel="weight gradients", dtype=tname, shared=k.metadata.shared,
-                         async_copies=k.asm["ttgir"].count("async_copy_global_to_local"), **_resources(k.asm["cubin"]),
+                         async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
+                         tma_loads=k.asm["ttgir"].count("async_tma_copy_global_to_local"), **_resources(k.asm["cubin"]),
                          **_local_ops(k.asm["cubin"])))
     return rows
 
@@ -202,10 +226,11 @@ def main():
     if args.json:
         print(json.dumps(rows))
         return
-    print(f"{'kernel':18s} {'dtype':5s} {'shared':>8s} {'async copies':>12s} {'reg':>4s} {'stack':>5s} {'local':>5s} "
-          f"{'STL/LDL':>7s} {'in inner loops':>14s}")
+    print(f"{'kernel':22s} {'dtype':5s} {'shared':>8s} {'async copies':>12s} {'TMA':>3s} {'reg':>4s} {'stack':>5s} "
+          f"{'local':>5s} {'STL/LDL':>7s} {'in inner loops':>14s}")
     for r in rows:
-        print(f"{r['kernel']:18s} {r['dtype']:5s} {r['shared']:8d} {r['async_copies']:12d} {r.get('reg', -1):4d} "
+        print(f"{r['kernel']:22s} {r['dtype']:5s} {r['shared']:8d} {r['async_copies']:12d} {r.get('tma_loads', 0):3d} "
+              f"{r.get('reg', -1):4d} "
               f"{r.get('stack', -1):5d} {r.get('local', -1):5d} {r['local_ops']:7d} {r['inner_loop_local_ops']:14d}")
 
 

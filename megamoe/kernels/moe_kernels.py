@@ -265,6 +265,11 @@ def _ep_combine_item(blk, ep_ptr, ids_src_ptr, y_ptr, RANK, W, L, TS, SK, TMK, H
 def _moe_persistent_kernel(
     # inputs
     x_ptr, w13_ptr, w2_ptr, tw_ptr, ids_ptr, dy_ptr,
+    # TMA_W: host TMA descriptors of the weights (else unused): w13_d1 = w13 as [E, 2, I, H], block
+    # [1, 1, BN1, BK1] (phase 1's gate and up); w2_d1 = w2 [E, H, I], block [1, BK1, BN1] (the
+    # backward's phase 1); w_d2 = phase 2's weight: forward w2 [E, H, I], block [1, BN2, BK2];
+    # backward w13 [E, 2I, H], block [1, BK2, BN2]. Per-expert bounds: out-of-range reads are zero.
+    w13_d1, w2_d1, w_d2,
     # routing metadata, written by phase 0 (int32)
     sorted_slot_ptr, inv_slot_ptr, key_start_ptr, key_count_ptr, tile_cum_ptr, num_tiles_ptr, blk_ptr,
     # workspaces / outputs
@@ -286,7 +291,7 @@ def _moe_persistent_kernel(
     IS_BWD: tl.constexpr, GU: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
     BN2: tl.constexpr, BK2: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
     BLK: tl.constexpr, SUB: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EP: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, EP: tl.constexpr = False, TMA_W: tl.constexpr = False,
 ):
     dtype = x_ptr.dtype.element_ty
     n1 = tl.cdiv(I, BN1)
@@ -365,15 +370,23 @@ def _moe_persistent_kernel(
                             if not (IS_BWD and GU):  # GEMM1 (the backward without GU recomputes it)
                                 a = tl.load(x_ptr + tok[:, None] * H + ks[None, :],
                                             mask=rmask[:, None] & kmask[None, :], other=0.0)
-                                bg = tl.load(w13_e + cols[None, :] * H + ks[:, None], mask=bmask, other=0.0)
-                                bu = tl.load(w13_e + (I + cols[None, :]) * H + ks[:, None], mask=bmask, other=0.0)
+                                if TMA_W:
+                                    bg = w13_d1.load([e32, 0, sub * BN1, k0]).reshape(BN1, BK1).T
+                                    bu = w13_d1.load([e32, 1, sub * BN1, k0]).reshape(BN1, BK1).T
+                                else:
+                                    bg = tl.load(w13_e + cols[None, :] * H + ks[:, None], mask=bmask, other=0.0)
+                                    bu = tl.load(w13_e + (I + cols[None, :]) * H + ks[:, None], mask=bmask,
+                                                 other=0.0)
                                 acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
                                 acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
                             if IS_BWD:
                                 d = tl.load(dy_ptr + tok[:, None] * H + ks[None, :],
                                             mask=rmask[:, None] & kmask[None, :], other=0.0)
-                                bw = tl.load(w2_ptr + e * (H * I) + ks[:, None] * I + cols[None, :],
-                                             mask=bmask, other=0.0)
+                                if TMA_W:
+                                    bw = w2_d1.load([e32, k0, sub * BN1]).reshape(BK1, BN1)
+                                else:
+                                    bw = tl.load(w2_ptr + e * (H * I) + ks[:, None] * I + cols[None, :],
+                                                 mask=bmask, other=0.0)
                                 acc_d = tl.dot(d, bw, acc_d, input_precision=DOT_PRECISION)
                         if IS_BWD:
                             # the backward differentiates at (gate, up) rounded to the input dtype,
@@ -416,7 +429,12 @@ def _moe_persistent_kernel(
                             a2 = tl.load(act_ptr + rows[:, None] * KA + ks2[None, :],
                                          mask=rmask[:, None] & kmask2[None, :], other=0.0, cache_modifier=".cg")
                             bmask2 = kmask2[:, None] & cmask2[None, :]
-                            if IS_BWD:
+                            if TMA_W:
+                                if IS_BWD:
+                                    b2 = w_d2.load([e32, k02, sub * BN2]).reshape(BK2, BN2)
+                                else:
+                                    b2 = w_d2.load([e32, sub * BN2, k02]).reshape(BN2, BK2).T
+                            elif IS_BWD:
                                 b2 = tl.load(w13_ptr + e * (2 * I * H) + ks2[:, None] * H + cols2[None, :],
                                              mask=bmask2, other=0.0)
                             else:

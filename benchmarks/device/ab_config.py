@@ -1,0 +1,89 @@
+"""A/B of megamoe kernel configurations in one process on a GPU (the working tree's kernels).
+
+    python3 benchmarks/device/ab_config.py --variants ptr:tma_weights=False st4:num_stages=4 \
+        --cases qwen3:4096 qwen3:16384 mixtral:4096
+
+The first column is the default config; each variant is `label:field=value[,field=value]` over
+megamoe.fused.KernelConfig. For every case and config: the inference forward (fused_moe_fwd), the
+training forward's launch (saving (gate, up)), the backward reading it (fused_moe_bwd with gu) and the
+whole step (both), fused_moe_fwd / fused_moe_bwd called directly (no autograd). Interleaved rounds,
+the min of each config's medians. Also says whether every output of a variant has the default's bits.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+sys.path.insert(0, os.getcwd())
+import torch  # noqa: E402
+
+from benchmarks.bench_moe import SHAPES, header, make_inputs, time_ms  # noqa: E402
+from megamoe import fused  # noqa: E402
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    label, _, assigns = text.partition(":")
+    fields = {f.name: f.type for f in dataclasses.fields(fused.KernelConfig)}
+    out = {}
+    for a in filter(None, assigns.split(",")):
+        k, v = a.split("=")
+        if k not in fields:
+            raise SystemExit(f"--variants: unknown KernelConfig field {k!r}")
+        out[k] = {"True": True, "False": False, "None": None}.get(v, v if not v.lstrip("-").isdigit() else int(v))
+    return label, out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", nargs="+", default=["ptr:tma_weights=False"])
+    ap.add_argument("--cases", nargs="+", default=["qwen3:4096", "qwen3:16384", "olmoe:4096", "olmoe:16384",
+                                                   "mixtral:4096", "dsv3:4096"])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    print(header(), flush=True)
+    base = fused.default_config(torch.bfloat16, torch.device("cuda"))
+    configs = [("default", base)] + [(lbl, dataclasses.replace(base, **kw)) for lbl, kw in map(parse_variant, args.variants)]
+    pieces = ("fwd", "fwd launch (gu)", "bwd (gu)", "step")
+    print("case | " + " | ".join(f"{p} {lbl}" for p in pieces for lbl, _ in configs) + " | same bits", flush=True)
+    for case in args.cases:
+        name, T = case.split(":")
+        T = int(T)
+        E, H, I, k = SHAPES[name]  # noqa: E741
+        x, w13, w2, tw, ids = make_inputs(E, H, I, k, T)
+        dy = torch.randn_like(x)
+
+        def fns():
+            fwd = lambda: fused.fused_moe_fwd(x, w13, w2, tw, ids, check=False)  # noqa: E731
+            launch = lambda: fused._launch_persistent(False, x, w13, w2, tw, ids, None, T, H, I, E, k,  # noqa: E731
+                                                      fused._config(x), save_gu=True)
+            gu = fused.fused_moe_fwd(x, w13, w2, tw, ids, check=False, save_gu=True)[1]
+            bwd = lambda: fused.fused_moe_bwd(dy, x, w13, w2, tw, ids, gu=gu)  # noqa: E731
+            step = lambda: fused.fused_moe_bwd(  # noqa: E731
+                dy, x, w13, w2, tw, ids, gu=fused.fused_moe_fwd(x, w13, w2, tw, ids, check=False, save_gu=True)[1])
+            return (fwd, launch, bwd, step)
+
+        outs, t = {}, {}
+        try:
+            for lbl, cfg in configs:
+                fused.set_config(cfg)
+                y, gu = fused.fused_moe_fwd(x, w13, w2, tw, ids, check=False, save_gu=True)
+                outs[lbl] = (y, gu, *fused.fused_moe_bwd(dy, x, w13, w2, tw, ids, gu=gu))
+            for _ in range(args.rounds):
+                for lbl, cfg in configs:
+                    fused.set_config(cfg)
+                    for p, fn in zip(pieces, fns()):
+                        t[p, lbl] = min(time_ms(fn, args.reps), t.get((p, lbl), 1e9))
+        finally:
+            fused.set_config(None)
+        same = all(all(torch.equal(a, b) for a, b in zip(outs[lbl], outs["default"])) for lbl, _ in configs)
+        print(f"{case} | " + " | ".join(f"{t[p, lbl]:.3f}" for p in pieces for lbl, _ in configs) + f" | {same}",
+              flush=True)
+        del x, w13, w2, tw, ids, dy, outs
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
