@@ -54,9 +54,10 @@ class RoutingMeta:
     expert_count: torch.Tensor  # int32 [E]   rows of each expert
 
 
-def _r_max(N: int, E: int, BM: int) -> int:
-    # sum_e ceil(count_e / BM) <= N / BM + E
-    return (N + BM - 1) // BM + E
+def _r_max(N: int, E: int, BM: int, GT: int = 1) -> int:
+    # sum_e ceil(count_e / BM) <= N / BM + E; rounded up to whole groups of GT tiles
+    r = (N + BM - 1) // BM + E
+    return -(-r // GT) * GT
 
 
 def routing_metadata(topk_ids_Tk: torch.Tensor, E: int) -> RoutingMeta:
@@ -90,7 +91,8 @@ class KernelConfig:
     num_stages: int = 3
     BLK: int = 1024                 # slots per routing-metadata block (phase 0)
     SUB: int | None = None          # slots per step inside a block; None: SUB * keys <= 8192
-    lag: int | None = None          # None: about two waves of programs (see _default_lag)
+    lag: int | None = None          # in units of group_tiles tiles; None: see _default_lag
+    group_tiles: int = 8            # row tiles whose items go column block by column block (_decode_ticket)
     programs: int | None = None     # None: one per SM
     tma_weights: bool = True        # weights through TMA descriptors where the shape allows (_tma_weights)
     # weight-gradient kernel
@@ -176,11 +178,13 @@ def _num_programs(device: torch.device, cfg: KernelConfig) -> int:
     return _PROGRAMS[idx]
 
 
-def _default_lag(programs: int, n1: int, n2: int) -> int:
-    # A phase-2 item is handed out LAG groups after its tile's phase-1 items: about two waves of
-    # programs later, so its wait is usually already satisfied (H200, Qwen3 shape, T=16384: one
-    # wave 3.98 ms, LAG=16 (~2.5 waves) 3.14 ms, LAG=64 3.29 ms with BN1=128; benchmarks/tune_moe.py).
-    return 2 * -(-programs // (n1 + n2)) + 2
+def _default_lag(programs: int, n1: int, n2: int, GT: int = 1) -> int:
+    """Phase-2 lag in units of GT tiles: a tile's first phase-2 ticket comes about two and a half
+    waves of programs after its last phase-1 ticket, so its wait is usually already satisfied (H200,
+    Qwen3 shape, T=16384, GT=1, BN1=128: one wave 3.98 ms, ~2.5 waves 3.14 ms, ~10 waves 3.29 ms;
+    benchmarks/tune_moe.py). The gap is (LAG - 1) whole units plus the next unit's phase-1 items."""
+    gap = (5 * programs) // 2 - GT * n1
+    return 1 + max(0, -(-gap // (GT * (n1 + n2))))
 
 
 def _check_backend(x: torch.Tensor, backend: str) -> None:
@@ -248,11 +252,11 @@ def persistent_setup(N: int, E: int, H: int, I: int, dtype: torch.dtype, device:
     and E experts; `programs` overrides the grid (default: cfg.programs, else one per SM)."""
     consts = persistent_constexprs(cfg, is_bwd, dtype, E, gu=gu, ep=ep, tma_w=tma_w)
     n1, n2 = -(-I // consts["BN1"]), -(-H // cfg.BN2)
-    r_max, nb = _r_max(N, E, cfg.BM), -(-N // cfg.BLK)
+    r_max, nb = _r_max(N, E, cfg.BM, cfg.group_tiles), -(-N // cfg.BLK)
     meta = _metadata_buffers(N, E, nb, device)
     ctr = _counters(device, r_max)
     programs = programs or _num_programs(device, cfg)
-    lag = cfg.lag if cfg.lag is not None else _default_lag(programs, n1, n2)
+    lag = cfg.lag if cfg.lag is not None else _default_lag(programs, n1, n2, cfg.group_tiles)
     return PersistentSetup(consts, meta, ctr, programs, lag, r_max, nb, n1)
 
 
@@ -327,7 +331,8 @@ def persistent_constexprs(cfg: KernelConfig, is_bwd: bool, dtype: torch.dtype, E
     kb = max(16, _next_pow2(E + 1))  # keys: id + 1 in [0, E]
     return dict(IS_BWD=is_bwd, GU=gu, BM=cfg.BM, BN1=cfg.bwd_BN1 if is_bwd else cfg.BN1, BK1=cfg.BK1, BN2=cfg.BN2,
                 BK2=cfg.BK2, BT=cfg.BT, BH=cfg.BH, BLK=cfg.BLK, SUB=cfg.SUB or max(16, min(cfg.BLK, 8192 // kb)),
-                KB=kb, CB=max(16, 8192 // kb), DOT_PRECISION=_dot_precision(dtype), EP=ep, TMA_W=tma_w)
+                KB=kb, CB=max(16, 8192 // kb), DOT_PRECISION=_dot_precision(dtype), EP=ep, TMA_W=tma_w,
+                GT=cfg.group_tiles)
 
 
 def dw_constexprs(cfg: KernelConfig, dtype: torch.dtype) -> dict:

@@ -8,11 +8,26 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import megamoe
 from megamoe.fused import fused_moe_bwd, fused_moe_fwd
+from megamoe.kernels.moe_kernels import _decode_ticket
 from megamoe.ref import moe_ground_truth
 from megamoe.testing import TOLERANCES, assert_close, make_problem
+
+
+@triton.jit
+def _decode_all(out_ptr, n, R, LAG, n1, n2, GT: tl.constexpr, BLOCK: tl.constexpr):
+    """(kind, tile, column block) of tickets [0, n): the persistent kernel's own decoder."""
+    t = tl.arange(0, BLOCK)
+    kind, tile, sub = _decode_ticket(t, R, LAG, n1, n2, GT)
+    m = t < n
+    tl.store(out_ptr + 3 * t, kind, mask=m)
+    tl.store(out_ptr + 3 * t + 1, tile, mask=m)
+    tl.store(out_ptr + 3 * t + 2, sub, mask=m)
+
 
 # (T, H, I, E, k, routing, drop_frac)
 EDGE_CASES = [
@@ -95,6 +110,51 @@ def test_triton_interpreter_result_does_not_depend_on_the_program_count(nan_fill
     for n in (2, 3, 5):
         assert all(torch.equal(a, b) for a, b in zip(results[n], results[1])), f"{n} programs differ from 1"
     assert all(int(buf.abs().sum()) == 0 for buf in _COUNTERS.values())
+
+
+def test_triton_interpreter_result_does_not_depend_on_the_ticket_order(nan_fill):
+    """Tiles grouped 1, 2, 3 or 8 at a time in the ticket order (GT), with the smallest and a large
+    phase-2 lag and two programs: the items run in other orders, every output keeps its bits."""
+    import dataclasses
+
+    from megamoe import fused
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("interpreter test: runs on CPU machines (conftest sets TRITON_INTERPRET=1 there)")
+    p = make_problem(37, 36, 40, 5, 3, seed=8, drop_frac=0.2)  # I = 40: 3 column blocks of 16
+    g = torch.randn(37, 36, generator=torch.Generator().manual_seed(5))
+    base = fused.default_config(torch.float32, torch.device("cpu"))
+    results = {}
+    try:
+        for gt, lag in ((1, None), (2, 1), (3, None), (8, 1), (8, 7)):
+            fused.set_config(dataclasses.replace(base, group_tiles=gt, lag=lag, programs=2))
+            y, gu = fused_moe_fwd(*p.args(), backend="triton", save_gu=True)
+            results[gt, lag] = (y, gu, *fused_moe_bwd(g, *p.args(), backend="triton", gu=gu),
+                                *fused_moe_bwd(g, *p.args(), backend="triton"))
+    finally:
+        fused.set_config(None)
+    for key, res in results.items():
+        assert all(torch.equal(a, b) for a, b in zip(res, results[1, None])), f"(GT, lag) = {key} differs"
+
+
+def test_ticket_order_visits_every_item_once_after_what_it_waits_for():
+    """The kernel's _decode_ticket, run for every ticket of a few shapes (under the interpreter):
+    every (kind, tile, column block) exactly once; a tile's phase-2 items after all its phase-1
+    items; inside a unit, column block by column block over the unit's tiles."""
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("interpreter test: runs on CPU machines (conftest sets TRITON_INTERPRET=1 there)")
+    for R, LAG, n1, n2, GT in ((8, 1, 3, 2, 4), (12, 2, 2, 5, 3), (6, 9, 1, 1, 2), (5, 3, 4, 2, 1), (16, 1, 6, 8, 8)):
+        n = R * (n1 + n2) + 3
+        out = torch.zeros(n, 3, dtype=torch.int32)
+        _decode_all[(1,)](out, n, R, LAG, n1, n2, GT=GT, BLOCK=triton.next_power_of_2(n))
+        order = [tuple(r) for r in out.tolist()]
+        items = order[:R * (n1 + n2)]
+        assert sorted(items) == sorted([(1, r, c) for r in range(R) for c in range(n1)] +
+                                       [(2, r, c) for r in range(R) for c in range(n2)])
+        assert order[R * (n1 + n2):] == [(3, 0, 0), (3, 1, 0), (3, 2, 0)]
+        pos = {it: i for i, it in enumerate(items)}
+        for r in range(R):
+            assert max(pos[1, r, c] for c in range(n1)) < min(pos[2, r, c] for c in range(n2))
+        assert items[:GT * n1] == [(1, r, c) for c in range(n1) for r in range(GT)]
 
 
 def test_triton_kernel_leaves_its_workspace_as_found(nan_fill):

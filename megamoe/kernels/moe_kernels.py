@@ -26,10 +26,11 @@ atomic counter, so an item is only ever taken by a program that is running:
            slot rows in slot order, in fp32, into the output (no float atomics: deterministic and
            batch invariant); the backward also sums each slot's partial dots, in block order, into
            d(topk_weights)
-Tickets: [0, NB) phase 0a, NB phase 0b, [NB+1, 2NB+1) phase 0c; then, from P0 = 2NB+1, groups
-g = 0 .. R_MAX+LAG-1, group g holding the phase-1 items of tile g (g < R_MAX) followed by the phase-2
-items of tile g-LAG (g >= LAG); then the phase-3 items. R_MAX = ceil(N / BM) + E bounds R from the
-shapes alone; items of tiles >= R (known once phase 0 is done) are empty. Every item waits only on
+Tickets: [0, NB) phase 0a, NB phase 0b, [NB+1, 2NB+1) phase 0c; then, from P0 = 2NB+1, units
+q = 0 .. R_MAX/GT+LAG-1, unit q holding the phase-1 items of tiles [q*GT, (q+1)*GT) (q < R_MAX/GT)
+followed by the phase-2 items of the tiles of unit q-LAG (q >= LAG), each part column block by column
+block (_decode_ticket); then the phase-3 items. R_MAX, a multiple of GT at least ceil(N / BM) + E,
+bounds R from the shapes alone; items of tiles >= R (known once phase 0 is done) are empty. Every item waits only on
 items with smaller tickets, and every ticket below a waiting program's has been taken by a running
 program, so no program waits on work that has not been handed out: no deadlock, whatever the
 residency. The last program to leave resets the counters, so the workspace is left as it was found
@@ -73,24 +74,32 @@ EP_ROWS = tl.constexpr(6)
 
 
 @triton.jit
-def _decode_ticket(t, R, LAG, n1, n2):
-    """ticket (from P0) -> (kind 1/2/3, tile or token block, sub-block), branch-free."""
-    Lr = tl.minimum(LAG, R)
-    endA = Lr * n1
-    endB = endA + (R - Lr) * (n1 + n2)
-    endC = R * (n1 + n2)
+def _decode_ticket(t, R, LAG, n1, n2, GT: tl.constexpr):
+    """ticket (from P0) -> (kind 1/2/3, tile or token block, sub-block), branch-free.
+
+    Tiles go in groups of GT (R, a multiple of GT): unit q holds the phase-1 items of tiles
+    [q*GT, (q+1)*GT), then the phase-2 items of the tiles of unit q-LAG. Inside a unit the items go
+    column block by column block, each block for the unit's GT tiles in turn, so programs running at
+    the same time read the same weight columns (read once from memory for GT row tiles)."""
+    Q = R // GT
+    m1 = GT * n1
+    m2 = GT * n2
+    Lr = tl.minimum(LAG, Q)
+    endA = Lr * m1
+    endB = endA + (Q - Lr) * (m1 + m2)
+    endC = Q * (m1 + m2)
     inA = t < endA
     inB = (t >= endA) & (t < endB)
     inC = (t >= endB) & (t < endC)
     u = tl.maximum(t - endA, 0)
-    g = Lr + u // (n1 + n2)
-    s = u % (n1 + n2)
+    g = Lr + u // (m1 + m2)
+    s = u % (m1 + m2)
     v = tl.maximum(t - endB, 0)
-    kind = tl.where(inA, 1, tl.where(inB, tl.where(s < n1, 1, 2), tl.where(inC, 2, 3)))
-    tile = tl.where(inA, t // n1,
-                    tl.where(inB, tl.where(s < n1, g, g - Lr),
-                             tl.where(inC, (R - Lr) + v // n2, t - endC)))
-    sub = tl.where(inA, t % n1, tl.where(inB, tl.where(s < n1, s, s - n1), tl.where(inC, v % n2, 0)))
+    kind = tl.where(inA, 1, tl.where(inB, tl.where(s < m1, 1, 2), tl.where(inC, 2, 3)))
+    unit = tl.where(inA, t // m1, tl.where(inB, tl.where(s < m1, g, g - Lr), (Q - Lr) + v // m2))
+    idx = tl.where(inA, t % m1, tl.where(inB, tl.where(s < m1, s, s - m1), v % m2))
+    tile = tl.where(kind == 3, t - endC, unit * GT + idx % GT)
+    sub = tl.where(kind == 3, 0, idx // GT)
     return kind, tile, sub
 
 
@@ -291,7 +300,7 @@ def _moe_persistent_kernel(
     IS_BWD: tl.constexpr, GU: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
     BN2: tl.constexpr, BK2: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
     BLK: tl.constexpr, SUB: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EP: tl.constexpr = False, TMA_W: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, EP: tl.constexpr = False, TMA_W: tl.constexpr = False, GT: tl.constexpr = 1,
 ):
     dtype = x_ptr.dtype.element_ty
     n1 = tl.cdiv(I, BN1)
@@ -338,7 +347,7 @@ def _moe_persistent_kernel(
                 _wait_geq(ctr_ptr + CTR_0C, NB)
                 tl.debug_barrier()
                 R = tl.load(num_tiles_ptr, cache_modifier=".cg")
-            kind, tile, sub = _decode_ticket(t - P0, R_MAX, LAG, n1, n2)
+            kind, tile, sub = _decode_ticket(t - P0, R_MAX, LAG, n1, n2, GT)
             if kind < 3:
                 if tile < R:
                     # the tile's expert, from the inclusive cumsum of tiles per expert
