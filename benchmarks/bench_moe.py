@@ -145,6 +145,9 @@ def bench_shape(name, T, reps, impls, bw, lines, records):
             continue
         row[f"{impl}_fwd_ms"] = time_ms(fwd[impl], reps)
         row[f"{impl}_fb_ms"] = time_ms(fb(impl), reps)
+        # progress: a run cut by a time limit (Liger autotunes for minutes per new shape) keeps these
+        print(f"  {name} T={T} {impl}: fwd {row[f'{impl}_fwd_ms']:.3f} ms, fwd+bwd {row[f'{impl}_fb_ms']:.3f} ms",
+              flush=True)
     if T <= 512:
         touched = int(torch.unique(ids).numel())
         row["floor_ms"] = touched * 3 * H * I * 2 / bw * 1e3
