@@ -52,7 +52,8 @@ def main():
     ap.add_argument("--shape", default="qwen3", choices=list(SHAPES))
     ap.add_argument("--tokens", nargs="+", type=int, default=[64, 4096, 16384])
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--lags", nargs="*", type=int, default=[8, 16, 32])
+    ap.add_argument("--lags", nargs="*", type=int, default=[1, 2, 4],
+                    help="phase-2 lags to try, in units of group_tiles row tiles (KernelConfig.lag)")
     args = ap.parse_args()
     E, H, I, k = SHAPES[args.shape]  # noqa: E741
     inputs = {T: make_inputs(E, H, I, k, T) for T in args.tokens}

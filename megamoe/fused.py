@@ -89,12 +89,23 @@ class KernelConfig:
     BH: int = 256
     num_warps: int = 8
     num_stages: int = 3
+    # the backward's persistent launch; None: num_stages. 4 measured 0-7% faster than 3 on the H200
+    # (results/2026-12-01-h200-ab-tile-groups.log, -ab-tma.log: num_stages=4 for both launches) but
+    # was not yet run through the GPU tests: kept off
+    bwd_stages: int | None = None
     BLK: int = 1024                 # slots per routing-metadata block (phase 0)
     SUB: int | None = None          # slots per step inside a block; None: SUB * keys <= 8192
     lag: int | None = None          # in units of group_tiles tiles; None: see _default_lag
-    group_tiles: int = 8            # row tiles whose items go column block by column block (_decode_ticket)
+    # row tiles whose items go column block by column block (_decode_ticket), so each weight column
+    # block is read once for 8 row tiles. H200, bf16, T=4096 (results/2026-12-01-h200-ab-tile-groups.log):
+    # 8 vs 1: forward Mixtral 7.204 -> 5.398 ms, DeepSeek-V3 slice 6.712 -> 5.622; fwd+bwd step 26.47 ->
+    # 23.12 and 26.11 -> 23.42; Qwen3 / OLMoE within +-3% (their experts' weights fit in L2)
+    group_tiles: int = 8
     programs: int | None = None     # None: one per SM
-    tma_weights: bool = True        # weights through TMA descriptors where the shape allows (_tma_weights)
+    # weights through TMA descriptors where the shape allows (_tma_weights). H200, bf16, vs pointer
+    # loads (results/2026-12-01-h200-ab-tma.log): forward -8% / -4% at Qwen3 / OLMoE T=16384, -4%
+    # DeepSeek-V3 slice, +3% Mixtral, T=4096 within +-1%; backward and step within +-1.7%
+    tma_weights: bool = True
     # weight-gradient kernel
     # H200, Qwen3, T=4096 / 16384 (results/2026-12-01-h200-tune-saved-gu.log): 128x128 with 2 stages
     # 1.258 / 3.726 ms (113 registers and 64 KB of shared memory in the compile check: two programs
@@ -318,7 +329,7 @@ def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg
         act, hw, gu if use_gu else act, dtw_part, dtw, slot_out, out, ctr, ctr[CTR_SLOTS.value:],
         ctr, ctr, ctr, x, ids, tw, out,  # the EP arguments, unused here
         T, N, E, H, I, K, setup.lag, setup.r_max, setup.nb, 0, 1, 0, 0, 0, 0,
-        **setup.consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        **setup.consts, num_warps=cfg.num_warps, num_stages=persistent_stages(cfg, is_bwd))
     meta = KernelMeta(sorted_slot, inv_slot, key_start[1:], key_count[1:], tile_cum, num_tiles)
     return out, act, hw, dtw, meta, (gu if use_gu and not is_bwd else None)
 
@@ -333,6 +344,10 @@ def persistent_constexprs(cfg: KernelConfig, is_bwd: bool, dtype: torch.dtype, E
                 BK2=cfg.BK2, BT=cfg.BT, BH=cfg.BH, BLK=cfg.BLK, SUB=cfg.SUB or max(16, min(cfg.BLK, 8192 // kb)),
                 KB=kb, CB=max(16, 8192 // kb), DOT_PRECISION=_dot_precision(dtype), EP=ep, TMA_W=tma_w,
                 GT=cfg.group_tiles)
+
+
+def persistent_stages(cfg: KernelConfig, is_bwd: bool) -> int:
+    return (cfg.bwd_stages or cfg.num_stages) if is_bwd else cfg.num_stages
 
 
 def dw_constexprs(cfg: KernelConfig, dtype: torch.dtype) -> dict:

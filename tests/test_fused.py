@@ -211,6 +211,14 @@ def test_triton_interpreter_tma_weight_loads_equal_pointer_loads(T, H, I, E, k, 
     _tma_vs_pointers(p, torch.randn(T, H, generator=torch.Generator().manual_seed(3)))
 
 
+def test_backward_pipeline_stages_follow_the_config():
+    from megamoe import fused
+    cfg = fused.KernelConfig(num_stages=3)
+    assert (fused.persistent_stages(cfg, False), fused.persistent_stages(cfg, True)) == (3, 3)
+    cfg = fused.KernelConfig(num_stages=3, bwd_stages=4)
+    assert (fused.persistent_stages(cfg, False), fused.persistent_stages(cfg, True)) == (3, 4)
+
+
 def test_tma_weights_only_where_the_hardware_can_address_the_rows():
     from megamoe import fused
     cfg = fused.KernelConfig()

@@ -45,7 +45,8 @@ def main():
     args = ap.parse_args()
     print(header(), flush=True)
     base = fused.default_config(torch.bfloat16, torch.device("cuda"))
-    configs = [("default", base)] + [(lbl, dataclasses.replace(base, **kw)) for lbl, kw in map(parse_variant, args.variants)]
+    configs = [("default", base)]
+    configs += [(lbl, dataclasses.replace(base, **kw)) for lbl, kw in map(parse_variant, args.variants)]
     pieces = ("fwd", "fwd launch (gu)", "bwd (gu)", "step")
     print("case | " + " | ".join(f"{p} {lbl}" for p in pieces for lbl, _ in configs) + " | same bits", flush=True)
     for case in args.cases:

@@ -122,8 +122,9 @@ def check() -> list[dict]:
         data = arg_types(tname)
         for is_bwd, gu, ep, tma in persistent_variants(cfg.tma_weights):
             consts = fused.persistent_constexprs(cfg, is_bwd, dtype, E, gu=gu, ep=ep, tma_w=tma)
-            k = _compile(mk._moe_persistent_kernel, {**data, **(descriptor_types(tname, consts, is_bwd, gu) if tma else {})},
-                         consts, ("H", "I", "E"), cfg.num_warps, cfg.num_stages)
+            types = {**data, **(descriptor_types(tname, consts, is_bwd, gu) if tma else {})}
+            k = _compile(mk._moe_persistent_kernel, types, consts, ("H", "I", "E"), cfg.num_warps,
+                         fused.persistent_stages(cfg, is_bwd))
             name = ("bwd" if is_bwd else "fwd") + (" gu" if gu else "") + (" ep" if ep else "") + (" tma" if tma else "")
             rows.append(dict(kernel="persistent " + name, dtype=tname,
                              shared=k.metadata.shared, async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
