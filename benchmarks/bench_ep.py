@@ -8,7 +8,7 @@ One process per rank (torch.multiprocessing, spawn), each with T tokens and E/W 
 GPUs (fp32 on CPU). Per shape and T, forward and forward+backward, median over --reps of the
 slowest rank (each repetition ends with a barrier, so every rank waits for the slowest):
 
-- `megamoe EP`: `megamoe.ep.ep_fused_moe` — all_to_all dispatch (NCCL all_to_all_single), the
+- `megamoe EP`: `megamoe.ep.ep_a2a_moe` — all_to_all dispatch (NCCL all_to_all_single), the
   persistent megamoe kernel on the received rows, all_to_all combine.
 - `one-launch EP`: `megamoe.ep_fused.ep_fused_moe` — dispatch, GEMMs and combine in one persistent
   launch per rank over a workspace in symmetric memory (allocated once per shape and T, outside the
@@ -78,7 +78,7 @@ def _time(fn, reps, device, group) -> list[float]:
 
 def _worker(rank, world, backend, store_path, args, out_dir):
     from megamoe import ep_fused as one_launch
-    from megamoe.ep import ep_fused_moe, ep_moe_unfused
+    from megamoe.ep import ep_a2a_moe, ep_moe_unfused
     from megamoe.moe import fused_moe
     from megamoe.routing import route
 
@@ -113,7 +113,7 @@ def _worker(rank, world, backend, store_path, args, out_dir):
             ws = one_launch.ep_workspace(T, k, H, dtype, device)
             kw1 = dict(num_experts=E, check=False, programs=args.programs)
             times = {
-                ("megamoe EP", "fwd"): _time(lambda: ep_fused_moe(x, w13, w2, tw, ids, impl="megamoe", **kw),
+                ("megamoe EP", "fwd"): _time(lambda: ep_a2a_moe(x, w13, w2, tw, ids, impl="megamoe", **kw),
                                              args.reps, device, None),
                 ("one-launch EP", "fwd"): _time(lambda: one_launch.ep_fused_moe(x, w13, w2, tw, ids, ws, **kw1),
                                                 args.reps, device, None),
@@ -122,7 +122,7 @@ def _worker(rank, world, backend, store_path, args, out_dir):
                                                                  check_ids=False), args.reps, device, None),
             }
             if not args.no_backward:
-                times[("megamoe EP", "fwd+bwd")] = _time(fb(lambda *a, **k_: ep_fused_moe(*a, impl="megamoe", **k_)),
+                times[("megamoe EP", "fwd+bwd")] = _time(fb(lambda *a, **k_: ep_a2a_moe(*a, impl="megamoe", **k_)),
                                                          args.reps, device, None)
                 times[("unfused EP", "fwd+bwd")] = _time(fb(ep_moe_unfused), args.reps, device, None)
                 times[("one-launch EP", "fwd+bwd")] = _time(

@@ -1,6 +1,6 @@
 """Expert parallelism: the MoE contract over the W ranks of a torch.distributed process group.
 
-    ep_fused_moe(x[T,H], w13[L,2I,H], w2[L,H,I], topk_weights[T,k], topk_ids[T,k],
+    ep_a2a_moe(x[T,H], w13[L,2I,H], w2[L,H,I], topk_weights[T,k], topk_ids[T,k],
                  *, num_experts=E, max_tokens_per_rank=..., group=None, impl="megamoe") -> y[T,H]
     ep_moe_unfused(...same...)  the unfused EP baseline: all_to_all -> grouped GEMM -> all_to_all
 
@@ -166,11 +166,11 @@ def _check_everywhere(group, local: Callable[[], dict[str, int]]) -> dict[str, i
         dist.all_gather(bufs, buf, group=group)
         texts = [bytes(b.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for b in bufs]
         raise _ERROR_TYPES[meta[failed[0]]["error"]](
-            "ep_fused_moe: invalid input on " + "; ".join(f"rank {r}: {texts[r]}" for r in failed)
+            "ep_a2a_moe: invalid input on " + "; ".join(f"rank {r}: {texts[r]}" for r in failed)
             + " (raised on every rank of the group)")
     problem = _check_across_ranks(meta)
     if problem:
-        raise ValueError(f"ep_fused_moe: {problem} (raised on every rank of the group)")
+        raise ValueError(f"ep_a2a_moe: {problem} (raised on every rank of the group)")
     return meta[dist.get_rank(group)]
 
 
@@ -331,7 +331,7 @@ class _EPMoE(torch.autograd.Function):
 def _ep_moe(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, *, num_experts, max_tokens_per_rank, group,
             impl, check_ids, experts: ExpertFn | None = None) -> torch.Tensor:
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("ep_fused_moe: torch.distributed is not initialised (call init_process_group first)")
+        raise RuntimeError("ep_a2a_moe: torch.distributed is not initialised (call init_process_group first)")
     group = group if group is not None else dist.group.WORLD
     meta = _check_everywhere(group, lambda: _check_local(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk,
                                                          num_experts, max_tokens_per_rank, impl, check_ids))
@@ -343,7 +343,7 @@ def _ep_moe(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, *, num_experts
     return ep_moe_fwd(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, plan, experts, group, keep_graph=False)[0]
 
 
-def ep_fused_moe(x_TH: torch.Tensor, w13_L2IH: torch.Tensor, w2_LHI: torch.Tensor, topk_weights_Tk: torch.Tensor,
+def ep_a2a_moe(x_TH: torch.Tensor, w13_L2IH: torch.Tensor, w2_LHI: torch.Tensor, topk_weights_Tk: torch.Tensor,
                  topk_ids_Tk: torch.Tensor, *, num_experts: int, max_tokens_per_rank: int, group=None,
                  impl: str = "megamoe", check_ids: bool = True) -> torch.Tensor:
     """Expert-parallel `fused_moe` for this rank's tokens; see the module docstring.
@@ -364,7 +364,7 @@ def ep_moe_unfused(x_TH: torch.Tensor, w13_L2IH: torch.Tensor, w2_LHI: torch.Ten
                    check_ids: bool = True) -> torch.Tensor:
     """The unfused EP baseline: all_to_all dispatch -> grouped GEMMs (megamoe.ref) -> all_to_all combine.
 
-    Same arguments and result as `ep_fused_moe`; this is the path a fused EP kernel is measured
+    Same arguments and result as `ep_a2a_moe`; this is the path a fused EP kernel is measured
     against (NCCL all_to_all_single on CUDA, gloo on CPU).
     """
     from megamoe.ref import moe_unfused

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megamoe.ep import ep_fused_moe, ep_moe_unfused
+from megamoe.ep import ep_a2a_moe, ep_moe_unfused
 from megamoe.ref import moe_ground_truth
 from megamoe.testing import (TOLERANCES, MoEProblem, assert_close, make_problem, run_processes,
                              weight_grad_condition)
@@ -80,8 +80,8 @@ class Case:
 
 GOOD = [
     Case("T6+5-H24-I12-E4-k2-unfused", (6, 5)),
-    Case("T6+5-H24-I12-E4-k2-fused-reference", (6, 5), entry="ep_fused_moe-reference"),
-    Case("T6+5-H24-I12-E4-k2-fused-megamoe", (6, 5), entry="ep_fused_moe-megamoe"),
+    Case("T6+5-H24-I12-E4-k2-fused-reference", (6, 5), entry="ep_a2a_moe-reference"),
+    Case("T6+5-H24-I12-E4-k2-fused-megamoe", (6, 5), entry="ep_a2a_moe-megamoe"),
     Case("T7+4-H20-I8-E6-k3-drop-dead-token", (7, 4), H=20, I=8, E=6, k=3, drop_frac=0.3, dead_token=8, seed=1),
     Case("T5+6-E4-k2-rank0-gets-every-token", (5, 6), routing="rank0-only", seed=2),
     Case("T5+6-E4-k2-rank1-gets-every-token-and-drops", (5, 6), routing="rank1-only", drop_frac=0.25, seed=3),
@@ -133,8 +133,8 @@ BAD = [
 def _entry(name: str):
     if name == "ep_moe_unfused":
         return ep_moe_unfused
-    impl = name.removeprefix("ep_fused_moe-")
-    return lambda *a, **kw: ep_fused_moe(*a, impl=impl, **kw)
+    impl = name.removeprefix("ep_a2a_moe-")
+    return lambda *a, **kw: ep_a2a_moe(*a, impl=impl, **kw)
 
 
 def _run_good(case: Case, rank: int, device: torch.device) -> dict:
@@ -181,9 +181,9 @@ def _run_bad(case: Bad, rank: int, device: torch.device) -> None:
     elif case.id == "k-differs-across-ranks" and rank == 1:
         tw, ids = tw[:, :1], ids[:, :1]
     elif case.id == "impl-differs-across-ranks":
-        entry = lambda *a, **k: ep_fused_moe(*a, impl=("reference", "megamoe")[rank], **k)  # noqa: E731
+        entry = lambda *a, **k: ep_a2a_moe(*a, impl=("reference", "megamoe")[rank], **k)  # noqa: E731
     elif case.id == "unknown-impl":
-        entry = lambda *a, **k: ep_fused_moe(*a, impl="triton", **k)  # noqa: E731
+        entry = lambda *a, **k: ep_a2a_moe(*a, impl="triton", **k)  # noqa: E731
     entry(x, w13, w2, tw, ids, **kw)
 
 
