@@ -62,7 +62,7 @@ from torch.autograd.function import once_differentiable
 from megamoe import alloc
 from megamoe.contract import check_moe_inputs
 from megamoe.ep import _check_everywhere, _check_local, check_global_ids, check_positive_ints
-from megamoe.fused import _check_backend, _combine_slots, _config, persistent_setup
+from megamoe.fused import _check_backend, _combine_slots, _config, persistent_setup, weight_args
 
 _ADDRESS_ROWS = ("recv_x", "recv_id", "recv_w", "out", "dsig", "csig")  # the kernel's EP_* rows
 # polls per wait before a time-out: each an acquire load, so seconds on a GPU; under the interpreter
@@ -254,7 +254,8 @@ def _launch(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws: EPWorkspac
     y = alloc.empty(s.T, H, dtype=x.dtype, device=x.device)
     ctr = setup.ctr
     _moe_persistent_kernel[(setup.programs,)](
-        ws.recv_x, w13, w2, ws.recv_w, ws.recv_id, ws.recv_x, w13, w2, w2, *setup.meta,
+        ws.recv_x, w13, w2, ws.recv_w, ws.recv_id, ws.recv_x, *weight_args(w13, w2, setup.consts, False, False),
+        *setup.meta,
         act, act, act, ws.recv_w, ws.recv_w, ws.out, y, ctr, ctr[CTR_SLOTS.value:],
         ws.table, ws.err, ws.epoch_dev, x, ids, tw, y,
         N, N, L, H, I, 1, setup.lag, setup.r_max, setup.nb, ws.rank, W, s.T, s.k, TMK, spin_max,

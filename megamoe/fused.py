@@ -283,9 +283,12 @@ def _tma_weights(cfg: KernelConfig, w13: torch.Tensor, w2: torch.Tensor) -> bool
         (I * w13.element_size()) % 16 == 0
 
 
-def weight_descriptors(w13: torch.Tensor, w2: torch.Tensor, consts: dict, is_bwd: bool, gu: bool) -> tuple:
-    """(w13_d1, w2_d1, w_d2) for the persistent kernel with TMA_W (see its argument list); the
-    descriptors a launch does not read are the weight tensors themselves."""
+def weight_args(w13: torch.Tensor, w2: torch.Tensor, consts: dict, is_bwd: bool, gu: bool) -> tuple:
+    """The persistent kernel's (w13_d1, w2_d1, w_d2) arguments (see its argument list): with
+    consts["TMA_W"] the TMA descriptors the launch reads, else (and for those it does not read) the
+    weight tensors themselves."""
+    if not consts["TMA_W"]:
+        return w13, w2, w2
     from triton.tools.tensor_descriptor import TensorDescriptor as TD
 
     E, two_i, H = w13.shape
@@ -309,7 +312,7 @@ def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg
     use_gu = gu is not None if is_bwd else save_gu
     tma_w = _tma_weights(cfg, w13, w2)
     setup = persistent_setup(N, E, H, I, dtype, dev, cfg, is_bwd, gu=use_gu, tma_w=tma_w)
-    descs = weight_descriptors(w13, w2, setup.consts, is_bwd, use_gu) if tma_w else (w13, w2, w2)
+    weights = weight_args(w13, w2, setup.consts, is_bwd, use_gu)
     sorted_slot, inv_slot, key_start, key_count, tile_cum, num_tiles, blk = setup.meta
     n1 = setup.n1
     act = alloc.empty(N, (2 * I) if is_bwd else I, dtype=dtype, device=dev)
@@ -324,7 +327,7 @@ def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg
         gu = torch.zeros(N, 2 * I, dtype=dtype, device=dev)
     ctr = setup.ctr
     _moe_persistent_kernel[(setup.programs,)](
-        x, w13, w2, tw, ids, dy if dy is not None else x, *descs,
+        x, w13, w2, tw, ids, dy if dy is not None else x, *weights,
         sorted_slot, inv_slot, key_start, key_count, tile_cum, num_tiles, blk,
         act, hw, gu if use_gu else act, dtw_part, dtw, slot_out, out, ctr, ctr[CTR_SLOTS.value:],
         ctr, ctr, ctr, x, ids, tw, out,  # the EP arguments, unused here

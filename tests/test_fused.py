@@ -4,6 +4,7 @@ determinism, CUDA graphs, NaN isolation, the torch.library op, and its refusals.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -84,29 +85,35 @@ def test_triton_interpreter_fp32(T, H, I, E, k, routing, drop, nan_fill):  # noq
     _check_all(p, torch.float32, "triton", TOLERANCES[torch.float32])
 
 
+LAUNCH_OUTPUTS = ("y", "gu", "y (inference)", "dx", "dw13", "dw2", "dtw", "dx (recompute)", "dw13 (recompute)",
+                  "dw2 (recompute)", "dtw (recompute)")
+
+
+def _launch_outputs(p, g, **changes):
+    """Every output of the persistent launches (forward with and without (gate, up), backward reading
+    it and recomputing GEMM1), with the default config of p's dtype and device changed by `changes`."""
+    from megamoe import fused
+    x = p.args()[0]
+    fused.set_config(dataclasses.replace(fused.default_config(x.dtype, x.device), **changes))
+    try:
+        y, gu = fused_moe_fwd(*p.args(), backend="triton", save_gu=True)
+        return (y, gu, fused_moe_fwd(*p.args(), backend="triton"),
+                *fused_moe_bwd(g, *p.args(), backend="triton", gu=gu), *fused_moe_bwd(g, *p.args(), backend="triton"))
+    finally:
+        fused.set_config(None)
+
+
 def test_triton_interpreter_result_does_not_depend_on_the_program_count(nan_fill):
     """The persistent launches give the same bits with 1, 2, 3 or 5 programs. The interpreter runs
     program p only after program p-1 has finished, the extreme case of programs that are not yet
     resident (another kernel holding SMs): no program ever waits for work that only a later
     program would take."""
-    import dataclasses
-
-    from megamoe import fused
     from megamoe.fused import _COUNTERS
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("interpreter test: runs on CPU machines (conftest sets TRITON_INTERPRET=1 there)")
     p = make_problem(23, 36, 20, 6, 3, seed=4, drop_frac=0.2)
     g = torch.randn(23, 36, generator=torch.Generator().manual_seed(2))
-    base = fused.default_config(torch.float32, torch.device("cpu"))
-    results = {}
-    try:
-        for n in (1, 2, 3, 5):
-            fused.set_config(dataclasses.replace(base, programs=n))
-            y, gu = fused_moe_fwd(*p.args(), backend="triton", save_gu=True)
-            results[n] = (y, gu, *fused_moe_bwd(g, *p.args(), backend="triton", gu=gu),
-                          *fused_moe_bwd(g, *p.args(), backend="triton"))
-    finally:
-        fused.set_config(None)
+    results = {n: _launch_outputs(p, g, programs=n) for n in (1, 2, 3, 5)}
     for n in (2, 3, 5):
         assert all(torch.equal(a, b) for a, b in zip(results[n], results[1])), f"{n} programs differ from 1"
     assert all(int(buf.abs().sum()) == 0 for buf in _COUNTERS.values())
@@ -115,23 +122,12 @@ def test_triton_interpreter_result_does_not_depend_on_the_program_count(nan_fill
 def test_triton_interpreter_result_does_not_depend_on_the_ticket_order(nan_fill):
     """Tiles grouped 1, 2, 3 or 8 at a time in the ticket order (GT), with the smallest and a large
     phase-2 lag and two programs: the items run in other orders, every output keeps its bits."""
-    import dataclasses
-
-    from megamoe import fused
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("interpreter test: runs on CPU machines (conftest sets TRITON_INTERPRET=1 there)")
     p = make_problem(37, 36, 40, 5, 3, seed=8, drop_frac=0.2)  # I = 40: 3 column blocks of 16
     g = torch.randn(37, 36, generator=torch.Generator().manual_seed(5))
-    base = fused.default_config(torch.float32, torch.device("cpu"))
-    results = {}
-    try:
-        for gt, lag in ((1, None), (2, 1), (3, None), (8, 1), (8, 7)):
-            fused.set_config(dataclasses.replace(base, group_tiles=gt, lag=lag, programs=2))
-            y, gu = fused_moe_fwd(*p.args(), backend="triton", save_gu=True)
-            results[gt, lag] = (y, gu, *fused_moe_bwd(g, *p.args(), backend="triton", gu=gu),
-                                *fused_moe_bwd(g, *p.args(), backend="triton"))
-    finally:
-        fused.set_config(None)
+    results = {(gt, lag): _launch_outputs(p, g, group_tiles=gt, lag=lag, programs=2)
+               for gt, lag in ((1, None), (2, 1), (3, None), (8, 1), (8, 7))}
     for key, res in results.items():
         assert all(torch.equal(a, b) for a, b in zip(res, results[1, None])), f"(GT, lag) = {key} differs"
 
@@ -175,29 +171,15 @@ def test_triton_kernel_leaves_its_workspace_as_found(nan_fill):
 
 
 def _tma_vs_pointers(p, g):
-    """Every output of the persistent launches (forward with and without (gate, up), backward
-    recomputing GEMM1 or reading it), with the weights read through TMA descriptors and through
-    pointers: the same bits (same values into the same tiles, same dots)."""
-    import dataclasses
-
+    """Every output of the persistent launches with the weights read through TMA descriptors and
+    through pointers: the same bits (same values into the same tiles, same dots)."""
     from megamoe import fused
     x, w13, w2 = p.args()[:3]
     base = fused.default_config(x.dtype, x.device)
-    results = {}
-    try:
-        for tma in (True, False):
-            cfg = dataclasses.replace(base, tma_weights=tma)
-            assert fused._tma_weights(cfg, w13, w2) == tma  # the case reaches the path it names
-            fused.set_config(cfg)
-            y, gu = fused_moe_fwd(*p.args(), backend="triton", save_gu=True)
-            results[tma] = (y, gu, fused_moe_fwd(*p.args(), backend="triton"),
-                            *fused_moe_bwd(g, *p.args(), backend="triton", gu=gu),
-                            *fused_moe_bwd(g, *p.args(), backend="triton"))
-    finally:
-        fused.set_config(None)
-    names = ("y", "gu", "y (inference)", "dx", "dw13", "dw2", "dtw", "dx (recompute)", "dw13 (recompute)",
-             "dw2 (recompute)", "dtw (recompute)")
-    for name, a, b in zip(names, results[True], results[False]):
+    for tma in (True, False):  # the case reaches the path it names
+        assert fused._tma_weights(dataclasses.replace(base, tma_weights=tma), w13, w2) == tma
+    via_tma, via_pointers = _launch_outputs(p, g, tma_weights=True), _launch_outputs(p, g, tma_weights=False)
+    for name, a, b in zip(LAUNCH_OUTPUTS, via_tma, via_pointers):
         assert torch.equal(a, b), f"{name}: TMA weight loads differ from pointer loads"
 
 
@@ -465,8 +447,6 @@ def test_gpu_opcheck():
 def test_kernel_metadata_equals_torch_metadata(T, E, k, drop, routing, BM, BLK):
     """Phase 0 of the persistent kernel (the stable counting sort; interpreter on CPU, compiled on
     GPU) against the torch-op metadata: exact equality of every index output, over several blocks."""
-    import dataclasses
-
     from megamoe.fused import _config, _launch_persistent, routing_metadata
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs a GPU or the Triton interpreter")

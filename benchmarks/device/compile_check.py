@@ -59,17 +59,18 @@ def persistent_variants(tma: bool) -> list[tuple[bool, bool, bool, bool]]:
     return main + fallback + [(False, False, True, False)]
 
 
-def descriptor_types(tname: str, consts: dict, is_bwd: bool, gu: bool) -> dict:
-    """The TMA descriptor arguments' types as megamoe.fused.weight_descriptors makes them."""
-    BN1, BK1, BN2, BK2 = consts["BN1"], consts["BK1"], consts["BN2"], consts["BK2"]
-    d = lambda *b: f"tensordesc<{tname}[{', '.join(map(str, b))}]>"  # noqa: E731
-    types = {"w_d2": d(1, BK2, BN2) if is_bwd else d(1, BN2, BK2)}
-    if not (is_bwd and gu):
-        types["w13_d1"] = d(1, 1, BN1, BK1)
-    types["w2_d1"] = d(1, BK1, BN1) if is_bwd else f"*{tname}"
-    if is_bwd and gu:
-        types["w13_d1"] = f"*{tname}"
-    return types
+def weight_arg_types(tname: str, consts: dict, is_bwd: bool, gu: bool) -> dict:
+    """The types of the kernel's (w13_d1, w2_d1, w_d2) arguments as megamoe.fused.weight_args makes
+    them (descriptor block shapes from the same code; tiny tensors: the types do not depend on shape)."""
+    import torch
+    from triton.runtime.jit import mangle_type
+
+    from megamoe import fused
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[tname]
+    w13, w2 = torch.empty(1, 2 * 16, 16, dtype=dtype), torch.empty(1, 16, 16, dtype=dtype)
+    args = fused.weight_args(w13, w2, consts, is_bwd, gu)
+    return {n: f"*{tname}" if isinstance(a, torch.Tensor) else mangle_type(a)
+            for n, a in zip(("w13_d1", "w2_d1", "w_d2"), args)}
 
 
 def _cuobjdump(cubin: bytes, flag: str) -> str:
@@ -122,7 +123,7 @@ def check() -> list[dict]:
         data = arg_types(tname)
         for is_bwd, gu, ep, tma in persistent_variants(cfg.tma_weights):
             consts = fused.persistent_constexprs(cfg, is_bwd, dtype, E, gu=gu, ep=ep, tma_w=tma)
-            types = {**data, **(descriptor_types(tname, consts, is_bwd, gu) if tma else {})}
+            types = {**data, **weight_arg_types(tname, consts, is_bwd, gu)}
             k = _compile(mk._moe_persistent_kernel, types, consts, ("H", "I", "E"), cfg.num_warps,
                          fused.persistent_stages(cfg, is_bwd))
             name = ("bwd" if is_bwd else "fwd") + (" gu" if gu else "") + (" ep" if ep else "") + (" tma" if tma else "")
@@ -231,8 +232,7 @@ def main():
           f"{'local':>5s} {'STL/LDL':>7s} {'in inner loops':>14s}")
     for r in rows:
         print(f"{r['kernel']:22s} {r['dtype']:5s} {r['shared']:8d} {r['async_copies']:12d} {r.get('tma_loads', 0):3d} "
-              f"{r.get('reg', -1):4d} "
-              f"{r.get('stack', -1):5d} {r.get('local', -1):5d} {r['local_ops']:7d} {r['inner_loop_local_ops']:14d}")
+              f"{r.get('reg', -1):4d} {r.get('stack', -1):5d} {r.get('local', -1):5d} {r['local_ops']:7d} {r['inner_loop_local_ops']:14d}")
 
 
 if __name__ == "__main__":

@@ -30,10 +30,10 @@ Tickets: [0, NB) phase 0a, NB phase 0b, [NB+1, 2NB+1) phase 0c; then, from P0 = 
 q = 0 .. R_MAX/GT+LAG-1, unit q holding the phase-1 items of tiles [q*GT, (q+1)*GT) (q < R_MAX/GT)
 followed by the phase-2 items of the tiles of unit q-LAG (q >= LAG), each part column block by column
 block (_decode_ticket); then the phase-3 items. R_MAX, a multiple of GT at least ceil(N / BM) + E,
-bounds R from the shapes alone; items of tiles >= R (known once phase 0 is done) are empty. Every item waits only on
-items with smaller tickets, and every ticket below a waiting program's has been taken by a running
-program, so no program waits on work that has not been handed out: no deadlock, whatever the
-residency. The last program to leave resets the counters, so the workspace is left as it was found
+bounds R from the shapes alone; items of tiles >= R (known once phase 0 is done) are empty. Every
+item waits only on items with smaller tickets, and every ticket below a waiting program's has been
+taken by a running program, so no program waits on work that has not been handed out: no deadlock,
+whatever the residency. The last program to leave resets the counters, so the workspace is left as it was found
 (CUDA-graph replay needs no host-side clearing).
 
 Data written in this launch and read by other programs is read with `.cg` (from L2, not a
