@@ -24,8 +24,9 @@ the result is the same for any grid and a program that is not resident yet is ne
 No host clearing and no barrier per call: epochs grow by one per call (the kernel reads the last one
 from the workspace and its last program out stores the new one) and a wait is satisfied by a pad
 entry >= the epoch. A rank's next dispatch implies it finished its previous combine, so an
-owner never overwrites rows a source is still reading. Every wait is bounded (`spin_max` polls);
-on time-out the kernel records which pad entry it waited for, finishes the launch (the result is
+owner never overwrites rows a source is still reading. Every wait is bounded (`spin_max` polls, on
+a GPU at least POLL_NS apart, so the default bound is at least a minute there: long enough for a
+peer whose first call compiles the kernel while this rank's launch already waits); on time-out the kernel records which pad entry it waited for, finishes the launch (the result is
 then garbage) and the host raises naming the rank and the signal.
 
 Backward (`ep_fused_moe`, differentiable; `ep_fused_moe_bwd`): not one launch. The token and dy
@@ -43,9 +44,11 @@ gradient bitwise equal to the single-process op, uneven routing, a rank with no 
 calls bitwise equal, bad input or differing requires_grad on one rank raised on both, a rank that
 never arrives reported by the other as a time-out naming it), and compiled for sm_90
 (benchmarks/device/compile_check.py, no stack). On one H200 (bf16) the single-process tests pass,
-CUDA-graph capture and replay and the time-out path included (benchmarks/RESULTS.md). NOT yet run
-across two GPUs: the CUDA workspace path and the system-scope ordering between devices are
-unverified. Not built: separate
+CUDA-graph capture and replay, the time-out path, and two ranks of one process running at the same
+time on two streams included (benchmarks/RESULTS.md). Across two GPUs: the first run (2026-12-01,
+before the timed waits and the exchanged time-out records) failed, a rank aborting, cause not
+established; not re-run since. The CUDA workspace path and the system-scope ordering between
+devices are unverified. Not built: separate
 communication and compute programs (every program takes dispatch, compute and combine tickets in
 order), per-source readiness (the overlap), a one-launch backward. `megamoe.ep.ep_fused_moe`
 (all_to_all around the single-GPU kernel) remains the EP path the trainer and rollout use.
@@ -62,12 +65,15 @@ from torch.autograd.function import once_differentiable
 from megamoe import alloc
 from megamoe.contract import check_moe_inputs
 from megamoe.ep import _check_everywhere, _check_local, check_global_ids, check_positive_ints
-from megamoe.fused import _check_backend, _combine_slots, _config, persistent_setup, weight_args
+from megamoe.fused import _check_backend, _combine_slots, _config, grown_counters, persistent_setup, weight_args
 
 _ADDRESS_ROWS = ("recv_x", "recv_id", "recv_w", "out", "dsig", "csig")  # the kernel's EP_* rows
-# polls per wait before a time-out: each an acquire load, so seconds on a GPU; under the interpreter
-# a poll is a Python call (tens of microseconds), so about a minute
-SPIN_MAX = {"cuda": 1 << 22, "cpu": 1 << 21}
+# polls per wait before a time-out. On a GPU polls are at least POLL_NS apart (the kernel reads the
+# GPU's clock), so the bound is at least 60 s there, whatever an atomic costs: enough for a peer
+# that compiles the kernel (tens of seconds) before its first launch. Under the interpreter (no
+# clock) a poll is a Python call (tens of microseconds), so about a minute.
+SPIN_MAX = {"cuda": 60_000_000, "cpu": 1 << 21}
+POLL_NS = {"cuda": 1000, "cpu": 0}
 _ALIGN = 256
 
 
@@ -90,6 +96,10 @@ class EPWorkspace:
     table: torch.Tensor      # int64 [6, W] addresses of every rank's buffers, as this process sees them
     epoch_dev: torch.Tensor  # int64 [1]: the last call's epoch, advanced by the kernel itself
     group: object = None     # the process group of `ep_workspace` (None: linked in one process)
+    # the launches' counters (int32, grown outside graph capture, left zero by every launch): the
+    # workspace's own, so an EP launch never shares them with another launch on the device (two
+    # ranks of one process, or the single-GPU op on another stream, may run at the same time)
+    ctr: torch.Tensor | None = None
     # what keeps the buffers the table points at alive (peer mappings, the symmetric-memory handle)
     keep: list = dataclasses.field(default_factory=list, repr=False)
 
@@ -226,7 +236,8 @@ def ep_fused_moe_fwd(x_TH: torch.Tensor, w13_L2IH: torch.Tensor, w2_LHI: torch.T
 
     check=True: before the launch, the expert-id range and (group workspace) the same error on every
     rank after one exchange of the ranks' sizes, so no rank launches and waits for one that will
-    not; after it, the time-out record (raises naming the rank and the signal). These synchronise.
+    not; after it, the time-out records (raises naming the rank and the signal; with a group
+    workspace the records are exchanged, so every rank raises the same error). These synchronise.
     check=False (CUDA-graph capture): only the shape checks, nothing synchronises; call
     `ep_check(ws)` after the replay to learn of a time-out.
 
@@ -249,7 +260,12 @@ def _launch(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws: EPWorkspac
     TMK = ws.max_tokens * ws.k
     N = W * TMK  # received rows, source-major: the single-GPU kernel's slots with K = 1
     cfg = _config(x)
-    setup = persistent_setup(N, L, H, I, x.dtype, x.device, cfg, False, ep=True, programs=programs)
+    def counters(r_max: int) -> torch.Tensor:
+        ws.ctr = grown_counters(ws.ctr, x.device, r_max)
+        return ws.ctr
+
+    setup = persistent_setup(N, L, H, I, x.dtype, x.device, cfg, False, ep=True, programs=programs,
+                             counters=counters, poll_ns=POLL_NS[x.device.type])
     act = alloc.empty(N, I, dtype=x.dtype, device=x.device)
     y = alloc.empty(s.T, H, dtype=x.dtype, device=x.device)
     ctr = setup.ctr
@@ -261,8 +277,33 @@ def _launch(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws: EPWorkspac
         N, N, L, H, I, 1, setup.lag, setup.r_max, setup.nb, ws.rank, W, s.T, s.k, TMK, spin_max,
         **setup.consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if check:
-        ep_check(ws, spin_max)
+        _check_after(ws, spin_max)
     return y
+
+
+def _check_after(ws: EPWorkspace, spin_max: int) -> None:
+    """check=True, after the launch: with a group workspace every rank's time-out record is
+    exchanged and every rank raises the same error (a rank raising alone would leave its peers
+    waiting in the next collective, e.g. the backward's all_to_all); without a group, `ep_check`."""
+    if ws.group is None:
+        ep_check(ws, spin_max)
+        return
+    import torch.distributed as dist
+
+    mine = torch.cat([ws.err.long(), ws.epoch_dev, torch.full_like(ws.epoch_dev, spin_max)])
+    records = [torch.empty_like(mine) for _ in range(ws.world)]
+    dist.all_gather(records, mine, group=ws.group)
+    ws.err.zero_()
+    failed = [(r, *rec.tolist()) for r, rec in enumerate(records) if int(rec[0])]
+    if failed:
+        raise RuntimeError("ep_fused_moe_fwd: " + "; ".join(_timeout_text(*f) for f in failed) +
+                           "; the call's output is invalid on every rank (raised on every rank of the group)")
+
+
+def _timeout_text(rank: int, code: int, entry: int, epoch: int, spin_max: int | None) -> str:
+    polls = f"after {spin_max} polls " if spin_max is not None else ""
+    return (f"rank {rank} timed out {polls}waiting for the {'dispatch' if code == 1 else 'combine'} signal of "
+            f"rank {entry} (epoch {epoch})")
 
 
 def ep_fused_moe_bwd(dy_TH: torch.Tensor, x_TH: torch.Tensor, w13_L2IH: torch.Tensor, w2_LHI: torch.Tensor,
@@ -346,7 +387,5 @@ def ep_check(ws: EPWorkspace, spin_max: int | None = None) -> None:
     code, entry = ws.err.tolist()
     if code:
         ws.err.zero_()
-        what = "dispatch" if code == 1 else "combine"
-        polls = f"after {spin_max} polls " if spin_max is not None else ""
-        raise RuntimeError(f"ep_fused_moe_fwd: rank {ws.rank} timed out {polls}waiting for the {what} signal of "
-                           f"rank {entry} (epoch {ws.epoch}); its output is invalid")
+        raise RuntimeError(f"ep_fused_moe_fwd: {_timeout_text(ws.rank, code, entry, ws.epoch, spin_max)}; its "
+                           "output is invalid")

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -89,9 +90,10 @@ class KernelConfig:
     BH: int = 256
     num_warps: int = 8
     num_stages: int = 3
-    # the backward's persistent launch; None: num_stages. 4 measured 0-7% faster than 3 on the H200
-    # (results/2026-12-01-h200-ab-tile-groups.log, -ab-tma.log: num_stages=4 for both launches) but
-    # was not yet run through the GPU tests: kept off
+    # the backward's persistent launch; None: num_stages. The bf16 default is 4: backward 0-7% faster
+    # than 3 on the H200 in three A/Bs, same bits (results/2026-12-01-h200-ab-bwd-stages.log,
+    # -ab-tile-groups.log, -ab-tma.log), GPU tests passed with it (-test_fused-gpu-bf16-bwd-stages-4.log);
+    # the non-gu backward then needs 229,472 B of shared memory, under the H200's 232,448 B (compile_check)
     bwd_stages: int | None = None
     BLK: int = 1024                 # slots per routing-metadata block (phase 0)
     SUB: int | None = None          # slots per step inside a block; None: SUB * keys <= 8192
@@ -132,7 +134,7 @@ def default_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
         # spill hundreds of registers (compile_check.py)
         return KernelConfig(BM=64, BN1=32, BK1=32, BN2=64, BK2=32, BT=16, BH=128, num_warps=4, bwd_BN1=32,
                             num_stages=2, BMW=64, BNW=64, BKR=32, dw_warps=4, dw_stages=2, tma_weights=False)
-    return KernelConfig()
+    return KernelConfig(bwd_stages=4)
 
 
 _CONFIG_OVERRIDE: KernelConfig | None = None
@@ -160,21 +162,26 @@ def _counters(device: torch.device, r_max: int) -> torch.Tensor:
     largest batch before capturing. One buffer per device: two megamoe launches must not run
     concurrently on different streams of one device (vLLM and the trainer use one stream).
     """
+    key = (str(device),)
+    buf = _COUNTERS[key] = grown_counters(_COUNTERS.get(key), device, r_max)
+    return buf
+
+
+def grown_counters(buf: torch.Tensor | None, device: torch.device, r_max: int) -> torch.Tensor:
+    """`buf` if it holds the counters of a launch with r_max row tiles, else a new zeroed one (the
+    old one kept alive for a graph that may use it); never during CUDA-graph capture."""
     from megamoe.kernels.moe_kernels import CTR_SLOTS
 
     need = CTR_SLOTS.value + r_max
-    key = (str(device),)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < need:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"megamoe: the counter workspace must grow to {need} entries during CUDA-graph "
-                "capture; run the op once eagerly with the largest batch before capturing")
-        if buf is not None:
-            _RETIRED.append(buf)
-        buf = torch.zeros(max(need, CTR_SLOTS.value + 1024), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
+    if buf is not None and buf.numel() >= need:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"megamoe: the counter workspace must grow to {need} entries during CUDA-graph "
+            "capture; run the op once eagerly with the largest batch before capturing")
+    if buf is not None:
+        _RETIRED.append(buf)
+    return torch.zeros(max(need, CTR_SLOTS.value + 1024), dtype=torch.int32, device=device)
 
 
 _PROGRAMS: dict[int, int] = {}
@@ -258,14 +265,16 @@ class PersistentSetup:
 
 def persistent_setup(N: int, E: int, H: int, I: int, dtype: torch.dtype, device: torch.device,  # noqa: E741
                      cfg: KernelConfig, is_bwd: bool, gu: bool = False, ep: bool = False,
-                     programs: int | None = None, tma_w: bool = False) -> PersistentSetup:
+                     programs: int | None = None, tma_w: bool = False,
+                     counters: Callable[[int], torch.Tensor] | None = None, poll_ns: int = 0) -> PersistentSetup:
     """Constants, metadata buffers, counters, grid and lag of one persistent launch over N slot rows
-    and E experts; `programs` overrides the grid (default: cfg.programs, else one per SM)."""
-    consts = persistent_constexprs(cfg, is_bwd, dtype, E, gu=gu, ep=ep, tma_w=tma_w)
+    and E experts; `programs` overrides the grid (default: cfg.programs, else one per SM);
+    `counters(r_max)` gives the launch's counter buffer (default: the device's, `_counters`)."""
+    consts = persistent_constexprs(cfg, is_bwd, dtype, E, gu=gu, ep=ep, tma_w=tma_w, poll_ns=poll_ns)
     n1, n2 = -(-I // consts["BN1"]), -(-H // cfg.BN2)
     r_max, nb = _r_max(N, E, cfg.BM, cfg.group_tiles), -(-N // cfg.BLK)
     meta = _metadata_buffers(N, E, nb, device)
-    ctr = _counters(device, r_max)
+    ctr = counters(r_max) if counters is not None else _counters(device, r_max)
     programs = programs or _num_programs(device, cfg)
     lag = cfg.lag if cfg.lag is not None else _default_lag(programs, n1, n2, cfg.group_tiles)
     return PersistentSetup(consts, meta, ctr, programs, lag, r_max, nb, n1)
@@ -338,15 +347,16 @@ def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg
 
 
 def persistent_constexprs(cfg: KernelConfig, is_bwd: bool, dtype: torch.dtype, E: int, gu: bool = False,
-                          ep: bool = False, tma_w: bool = False) -> dict:
+                          ep: bool = False, tma_w: bool = False, poll_ns: int = 0) -> dict:
     """The persistent kernel's compile-time arguments (tests/test_kernel_compile.py compiles with them).
     gu: the forward writes (gate, up) / the backward reads it instead of recomputing GEMM1.
-    ep: the expert-parallel forward (megamoe/ep_fused.py). tma_w: weights through TMA descriptors."""
+    ep: the expert-parallel forward (megamoe/ep_fused.py), poll_ns its least time between two polls
+    of a signal pad (0: no clock, the interpreter). tma_w: weights through TMA descriptors."""
     kb = max(16, _next_pow2(E + 1))  # keys: id + 1 in [0, E]
     return dict(IS_BWD=is_bwd, GU=gu, BM=cfg.BM, BN1=cfg.bwd_BN1 if is_bwd else cfg.BN1, BK1=cfg.BK1, BN2=cfg.BN2,
                 BK2=cfg.BK2, BT=cfg.BT, BH=cfg.BH, BLK=cfg.BLK, SUB=cfg.SUB or max(16, min(cfg.BLK, 8192 // kb)),
                 KB=kb, CB=max(16, 8192 // kb), DOT_PRECISION=_dot_precision(dtype), EP=ep, TMA_W=tma_w,
-                GT=cfg.group_tiles)
+                GT=cfg.group_tiles, POLL_NS=poll_ns)
 
 
 def persistent_stages(cfg: KernelConfig, is_bwd: bool) -> int:

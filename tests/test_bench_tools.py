@@ -46,3 +46,19 @@ def test_host_path_imports_and_refuses_without_a_gpu():
     proc = subprocess.run([sys.executable, "benchmarks/device/host_path.py"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode != 0 and "host_path.py needs a CUDA GPU" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_ep_diag_runs_every_step_on_gloo():
+    """ep_diag.py --cpu: two gloo processes, the kernels under the interpreter (the conftest sets
+    TRITON_INTERPRET=1, the subprocess inherits it); every step reports the single-process op's bits."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the --cpu run needs the Triton interpreter (CPU machines; conftest sets it)")
+    out = _run("benchmarks/device/ep_diag.py", "--cpu", "--timeout", "200")
+    for rank, peer in ((0, 2.0), (1, 1.0)):
+        assert f"[rank {rank} " in out and re.search(rf"\[rank {rank} .*\] p2p: own result buffer holds \[{peer}\]", out), out
+        for step, epoch in (("fwd1", 1), ("fwd", 2)):
+            assert re.search(rf"\[rank {rank} .*\] {step}: kernel done, err \[0, 0\], epoch {epoch}", out), out
+            assert re.search(rf"\[rank {rank} .*\] {step}: equal True", out), out
+        assert re.search(rf"\[rank {rank} .*\] bwd: y equal True; dx, dw13, dw2, dtw equal \[True, True, True, True\]",
+                         out), out
+    assert "FAILED" not in out, out

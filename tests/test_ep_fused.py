@@ -43,7 +43,7 @@ def test_one_rank_equals_the_single_gpu_op(T, H, I, E, k, routing, drop, nan_fil
 
 def test_repeated_calls_with_changing_batches(nan_fill):
     """Epochs advance without clearing; a shorter batch after a longer one does not see the longer
-    one's rows; the shared counter workspace is left zero for the next op."""
+    one's rows; the workspace's counters are left zero for the next call."""
     device, dtype = _device_and_dtype()
     H, I, E, k = 24, 16, 6, 2  # noqa: E741
     (ws,) = linked_workspaces(1, 20, k, H, dtype, device)
@@ -52,8 +52,7 @@ def test_repeated_calls_with_changing_batches(nan_fill):
         y = ep_fused_moe_fwd(*p.args(), ws, num_experts=E)
         assert torch.equal(y, fused_moe_fwd(*p.args(), backend="triton")), f"call {n} (T={T})"
         assert ws.epoch == n + 1 and ws.dsig.tolist() == [n + 1] and ws.csig.tolist() == [n + 1]
-    from megamoe.fused import _COUNTERS
-    assert all(int(buf.abs().sum()) == 0 for buf in _COUNTERS.values())
+    assert int(ws.ctr.abs().sum()) == 0
 
 
 @pytest.mark.parametrize("drop", [0.0, 0.25])
@@ -179,3 +178,56 @@ def test_gpu_cuda_graph_replay_advances_the_epoch_and_matches_eager():
         ep_check(ws)
         assert torch.equal(y, fused_moe_fwd(*q.args(), backend="triton")), n
     assert ws.epoch == 1 + 5  # the warm-up call and the replays (capture records the launch, runs nothing)
+
+
+SPIN_5S = 5_000_000  # polls, at least 1 us apart on a GPU: a failure here fails in seconds, not minutes
+TWO_RANK_CASES = [  # (T of rank 0, T of rank 1, routing, drop fraction)
+    (37, 40, "random", 0.0),
+    (40, 9, "rank0-only", 0.0),   # rank 1 receives no rows
+    (0, 33, "random", 0.2),       # rank 0 has no tokens
+    (25, 1, "random", 0.3),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs", [8, 60])
+def test_gpu_two_ranks_on_two_streams_equal_the_single_gpu_op(programs):
+    """Two ranks of one process on one GPU, each rank's launch on its own stream, running at the same
+    time (2 x `programs` programs fit on the GPU's SMs; rank 1 starts ~10 ms late behind a sleep, so
+    rank 0 really waits for it): dispatch into the other rank's buffers, the signal pads and the
+    combine reading the other's results, across concurrent kernels on real hardware. Each rank's y
+    must equal the single-GPU op's rows bitwise, over four epochs on the same workspaces.
+
+    Both ranks' inputs are fresh allocations, so both launches use one compiled kernel (a slice at an
+    odd row offset would specialise a second one), and the sleep kernel is loaded before: in one
+    process, a kernel loaded for the first time (CUDA lazy loading) while the other rank's launch
+    spins waited for that launch, which then timed out (seen on the H200, 2026-12-01). One rank per
+    process, as `ep_workspace` is used, does not share a context with its peer."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs 1 CUDA GPU")
+    torch.cuda._sleep(1)
+    H, I, E, k = 64, 48, 8, 3  # noqa: E741
+    L = E // 2
+    wss = linked_workspaces(2, 40, k, H, torch.bfloat16, "cuda")
+    streams = [torch.cuda.Stream() for _ in wss]
+    for n, (t0, t1, routing, drop) in enumerate(TWO_RANK_CASES):
+        p = make_problem(t0 + t1, H, I, E, k, seed=300 + n, dtype=torch.bfloat16, device="cuda", drop_frac=drop)
+        ids = torch.where(p.topk_ids >= 0, p.topk_ids % L, p.topk_ids) if routing == "rank0-only" else p.topk_ids
+        ref = fused_moe_fwd(p.x, p.w13, p.w2, p.topk_weights, ids, backend="triton")
+        torch.cuda.synchronize()
+        ys = []
+        for r, (ws, stream) in enumerate(zip(wss, streams)):
+            toks, mine = (slice(0, t0), slice(t0, t0 + t1))[r], slice(r * L, (r + 1) * L)
+            with torch.cuda.stream(stream):
+                if r == 1:
+                    torch.cuda._sleep(20_000_000)  # ~10 ms of GPU clock cycles
+                args = [t.clone() for t in (p.x[toks], p.w13[mine], p.w2[mine], p.topk_weights[toks], ids[toks])]
+                ys.append((toks, ep_fused_moe_fwd(*args, ws, num_experts=E, check=False, programs=programs,
+                                                  spin_max=SPIN_5S)))
+        torch.cuda.synchronize()
+        for ws in wss:
+            ep_check(ws)
+        for r, (toks, y) in enumerate(ys):
+            assert torch.equal(y, ref[toks]), f"case {n} rank {r}: max |diff| {float((y.float() - ref[toks].float()).abs().max())}"
+    assert [ws.epoch for ws in wss] == [len(TWO_RANK_CASES)] * 2
+    assert all(int(ws.ctr.abs().sum()) == 0 for ws in wss)  # each launch left its own counters zero

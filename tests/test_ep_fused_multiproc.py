@@ -24,6 +24,7 @@ import datetime
 import glob
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -38,6 +39,7 @@ MAX_TOKENS = 12
 H, I, E, K = 24, 16, 6, 3  # noqa: E741  (E = 3 experts per rank)
 SPAWN_TIMEOUT_S = 240
 NEVER_ARRIVES_SPIN = 5000  # polls per wait: well under a second under the interpreter, ms on a GPU
+SHORT_SPIN, LATE_S = 2000, 3.0  # a rank polling 2000 times waits far less than 3 s for a late peer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +155,31 @@ def _beside_a_concurrent_kernel(rank: int, ws, device, dtype) -> bool:
     return torch.equal(y, fused_moe_fwd(p.x, p.w13, p.w2, p.topk_weights, p.topk_ids, backend="triton")[toks])
 
 
+def _one_rank_times_out(rank: int, ws, device, dtype):
+    """Rank 1's launch starts LATE_S late (after the checks' exchange, so inside the call); rank 0
+    polls SHORT_SPIN times per wait, so it times out waiting for rank 1's dispatch. Returns the
+    error each rank raised (None if none)."""
+    from megamoe import ep_fused
+
+    p, ids = _problem(CASES[0], device, dtype)
+    real = ep_fused.persistent_setup
+
+    def late(*args, **kwargs):
+        time.sleep(LATE_S)
+        return real(*args, **kwargs)
+
+    if rank == 1:
+        ep_fused.persistent_setup = late
+    try:
+        ep_fused_moe_fwd(*_my_inputs(p, ids, CASES[0], rank), ws, num_experts=E,
+                         spin_max=SHORT_SPIN if rank == 0 else None)
+        return None
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc)
+    finally:
+        ep_fused.persistent_setup = real
+
+
 def _worker(rank: int, backend: str, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     device, dtype = _setup(backend, rank)
@@ -206,6 +233,11 @@ def _worker(rank: int, backend: str, init_file: str, out_dir: str) -> None:
     case = TRAIN_CASES[0]
     p, ids = _problem(case, device, dtype)
     results["train-again"] = _train(p, ids, _dy(case, device, dtype), case, rank, ws)
+    # a time-out on one rank only (rank 1 starts its launch late, rank 0 polls briefly): a checked
+    # call raises the same error on both ranks, and the next call is right again
+    results["one-rank-times-out"] = _one_rank_times_out(rank, ws, device, dtype)
+    p, ids = _problem(CASES[0], device, dtype)
+    results["after-time-out"] = ep_fused_moe_fwd(*_my_inputs(p, ids, CASES[0], rank), ws, num_experts=E)
     if device.type == "cuda":
         results["graph-replays"] = _graph_replays(rank, ws, device, dtype)
         results["concurrent-kernel"] = _beside_a_concurrent_kernel(rank, ws, device, dtype)
@@ -345,3 +377,19 @@ def test_works_beside_a_kernel_holding_the_sms(ranks):
     if backend != "nccl":
         pytest.skip("a concurrent CUDA kernel: the GPU (nccl) run only")
     assert [ranks[rank]["concurrent-kernel"] for rank in range(WORLD)] == [True] * WORLD
+
+
+def test_a_time_out_on_one_rank_raises_on_every_rank(ranks):
+    """A checked call exchanges the ranks' time-out records: the rank that did not time out raises
+    the same error (alone, the other would go on to collectives its peer never joins)."""
+    backend, ranks = ranks
+    want = (rf"rank 0 timed out after {SHORT_SPIN} polls waiting for the dispatch signal of rank 1 \(epoch \d+\); "
+            r"the call's output is invalid on every rank \(raised on every rank of the group\)")
+    for rank in range(WORLD):
+        got = ranks[rank]["one-rank-times-out"]
+        assert got is not None and got[0] == "RuntimeError" and re.search(want, got[1]), (rank, got)
+        assert "rank 1 timed out" not in got[1], got  # rank 1 arrived late but found everything it waited for
+    assert ranks[0]["one-rank-times-out"] == ranks[1]["one-rank-times-out"]
+    _, _, ref = _reference(CASES[0], backend)
+    for rank in range(WORLD):
+        assert torch.equal(ranks[rank]["after-time-out"], ref[_share(CASES[0], rank)[0]]), f"rank {rank}"

@@ -39,6 +39,8 @@ def test_kernels_compile_for_sm90():
         # a real launch specialises on); with TMA, the weight tiles come as TMA copies
         assert r["async_copies"] > 0, r
         assert (r["tma_loads"] > 0) == r["kernel"].endswith(" tma"), r
+        if r["kernel"].startswith("persistent"):  # only the EP launch's signal waits read the GPU's clock
+            assert (r["clock_reads"] > 0) == r["kernel"].endswith(" ep"), r
         assert r.get("local", 0) == 0, r
         # no register spill inside a GEMM loop of the bf16 kernels (the (gate, up) variants spill a
         # few values across work items, outside every inner loop: benchmarks/RESULTS.md); the fp32

@@ -111,7 +111,7 @@ def _local_ops(cubin: bytes) -> dict:
 def check() -> list[dict]:
     import torch
 
-    from megamoe import fused
+    from megamoe import ep_fused, fused
     from megamoe.kernels import moe_kernels as mk
 
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
@@ -122,7 +122,8 @@ def check() -> list[dict]:
         cfg = fused.default_config(dtype, torch.device("cuda"))
         data = arg_types(tname)
         for is_bwd, gu, ep, tma in persistent_variants(cfg.tma_weights):
-            consts = fused.persistent_constexprs(cfg, is_bwd, dtype, E, gu=gu, ep=ep, tma_w=tma)
+            consts = fused.persistent_constexprs(cfg, is_bwd, dtype, E, gu=gu, ep=ep, tma_w=tma,
+                                                 poll_ns=ep_fused.POLL_NS["cuda"] if ep else 0)
             types = {**data, **weight_arg_types(tname, consts, is_bwd, gu)}
             k = _compile(mk._moe_persistent_kernel, types, consts, ("H", "I", "E"), cfg.num_warps,
                          fused.persistent_stages(cfg, is_bwd))
@@ -130,6 +131,7 @@ def check() -> list[dict]:
             rows.append(dict(kernel="persistent " + name, dtype=tname,
                              shared=k.metadata.shared, async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
                              tma_loads=k.asm["ttgir"].count("async_tma_copy_global_to_local"),
+                             clock_reads=k.asm["ptx"].count("%globaltimer"),
                              **_resources(k.asm["cubin"]), **_local_ops(k.asm["cubin"])))
         k = _compile(mk._moe_bwd_dw_kernel, data, fused.dw_constexprs(cfg, dtype), ("H", "I"), cfg.dw_warps, cfg.dw_stages)
         rows.append(dict(kernel="weight gradients", dtype=tname, shared=k.metadata.shared,

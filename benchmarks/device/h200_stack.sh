@@ -52,8 +52,10 @@ for stage in "$@"; do
     profile) timeout 240 $PY benchmarks/device/profile_step.py --shape qwen3 --tokens 4096 16384; rc=$? ;;
     host) timeout 200 $PY benchmarks/device/host_path.py --shape qwen3 --tokens 64 512 4096; rc=$? ;;
     tune) timeout 300 $PY benchmarks/tune_moe.py --shape qwen3 --tokens 64 4096 16384 --reps 15; rc=$? ;;
-    ep) # two or more GPUs (kind nvidia-h200-x2)
-      timeout 300 $PY -m pytest -p no:cacheprovider -q -s -m multigpu tests/test_ep.py tests/test_ep_fused_multiproc.py; rc=$?
+    ep) # two or more GPUs (kind nvidia-h200-x2); whole outputs into files (the ranks' stderr says why a spawn failed)
+      timeout 150 $PY benchmarks/device/ep_diag.py > "$LOG/ep_diag.log" 2>&1; echo "ep_diag rc=$?"; grep "^\[rank" "$LOG/ep_diag.log"
+      timeout 300 $PY -m pytest -p no:cacheprovider -q -rA -m multigpu tests/test_ep.py tests/test_ep_fused_multiproc.py \
+        > "$LOG/ep_tests.log" 2>&1; rc=$?; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$LOG/ep_tests.log"
       timeout 300 $PY benchmarks/bench_ep.py --reps 20 --out "$LOG/bench_ep.md" || rc=$? ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

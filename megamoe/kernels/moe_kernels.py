@@ -130,14 +130,26 @@ def _ep_addr(ep_ptr, row, rank, W, ty: tl.constexpr):
     return tl.load(ep_ptr + row * W + rank).to(tl.pointer_type(ty))
 
 
+@triton.jit
+def _globaltimer():
+    """The GPU's nanosecond clock (%globaltimer)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
 @triton.jit(noinline=True)  # inlined, it would spill the GEMM loops' registers
-def _ep_wait_all(pad_ptr, W, epoch, spin_max, err_ptr, code):
-    """Wait (bounded, system-scope acquire) until every entry of a signal pad reaches `epoch`. On
-    time-out: record (code, entry) in err_ptr [2] (first one wins) and go on; the host raises."""
+def _ep_wait_all(pad_ptr, W, epoch, spin_max, err_ptr, code, POLL_NS: tl.constexpr):
+    """Wait (bounded, system-scope acquire) until every entry of a signal pad reaches `epoch`: at most
+    spin_max polls per entry, at least POLL_NS ns apart (0: back to back, the interpreter, which has
+    no clock; on a GPU the bound is then a time, at least spin_max * POLL_NS ns, whatever an atomic
+    costs). On time-out: record (code, entry) in err_ptr [2] (first one wins) and go on; the host raises."""
     for s in range(0, W):
         c = tl.atomic_add(pad_ptr + s, 0, sem="acquire", scope="sys")
         n = 0
         while (c < epoch) & (n < spin_max):
+            if POLL_NS > 0:
+                t_next = _globaltimer() + POLL_NS
+                while _globaltimer() < t_next:
+                    pass
             c = tl.atomic_add(pad_ptr + s, 0, sem="acquire", scope="sys")
             n += 1
         if c < epoch:
@@ -301,6 +313,7 @@ def _moe_persistent_kernel(
     BN2: tl.constexpr, BK2: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
     BLK: tl.constexpr, SUB: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr,
     DOT_PRECISION: tl.constexpr, EP: tl.constexpr = False, TMA_W: tl.constexpr = False, GT: tl.constexpr = 1,
+    POLL_NS: tl.constexpr = 0,  # EP: least ns between two polls of a signal pad (_ep_wait_all)
 ):
     dtype = x_ptr.dtype.element_ty
     n1 = tl.cdiv(I, BN1)
@@ -336,7 +349,7 @@ def _moe_persistent_kernel(
                     tl.atomic_xchg(_ep_addr(ep_ptr, EP_DSIG, d, W, tl.int64) + RANK, EPOCH, sem="release", scope="sys")
             t = tl.atomic_add(ctr_ptr + CTR_TICKET, 1)
         if t < total:  # every source's rows must have arrived before the routing metadata reads them
-            _ep_wait_all(_ep_addr(ep_ptr, EP_DSIG, RANK, W, tl.int64), W, EPOCH, SPIN_MAX, ep_err_ptr, 1)
+            _ep_wait_all(_ep_addr(ep_ptr, EP_DSIG, RANK, W, tl.int64), W, EPOCH, SPIN_MAX, ep_err_ptr, 1, POLL_NS)
     while t < total:
         t = t - PD
         if t < P0:
@@ -468,7 +481,7 @@ def _moe_persistent_kernel(
                         tl.atomic_xchg(_ep_addr(ep_ptr, EP_CSIG, s3, W, tl.int64) + RANK, EPOCH, sem="release",
                                        scope="sys")
                 else:
-                    _ep_wait_all(_ep_addr(ep_ptr, EP_CSIG, RANK, W, tl.int64), W, EPOCH, SPIN_MAX, ep_err_ptr, 2)
+                    _ep_wait_all(_ep_addr(ep_ptr, EP_CSIG, RANK, W, tl.int64), W, EPOCH, SPIN_MAX, ep_err_ptr, 2, POLL_NS)
                     tl.debug_barrier()
                     _ep_combine_item(tile - 1, ep_ptr, ids_src_ptr, y_ptr, RANK, W, E, TS, SK, TMK, H, BT, BH)
             else:
