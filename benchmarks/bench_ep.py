@@ -112,21 +112,22 @@ def _worker(rank, world, backend, store_path, args, out_dir):
 
             ws = one_launch.ep_workspace(T, k, H, dtype, device)
             kw1 = dict(num_experts=E, check=False, programs=args.programs)
-            times = {
-                ("megamoe EP", "fwd"): _time(lambda: ep_a2a_moe(x, w13, w2, tw, ids, impl="megamoe", **kw),
-                                             args.reps, device, None),
-                ("one-launch EP", "fwd"): _time(lambda: one_launch.ep_fused_moe(x, w13, w2, tw, ids, ws, **kw1),
-                                                args.reps, device, None),
-                ("unfused EP", "fwd"): _time(lambda: ep_moe_unfused(x, w13, w2, tw, ids, **kw), args.reps, device, None),
-                ("compute only", "fwd"): _time(lambda: fused_moe(xc, w13, w2, twc, idsc, impl="megamoe",
-                                                                 check_ids=False), args.reps, device, None),
+            runs = {
+                ("megamoe EP", "fwd"): lambda: ep_a2a_moe(x, w13, w2, tw, ids, impl="megamoe", **kw),
+                ("one-launch EP", "fwd"): lambda: one_launch.ep_fused_moe(x, w13, w2, tw, ids, ws, **kw1),
+                ("unfused EP", "fwd"): lambda: ep_moe_unfused(x, w13, w2, tw, ids, **kw),
+                ("compute only", "fwd"): lambda: fused_moe(xc, w13, w2, twc, idsc, impl="megamoe", check_ids=False),
             }
             if not args.no_backward:
-                times[("megamoe EP", "fwd+bwd")] = _time(fb(lambda *a, **k_: ep_a2a_moe(*a, impl="megamoe", **k_)),
-                                                         args.reps, device, None)
-                times[("unfused EP", "fwd+bwd")] = _time(fb(ep_moe_unfused), args.reps, device, None)
-                times[("one-launch EP", "fwd+bwd")] = _time(
-                    fb(lambda *a, **k_: one_launch.ep_fused_moe(*a, ws, **kw1)), args.reps, device, None)
+                runs[("megamoe EP", "fwd+bwd")] = fb(lambda *a, **k_: ep_a2a_moe(*a, impl="megamoe", **k_))
+                runs[("unfused EP", "fwd+bwd")] = fb(ep_moe_unfused)
+                runs[("one-launch EP", "fwd+bwd")] = fb(lambda *a, **k_: one_launch.ep_fused_moe(*a, ws, **kw1))
+            times = {}
+            for (impl, mode), fn in runs.items():
+                times[(impl, mode)] = _time(fn, args.reps, device, None)
+                if rank == 0:  # as measured, so a run cut by a time limit keeps what it measured
+                    print(f"  {name} T={T} {impl} {mode}: {statistics.median(times[(impl, mode)]) * 1e3:.3f} ms",
+                          flush=True)
             one_launch.ep_check(ws)  # a wait that timed out in any timed call raises here
             del ws
             if rank == 0:

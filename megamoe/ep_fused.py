@@ -63,8 +63,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from megamoe import alloc
-from megamoe.contract import check_moe_inputs
-from megamoe.ep import _check_everywhere, _check_local, check_global_ids, check_positive_ints
+from megamoe.contract import FLOAT_DTYPES, check_moe_inputs
+from megamoe.ep import _check_everywhere, _check_local, _comm_device, check_global_ids, check_positive_ints
 from megamoe.fused import _check_backend, _combine_slots, _config, grown_counters, persistent_setup, weight_args
 
 _ADDRESS_ROWS = ("recv_x", "recv_id", "recv_w", "out", "dsig", "csig")  # the kernel's EP_* rows
@@ -149,18 +149,19 @@ def linked_workspaces(world: int, max_tokens: int, k: int, H: int, dtype: torch.
 def ep_workspace(max_tokens: int, k: int, H: int, dtype: torch.dtype, device: torch.device | str,
                  group=None) -> EPWorkspace:
     """This rank's workspace for a torch.distributed group (collective: every rank calls it with the
-    same sizes; allocate once, outside CUDA-graph capture, and reuse for every call and layer).
+    same sizes, which it exchanges first: a bad or differing one raises the same ValueError on every
+    rank; allocate once, outside CUDA-graph capture, and reuse for every call and layer).
     CUDA: one `torch.distributed._symmetric_memory` allocation per rank, peers' addresses from the
     rendezvous handle (not yet run on a GPU). CPU: one file per rank in /dev/shm, mapped by every rank
     and unlinked once all have mapped it (the Triton interpreter then runs the same protocol across
     processes)."""
     import torch.distributed as dist
 
-    check_positive_ints(max_tokens=max_tokens, k=k, H=H)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("ep_workspace: torch.distributed is not initialised (call init_process_group first)")
     group = group if group is not None else dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    _agree_on_sizes(group, max_tokens=max_tokens, k=k, H=H, dtype=dtype)
     device = torch.device(device)
     _, nbytes = _layout(world, max_tokens, k, H, dtype)
     if device.type == "cuda":
@@ -187,6 +188,34 @@ def ep_workspace(max_tokens: int, k: int, H: int, dtype: torch.dtype, device: to
     os.unlink(path.format(rank))  # every rank has mapped it: nothing is left behind in /dev/shm
     return _workspace(rank, world, max_tokens, k, H, dtype, mine, [p.data_ptr() for p in peers], keep=peers,
                       group=group)
+
+
+def _agree_on_sizes(group, **args) -> None:
+    """Before any allocation: every rank's workspace arguments (max_tokens, k, H, dtype) are
+    exchanged and checked the same way on every rank, so a bad or differing one raises the same
+    ValueError everywhere (no rank left waiting in the rendezvous). The ranks address each other's
+    buffers with one layout: sizes that differ would have them write past each other's buffers."""
+    import torch.distributed as dist
+
+    def code(name, value):  # -1: not a positive int / not a supported dtype
+        if name == "dtype":
+            return FLOAT_DTYPES.index(value) if value in FLOAT_DTYPES else -1
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else -1
+
+    mine = torch.tensor([code(n, v) for n, v in args.items()], dtype=torch.int64, device=_comm_device(group))
+    table = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(table, mine, group=group)
+    columns = list(zip(*(t.tolist() for t in table)))
+    for name, got in zip(args, columns):
+        shown = [("invalid" if c < 0 else str(FLOAT_DTYPES[c]) if name == "dtype" else c) for c in got]
+        if min(got) < 0:
+            what = f"one of {FLOAT_DTYPES}" if name == "dtype" else "a positive int"
+            raise ValueError(f"ep_workspace: {name}: expected {what} on every rank, got {shown} by rank "
+                             "(raised on every rank of the group)")
+        if len(set(got)) > 1:
+            raise ValueError(f"ep_workspace: {name}: expected the same value on every rank (the ranks address "
+                             f"each other's buffers with one layout), got {shown} by rank (raised on every rank "
+                             "of the group)")
 
 
 def _check_workspace(x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, ws: EPWorkspace, programs: int | None) -> dict:

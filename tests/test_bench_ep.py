@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -18,3 +19,7 @@ def test_bench_ep_smoke_run_prints_every_row(tmp_path):
     for impl in ("megamoe EP", "one-launch EP", "unfused EP", "compute only"):
         assert f"{impl} " in rows[0], (impl, rows[0])
     assert "megamoe EP: " in rows[1] and "one-launch EP: " in rows[1] and "x vs unfused" in rows[1], rows[1]
+    # each time printed as it is measured (a run cut by a time limit keeps them)
+    for impl, mode in (("megamoe EP", "fwd"), ("one-launch EP", "fwd"), ("unfused EP", "fwd"), ("compute only", "fwd"),
+                       ("megamoe EP", "fwd+bwd"), ("unfused EP", "fwd+bwd"), ("one-launch EP", "fwd+bwd")):
+        assert re.search(rf"^  tiny T=16 {impl} {re.escape(mode)}: [\d.]+ ms$", r.stdout, re.M), (impl, mode, r.stdout)

@@ -62,6 +62,11 @@ CASES = [
 
 
 BAD = ["too-many-tokens", "experts-differ"]
+WS_BAD = {  # rank 1's change to the workspace arguments (given this run's dtype)
+    "ws-max-tokens-differ": lambda dt: dict(max_tokens=MAX_TOKENS + 4),
+    "ws-H-not-positive": lambda dt: dict(H=0),
+    "ws-dtype-differs": lambda dt: dict(dtype=torch.float16),
+}
 TRAIN_CASES = CASES[:3] + CASES[4:]
 GRADS = ("x", "w13", "w2", "topk_weights")
 
@@ -187,8 +192,16 @@ def _worker(rank: int, backend: str, init_file: str, out_dir: str) -> None:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=120))
-    ws = ep_workspace(MAX_TOKENS, K, H, dtype, device)
     results = {}
+    # bad or differing workspace arguments on ONE rank: the same error on both, before any allocation
+    for bad, change in WS_BAD.items():
+        kw = dict(max_tokens=MAX_TOKENS, k=K, H=H, dtype=dtype) | (change(dtype) if rank == 1 else {})
+        try:
+            ep_workspace(device=device, **kw)
+            results[bad] = None
+        except Exception as exc:  # noqa: BLE001
+            results[bad] = (type(exc).__name__, str(exc))
+    ws = ep_workspace(MAX_TOKENS, K, H, dtype, device)
     L = E // WORLD
     for case in CASES:
         p, ids = _problem(case, device, dtype)
@@ -393,3 +406,20 @@ def test_a_time_out_on_one_rank_raises_on_every_rank(ranks):
     _, _, ref = _reference(CASES[0], backend)
     for rank in range(WORLD):
         assert torch.equal(ranks[rank]["after-time-out"], ref[_share(CASES[0], rank)[0]]), f"rank {rank}"
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("ws-max-tokens-differ", r"ep_workspace: max_tokens: expected the same value on every rank .* got \[12, 16\] by rank"),
+    ("ws-H-not-positive", r"ep_workspace: H: expected a positive int on every rank, got \[24, 'invalid'\] by rank"),
+    ("ws-dtype-differs", r"ep_workspace: dtype: expected the same value on every rank .* got \['torch\.(float32|bfloat16)', "
+                         r"'torch\.float16'\] by rank"),
+])
+def test_bad_workspace_arguments_on_one_rank_raise_on_every_rank(bad, match, ranks):
+    """ep_workspace exchanges its arguments before allocating: the ranks address each other's buffers
+    with one layout, so one rank's different size would have the others write past its buffer."""
+    _, ranks = ranks
+    for rank in range(WORLD):
+        got = ranks[rank][bad]
+        assert got is not None and got[0] == "ValueError" and re.search(match, got[1]), (rank, got)
+        assert got[1].endswith("(raised on every rank of the group)"), got
+    assert ranks[0][bad] == ranks[1][bad]
