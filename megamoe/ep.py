@@ -139,8 +139,11 @@ def _check_across_ranks(meta: list[dict[str, int]]) -> str | None:
     return None
 
 
-def _check_everywhere(group, local: Callable[[], dict[str, int]]) -> dict[str, int]:
-    """Run this rank's checks, exchange the results, and raise the same error on every rank."""
+def _check_everywhere(group, local: Callable[[], dict[str, int]], fields: tuple[str, ...] = _FIELDS,
+                      across: Callable[[list[dict[str, int]]], str | None] = _check_across_ranks,
+                      op: str = "ep_a2a_moe") -> dict[str, int]:
+    """Run this rank's checks (`local`: the values of `fields` but "error"), exchange the results,
+    run `across` on every rank's, and raise the same error on every rank, naming `op`."""
     device = _comm_device(group)
     W = dist.get_world_size(group)
     try:
@@ -149,12 +152,12 @@ def _check_everywhere(group, local: Callable[[], dict[str, int]]) -> dict[str, i
     except Exception as exc:  # noqa: BLE001  (whatever it is, the other ranks must hear of it)
         code = _TYPE_ERROR if isinstance(exc, TypeError) else _VALUE_ERROR if isinstance(exc, ValueError) \
             else _OTHER_ERROR
-        mine = dict.fromkeys(_FIELDS, 0) | dict(error=code)
+        mine = dict.fromkeys(fields, 0) | dict(error=code)
         message = f"{type(exc).__name__}: {exc}"
-    header = torch.tensor([int(mine[f]) for f in _FIELDS], dtype=torch.int64, device=device)
+    header = torch.tensor([int(mine[f]) for f in fields], dtype=torch.int64, device=device)
     headers = [torch.empty_like(header) for _ in range(W)]
     dist.all_gather(headers, header, group=group)
-    meta = [dict(zip(_FIELDS, h.tolist())) for h in headers]
+    meta = [dict(zip(fields, h.tolist())) for h in headers]
 
     failed = [r for r, m in enumerate(meta) if m["error"] != _OK]
     if failed:
@@ -166,11 +169,11 @@ def _check_everywhere(group, local: Callable[[], dict[str, int]]) -> dict[str, i
         dist.all_gather(bufs, buf, group=group)
         texts = [bytes(b.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for b in bufs]
         raise _ERROR_TYPES[meta[failed[0]]["error"]](
-            "ep_a2a_moe: invalid input on " + "; ".join(f"rank {r}: {texts[r]}" for r in failed)
+            f"{op}: invalid input on " + "; ".join(f"rank {r}: {texts[r]}" for r in failed)
             + " (raised on every rank of the group)")
-    problem = _check_across_ranks(meta)
+    problem = across(meta)
     if problem:
-        raise ValueError(f"ep_a2a_moe: {problem} (raised on every rank of the group)")
+        raise ValueError(f"{op}: {problem} (raised on every rank of the group)")
     return meta[dist.get_rank(group)]
 
 

@@ -26,8 +26,9 @@ from the workspace and its last program out stores the new one) and a wait is sa
 entry >= the epoch. A rank's next dispatch implies it finished its previous combine, so an
 owner never overwrites rows a source is still reading. Every wait is bounded (`spin_max` polls, on
 a GPU at least POLL_NS apart, so the default bound is at least a minute there: long enough for a
-peer whose first call compiles the kernel while this rank's launch already waits); on time-out the kernel records which pad entry it waited for, finishes the launch (the result is
-then garbage) and the host raises naming the rank and the signal.
+peer whose first call compiles the kernel while this rank's launch already waits); on time-out the
+kernel records which pad entry it waited for, finishes the launch (the result is then garbage) and
+the host raises naming the rank and the signal.
 
 Backward (`ep_fused_moe`, differentiable; `ep_fused_moe_bwd`): not one launch. The token and dy
 rows go to their experts' owners again by all_to_all over the workspace's group (the forward saves
@@ -64,8 +65,9 @@ from torch.autograd.function import once_differentiable
 
 from megamoe import alloc
 from megamoe.contract import FLOAT_DTYPES, check_moe_inputs
-from megamoe.ep import _check_everywhere, _check_local, _comm_device, check_global_ids, check_positive_ints
-from megamoe.fused import _check_backend, _combine_slots, _config, grown_counters, persistent_setup, weight_args
+from megamoe.ep import _check_everywhere, _check_local, check_global_ids, check_positive_ints
+from megamoe.fused import (_check_backend, _combine_slots, _config, grown_counters, persistent_setup, persistent_stages,
+                           weight_args)
 
 _ADDRESS_ROWS = ("recv_x", "recv_id", "recv_w", "out", "dsig", "csig")  # the kernel's EP_* rows
 # polls per wait before a time-out. On a GPU polls are at least POLL_NS apart (the kernel reads the
@@ -152,9 +154,9 @@ def ep_workspace(max_tokens: int, k: int, H: int, dtype: torch.dtype, device: to
     same sizes, which it exchanges first: a bad or differing one raises the same ValueError on every
     rank; allocate once, outside CUDA-graph capture, and reuse for every call and layer).
     CUDA: one `torch.distributed._symmetric_memory` allocation per rank, peers' addresses from the
-    rendezvous handle (not yet run on a GPU). CPU: one file per rank in /dev/shm, mapped by every rank
-    and unlinked once all have mapped it (the Triton interpreter then runs the same protocol across
-    processes)."""
+    rendezvous handle (its first two-GPU run failed, 2026-12-01: benchmarks/RESULTS.md). CPU: one
+    file per rank in /dev/shm, mapped by every rank and unlinked once all have mapped it (the Triton
+    interpreter then runs the same protocol across processes)."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
@@ -190,32 +192,30 @@ def ep_workspace(max_tokens: int, k: int, H: int, dtype: torch.dtype, device: to
                       group=group)
 
 
-def _agree_on_sizes(group, **args) -> None:
-    """Before any allocation: every rank's workspace arguments (max_tokens, k, H, dtype) are
-    exchanged and checked the same way on every rank, so a bad or differing one raises the same
-    ValueError everywhere (no rank left waiting in the rendezvous). The ranks address each other's
-    buffers with one layout: sizes that differ would have them write past each other's buffers."""
-    import torch.distributed as dist
+_WS_FIELDS = ("error", "max_tokens", "k", "H", "dtype")
 
-    def code(name, value):  # -1: not a positive int / not a supported dtype
-        if name == "dtype":
-            return FLOAT_DTYPES.index(value) if value in FLOAT_DTYPES else -1
-        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else -1
 
-    mine = torch.tensor([code(n, v) for n, v in args.items()], dtype=torch.int64, device=_comm_device(group))
-    table = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(table, mine, group=group)
-    columns = list(zip(*(t.tolist() for t in table)))
-    for name, got in zip(args, columns):
-        shown = [("invalid" if c < 0 else str(FLOAT_DTYPES[c]) if name == "dtype" else c) for c in got]
-        if min(got) < 0:
-            what = f"one of {FLOAT_DTYPES}" if name == "dtype" else "a positive int"
-            raise ValueError(f"ep_workspace: {name}: expected {what} on every rank, got {shown} by rank "
-                             "(raised on every rank of the group)")
-        if len(set(got)) > 1:
-            raise ValueError(f"ep_workspace: {name}: expected the same value on every rank (the ranks address "
-                             f"each other's buffers with one layout), got {shown} by rank (raised on every rank "
-                             "of the group)")
+def _agree_on_sizes(group, max_tokens: int, k: int, H: int, dtype: torch.dtype) -> None:
+    """Before any allocation: every rank's workspace arguments are checked and exchanged, and a bad
+    or differing one raises the same ValueError on every rank (no rank left waiting in the
+    rendezvous). The ranks address each other's buffers with one layout: sizes that differ would
+    have them write past each other's buffers."""
+    def local() -> dict[str, int]:
+        check_positive_ints(max_tokens=max_tokens, k=k, H=H)
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"dtype: expected one of {FLOAT_DTYPES}, got {dtype}")
+        return dict(max_tokens=max_tokens, k=k, H=H, dtype=FLOAT_DTYPES.index(dtype))
+
+    def across(meta: list[dict[str, int]]) -> str | None:
+        for name in _WS_FIELDS[1:]:
+            got = [m[name] for m in meta]
+            if len(set(got)) > 1:
+                shown = [str(FLOAT_DTYPES[g]) for g in got] if name == "dtype" else got
+                return (f"{name}: expected the same value on every rank (the ranks address each other's buffers "
+                        f"with one layout), got {shown} on ranks 0..{len(meta) - 1}")
+        return None
+
+    _check_everywhere(group, local, _WS_FIELDS, across, op="ep_workspace")
 
 
 def _check_workspace(x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, ws: EPWorkspace, programs: int | None) -> dict:
@@ -289,6 +289,7 @@ def _launch(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws: EPWorkspac
     TMK = ws.max_tokens * ws.k
     N = W * TMK  # received rows, source-major: the single-GPU kernel's slots with K = 1
     cfg = _config(x)
+
     def counters(r_max: int) -> torch.Tensor:
         ws.ctr = grown_counters(ws.ctr, x.device, r_max)
         return ws.ctr
@@ -304,7 +305,7 @@ def _launch(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws: EPWorkspac
         act, act, act, ws.recv_w, ws.recv_w, ws.out, y, ctr, ctr[CTR_SLOTS.value:],
         ws.table, ws.err, ws.epoch_dev, x, ids, tw, y,
         N, N, L, H, I, 1, setup.lag, setup.r_max, setup.nb, ws.rank, W, s.T, s.k, TMK, spin_max,
-        **setup.consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        **setup.consts, num_warps=cfg.num_warps, num_stages=persistent_stages(cfg, False))
     if check:
         _check_after(ws, spin_max)
     return y
