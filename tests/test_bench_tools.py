@@ -62,3 +62,44 @@ def test_ep_diag_runs_every_step_on_gloo():
         assert re.search(rf"\[rank {rank} .*\] bwd: y equal True; dx, dw13, dw2, dtw equal \[True, True, True, True\]",
                          out), out
     assert "FAILED" not in out, out
+
+
+def test_compile_check_refuses_an_unknown_config_field():
+    proc = subprocess.run([sys.executable, "benchmarks/device/compile_check.py", "--set", "BM=64", "nope=1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert proc.returncode != 0 and "--set: expected FIELD=VALUE" in proc.stderr and "'nope=1'" in proc.stderr, \
+        proc.stderr[-2000:]
+
+
+def test_liger_warm_gives_each_worker_a_slice_and_together_every_config():
+    """liger_warm.keep_slice over a module holding Triton autotuners (built here; nothing compiles):
+    worker i keeps configurations i, i+n, ...; a worker past the end keeps one; the workers together
+    keep every configuration, so the benchmark's autotune finds all of them compiled."""
+    import types
+
+    import triton
+    import triton.language as tl
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "device"))
+    from liger_warm import keep_slice
+
+    def fresh():
+        mod = types.ModuleType("fake_liger")
+
+        def body(x_ptr, B: tl.constexpr):
+            tl.store(x_ptr + tl.arange(0, B), tl.zeros((B,), tl.float32))
+
+        mod.five = triton.autotune([triton.Config({"B": 16 * (i + 1)}) for i in range(5)], key=[])(triton.jit(body))
+        mod.two = triton.autotune([triton.Config({"B": 16 * (i + 1)}) for i in range(2)], key=[])(triton.jit(body))
+        mod.not_a_kernel = [1, 2, 3]
+        return mod
+
+    n = 3
+    kept = {"five": [], "two": []}
+    for i in range(n):
+        mod = fresh()
+        assert keep_slice(mod, i, n) == {"five": len(range(i, 5, n)), "two": 1}
+        kept["five"] += [c.kwargs["B"] for c in mod.five.configs]
+        kept["two"] += [c.kwargs["B"] for c in mod.two.configs]
+    assert sorted(kept["five"]) == [16, 32, 48, 64, 80]
+    assert set(kept["two"]) == {16, 32}  # worker 2 of 3 keeps configuration 2 % 2 = 0 again

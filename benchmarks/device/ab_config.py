@@ -6,8 +6,11 @@
 The first column is the default config; each variant is `label:field=value[,field=value]` over
 megamoe.fused.KernelConfig. For every case and config: the inference forward (fused_moe_fwd), the
 training forward's launch (saving (gate, up)), the backward reading it (fused_moe_bwd with gu) and the
-whole step (both), fused_moe_fwd / fused_moe_bwd called directly (no autograd). Interleaved rounds,
-the min of each config's medians. Also says whether every output of a variant has the default's bits.
+whole step (both), fused_moe_fwd / fused_moe_bwd called directly (no autograd); `--pieces` picks
+some of them, and `fwd graph` (the inference forward captured in a CUDA graph and replayed: device
+time with no host time, how vLLM decodes). Interleaved rounds, the min of each config's medians. Also
+says whether every output of a variant has the default's bits (only the forward's when no piece
+needs the backward). Decode cases (T <= 512) also print the weight-read floor (bench_moe.py).
 """
 from __future__ import annotations
 
@@ -19,8 +22,11 @@ import sys
 sys.path.insert(0, os.getcwd())
 import torch  # noqa: E402
 
-from benchmarks.bench_moe import SHAPES, header, make_inputs, time_ms  # noqa: E402
+from benchmarks.bench_moe import SHAPES, copy_bandwidth, graph_ms, header, make_inputs, time_ms  # noqa: E402
 from megamoe import fused  # noqa: E402
+
+
+PIECES = ("fwd", "fwd launch (gu)", "bwd (gu)", "step", "fwd graph")
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
@@ -42,13 +48,18 @@ def main():
                                                    "mixtral:4096", "dsv3:4096"])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--pieces", nargs="+", choices=PIECES, default=list(PIECES[:4]))
     args = ap.parse_args()
     print(header(), flush=True)
     base = fused.default_config(torch.bfloat16, torch.device("cuda"))
     configs = [("default", base)]
     configs += [(lbl, dataclasses.replace(base, **kw)) for lbl, kw in map(parse_variant, args.variants)]
-    pieces = ("fwd", "fwd launch (gu)", "bwd (gu)", "step")
-    print("case | " + " | ".join(f"{p} {lbl}" for p in pieces for lbl, _ in configs) + " | same bits", flush=True)
+    pieces = tuple(args.pieces)
+    train = any(p in pieces for p in PIECES[1:4])
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    print("case | " + " | ".join(f"{p} {lbl}" for p in pieces for lbl, _ in configs) + " | same bits | floor ms",
+          flush=True)
     for case in args.cases:
         name, T = case.split(":")
         T = int(T)
@@ -60,28 +71,35 @@ def main():
             fwd = lambda: fused.fused_moe_fwd(x, w13, w2, tw, ids, check=False)  # noqa: E731
             launch = lambda: fused._launch_persistent(False, x, w13, w2, tw, ids, None, T, H, I, E, k,  # noqa: E731
                                                       fused._config(x), save_gu=True)
-            gu = fused.fused_moe_fwd(x, w13, w2, tw, ids, check=False, save_gu=True)[1]
+            gu = fused.fused_moe_fwd(x, w13, w2, tw, ids, check=False, save_gu=True)[1] if train else None
             bwd = lambda: fused.fused_moe_bwd(dy, x, w13, w2, tw, ids, gu=gu)  # noqa: E731
             step = lambda: fused.fused_moe_bwd(  # noqa: E731
                 dy, x, w13, w2, tw, ids, gu=fused.fused_moe_fwd(x, w13, w2, tw, ids, check=False, save_gu=True)[1])
-            return (fwd, launch, bwd, step)
+            return dict(zip(PIECES, (fwd, launch, bwd, step, fwd)))
 
         outs, t = {}, {}
         try:
             for lbl, cfg in configs:
                 fused.set_config(cfg)
-                y, gu = fused.fused_moe_fwd(x, w13, w2, tw, ids, check=False, save_gu=True)
-                outs[lbl] = (y, gu, *fused.fused_moe_bwd(dy, x, w13, w2, tw, ids, gu=gu))
+                if train:
+                    y, gu = fused.fused_moe_fwd(x, w13, w2, tw, ids, check=False, save_gu=True)
+                    outs[lbl] = (y, gu, *fused.fused_moe_bwd(dy, x, w13, w2, tw, ids, gu=gu))
+                else:
+                    outs[lbl] = (fused.fused_moe_fwd(x, w13, w2, tw, ids, check=False),)
             for _ in range(args.rounds):
                 for lbl, cfg in configs:
                     fused.set_config(cfg)
-                    for p, fn in zip(pieces, fns()):
-                        t[p, lbl] = min(time_ms(fn, args.reps), t.get((p, lbl), 1e9))
+                    fn = fns()
+                    for p in pieces:
+                        timer = graph_ms if p == "fwd graph" else time_ms
+                        t[p, lbl] = min(timer(fn[p], args.reps), t.get((p, lbl), 1e9))
         finally:
             fused.set_config(None)
-        same = all(all(torch.equal(a, b) for a, b in zip(outs[lbl], outs["default"])) for lbl, _ in configs)
-        print(f"{case} | " + " | ".join(f"{t[p, lbl]:.3f}" for p in pieces for lbl, _ in configs) + f" | {same}",
-              flush=True)
+        differ = [lbl for lbl, _ in configs if not all(torch.equal(a, b) for a, b in zip(outs[lbl], outs["default"]))]
+        same = "True" if not differ else "differ: " + ",".join(differ)
+        floor = (torch.unique(ids).numel() * 3 * H * I * x.element_size() / bw * 1e3) if T <= 512 else None
+        print(f"{case} | " + " | ".join(f"{t[p, lbl]:.3f}" for p in pieces for lbl, _ in configs) + f" | {same} | "
+              + (f"{floor:.3f}" if floor else "-"), flush=True)
         del x, w13, w2, tw, ids, dy, outs
         torch.cuda.empty_cache()
 

@@ -108,7 +108,11 @@ def _local_ops(cubin: bytes) -> dict:
     return dict(local_ops=total, inner_loop_local_ops=inner)
 
 
-def check() -> list[dict]:
+def check(overrides: dict | None = None) -> list[dict]:
+    """One row per kernel variant. `overrides`: KernelConfig fields replaced in the bf16 config
+    (then only bf16 is compiled)."""
+    import dataclasses
+
     import torch
 
     from megamoe import ep_fused, fused
@@ -118,8 +122,9 @@ def check() -> list[dict]:
         raise SystemExit("compile_check: unset TRITON_INTERPRET (the interpreter replaces the kernels)")
     E = 128  # Qwen3-30B-A3B's expert count (the phase-0 key width depends on it)
     rows = []
-    for dtype, tname in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
-        cfg = fused.default_config(dtype, torch.device("cuda"))
+    dtypes = ((torch.bfloat16, "bf16"),) if overrides else ((torch.bfloat16, "bf16"), (torch.float32, "fp32"))
+    for dtype, tname in dtypes:
+        cfg = dataclasses.replace(fused.default_config(dtype, torch.device("cuda")), **(overrides or {}))
         data = arg_types(tname)
         for is_bwd, gu, ep, tma in persistent_variants(cfg.tma_weights):
             consts = fused.persistent_constexprs(cfg, is_bwd, dtype, E, gu=gu, ep=ep, tma_w=tma,
@@ -221,12 +226,25 @@ def main():
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     ap.add_argument("--warp-specialize-probe", action="store_true",
                     help="only report where Triton's warp_specialize applies on sm_90")
+    ap.add_argument("--set", nargs="+", default=[], metavar="FIELD=VALUE",
+                    help="compile bf16 only, with these KernelConfig fields replaced (e.g. BM=64 num_warps=4)")
     args = ap.parse_args()
     if args.warp_specialize_probe:
         for name, what in warp_specialize_probe().items():
             print(f"{name:24s} {what}")
         return
-    rows = check()
+    import dataclasses
+
+    from megamoe import fused
+    fields = {f.name for f in dataclasses.fields(fused.KernelConfig)}
+    overrides = {}
+    for a in args.set:
+        k, eq, v = a.partition("=")
+        if not eq or k not in fields:
+            raise SystemExit(f"--set: expected FIELD=VALUE with FIELD one of megamoe.fused.KernelConfig's "
+                             f"{sorted(fields)}, got {a!r}")
+        overrides[k] = {"True": True, "False": False, "None": None}.get(v, int(v) if v.lstrip("-").isdigit() else v)
+    rows = check(overrides)
     if args.json:
         print(json.dumps(rows))
         return

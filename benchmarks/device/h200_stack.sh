@@ -47,6 +47,11 @@ for stage in "$@"; do
     bench) # Liger Kernel (the Triton peer) from a carried wheel folder: pip download liger-kernel==0.8.5 -d .whl
       $PY -m pip install -q --no-index --no-deps --target /tmp/ligersite .whl/liger_kernel-*.whl >/dev/null
       read -r -a BENCH <<< "${BENCH_ARGS:---shapes qwen3 olmoe --tokens 4096 16384 64}"
+      # Liger's ~200 autotune compiles per shape, in parallel first (else DSV3 alone outlasts a call)
+      WARM=(); on=0; for a in "${BENCH[@]}"; do case "$a" in --shapes) on=1 ;; --*) on=0 ;; *) [ $on = 1 ] && WARM+=("$a") ;; esac; done
+      [ ${#WARM[@]} -gt 0 ] || WARM=(qwen3 olmoe mixtral dsv3)
+      PYTHONPATH="$PYTHONPATH:/tmp/ligersite" timeout 200 $PY benchmarks/device/liger_warm.py --shapes "${WARM[@]}" \
+        > "$LOG/liger_warm.log" 2>&1; echo "liger_warm rc=$? ($(tail -1 "$LOG/liger_warm.log"))"
       PYTHONPATH="$PYTHONPATH:/tmp/ligersite" timeout 540 $PY benchmarks/bench_moe.py "${BENCH[@]}" \
         --reps 50 --out "$LOG/bench_moe.md"; rc=$? ;;
     profile) timeout 240 $PY benchmarks/device/profile_step.py --shape qwen3 --tokens 4096 16384; rc=$? ;;
