@@ -49,6 +49,7 @@ def main():
     moe_kernels._moe_bwd_dw_kernel = _NoLaunch()
     T, H, I, E, k = 64, 256, 128, 16, 8  # noqa: E741  (sizes do not matter: nothing is computed)
     p = make_problem(T, H, I, E, k, seed=1)
+    p.topk_ids = p.topk_ids.contiguous()  # the raw launcher row below indexes it as a dense array
     dy = torch.randn(T, H)
     _, gu = fused.fused_moe_fwd(*p.args(), backend="triton", check=False, save_gu=True)
     cfg = fused._config(p.x)

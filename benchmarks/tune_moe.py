@@ -56,7 +56,10 @@ def main():
                     help="phase-2 lags to try, in units of group_tiles row tiles (KernelConfig.lag)")
     args = ap.parse_args()
     E, H, I, k = SHAPES[args.shape]  # noqa: E741
-    inputs = {T: make_inputs(E, H, I, k, T) for T in args.tokens}
+    # topk ids made contiguous: the raw launchers below index them as a dense array (the public
+    # wrappers do this themselves; before 2026-12-01 this script passed the strided slice, so the
+    # kernels read a balanced routing, each token's ids from one row of the full sort)
+    inputs = {T: tuple(t.contiguous() for t in make_inputs(E, H, I, k, T)) for T in args.tokens}
     flops = {T: 6.0 * T * k * H * I for T in inputs}
     ref_out = {}
     print("forward: one persistent launch (routing metadata included)")

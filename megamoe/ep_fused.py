@@ -303,7 +303,7 @@ def _launch(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws: EPWorkspac
         ws.recv_x, w13, w2, ws.recv_w, ws.recv_id, ws.recv_x, *weight_args(w13, w2, setup.consts, False, False),
         *setup.meta,
         act, act, act, ws.recv_w, ws.recv_w, ws.out, y, ctr, ctr[CTR_SLOTS.value:],
-        ws.table, ws.err, ws.epoch_dev, x, ids, tw, y,
+        ws.table, ws.err, ws.epoch_dev, x, ids, tw, y, ids,  # ids: the trace pointer, unused
         N, N, L, H, I, 1, setup.lag, setup.r_max, setup.nb, ws.rank, W, s.T, s.k, TMK, spin_max,
         **setup.consts, num_warps=cfg.num_warps, num_stages=persistent_stages(cfg, False))
     if check:

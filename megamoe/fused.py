@@ -310,12 +310,24 @@ def weight_args(w13: torch.Tensor, w2: torch.Tensor, consts: dict, is_bwd: bool,
 
 
 def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg: KernelConfig,
-                       gu: torch.Tensor | None = None, save_gu: bool = False):
+                       gu: torch.Tensor | None = None, save_gu: bool = False, trace: dict | None = None):
     """One persistent launch: routing metadata, then the forward (or the backward but dW).
     Forward with save_gu: also returns (gate, up) [N, 2I] in sorted rows; backward with gu: reads it
-    instead of recomputing GEMM1."""
+    instead of recomputing GEMM1.
+
+    trace (benchmarks only; a separately compiled variant): a dict the launch fills with "ticks",
+    int64 [tickets, 4] = per ticket [start, after its wait, end, program * 16 + kind] (ns of the GPU's
+    clock on CUDA, the ticket number under the interpreter; kind 0 routing metadata, 1 GEMM1,
+    2 GEMM2, 3 combine, +4 a row tile past the routed ones), and "layout", the launch's ticket
+    layout. The outputs are the untraced launch's."""
     from megamoe.kernels.moe_kernels import CTR_SLOTS, _moe_persistent_kernel
 
+    # the kernel indexes every input as a dense row-major array; the public wrappers pass them
+    # through _prep, a direct caller (the benchmark tools) might not (topk ids are often a slice)
+    for name, t in (("x", x), ("w13", w13), ("w2", w2), ("topk_weights", tw), ("topk_ids", ids), ("dy", dy),
+                    ("gu", gu)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"_launch_persistent: {name} must be contiguous, got strides {tuple(t.stride())}")
     N = T * K
     dev, dtype = x.device, x.dtype
     use_gu = gu is not None if is_bwd else save_gu
@@ -335,13 +347,21 @@ def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg
         # whatever memory held before (opcheck compares two runs)
         gu = torch.zeros(N, 2 * I, dtype=dtype, device=dev)
     ctr = setup.ctr
+    extra = {}
+    if trace is not None:
+        tickets = 2 * setup.nb + 1 + setup.r_max * (n1 + -(-H // cfg.BN2)) + -(-T // cfg.BT)
+        trace["ticks"] = torch.full((tickets, 4), -1, dtype=torch.int64, device=dev)
+        trace["layout"] = dict(P0=2 * setup.nb + 1, R_MAX=setup.r_max, n1=n1, n2=-(-H // cfg.BN2), lag=setup.lag,
+                               GT=cfg.group_tiles, programs=setup.programs, T=T, BT=cfg.BT)
+        extra = dict(TRACE=True, CLOCK=dev.type == "cuda")
     _moe_persistent_kernel[(setup.programs,)](
         x, w13, w2, tw, ids, dy if dy is not None else x, *weights,
         sorted_slot, inv_slot, key_start, key_count, tile_cum, num_tiles, blk,
         act, hw, gu if use_gu else act, dtw_part, dtw, slot_out, out, ctr, ctr[CTR_SLOTS.value:],
         ctr, ctr, ctr, x, ids, tw, out,  # the EP arguments, unused here
+        trace["ticks"] if trace is not None else ids,
         T, N, E, H, I, K, setup.lag, setup.r_max, setup.nb, 0, 1, 0, 0, 0, 0,
-        **setup.consts, num_warps=cfg.num_warps, num_stages=persistent_stages(cfg, is_bwd))
+        **{**setup.consts, **extra}, num_warps=cfg.num_warps, num_stages=persistent_stages(cfg, is_bwd))
     meta = KernelMeta(sorted_slot, inv_slot, key_start[1:], key_count[1:], tile_cum, num_tiles)
     return out, act, hw, dtw, meta, (gu if use_gu and not is_bwd else None)
 
@@ -356,7 +376,7 @@ def persistent_constexprs(cfg: KernelConfig, is_bwd: bool, dtype: torch.dtype, E
     return dict(IS_BWD=is_bwd, GU=gu, BM=cfg.BM, BN1=cfg.bwd_BN1 if is_bwd else cfg.BN1, BK1=cfg.BK1, BN2=cfg.BN2,
                 BK2=cfg.BK2, BT=cfg.BT, BH=cfg.BH, BLK=cfg.BLK, SUB=cfg.SUB or max(16, min(cfg.BLK, 8192 // kb)),
                 KB=kb, CB=max(16, 8192 // kb), DOT_PRECISION=_dot_precision(dtype), EP=ep, TMA_W=tma_w,
-                GT=cfg.group_tiles, POLL_NS=poll_ns)
+                GT=cfg.group_tiles, POLL_NS=poll_ns, TRACE=False, CLOCK=False)
 
 
 def persistent_stages(cfg: KernelConfig, is_bwd: bool) -> int:

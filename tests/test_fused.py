@@ -201,6 +201,25 @@ def test_backward_pipeline_stages_follow_the_config():
     assert (fused.persistent_stages(cfg, False), fused.persistent_stages(cfg, True)) == (3, 4)
 
 
+def test_the_raw_launcher_refuses_strided_inputs():
+    """The kernel indexes its inputs as dense arrays. The public wrappers make them contiguous; a
+    direct call of the launcher with a strided one (topk ids sliced from a sort, as routing returns
+    them) raises before launching instead of reading the wrong experts (a benchmark tool did, once)."""
+    from megamoe import fused
+    p = make_problem(9, 16, 16, 4, 2, seed=3)
+    x, w13, w2, tw, ids = p.args()
+    strided = torch.sort(torch.rand(9, 4, generator=torch.Generator().manual_seed(0)), dim=1).indices[:, :2]
+    assert not strided.is_contiguous()
+    cfg = fused.default_config(x.dtype, x.device)
+    for name, args in (("topk_ids", (x, w13, w2, tw, strided)), ("x", (x.t().contiguous().t(), w13, w2, tw, ids)),
+                       ("topk_weights", (x, w13, w2, tw.t().contiguous().t(), ids))):
+        with pytest.raises(ValueError, match=f"_launch_persistent: {name} must be contiguous"):
+            fused._launch_persistent(False, *args, None, 9, 16, 16, 4, 2, cfg)
+    # the public forward takes the strided ids and gives the contiguous copy's bits
+    assert torch.equal(fused_moe_fwd(x, w13, w2, tw, strided, backend="torch"),
+                       fused_moe_fwd(x, w13, w2, tw, strided.contiguous(), backend="torch"))
+
+
 def test_tma_weights_only_where_the_hardware_can_address_the_rows():
     from megamoe import fused
     cfg = fused.KernelConfig()

@@ -26,6 +26,7 @@ for name in ("qwen3", "olmoe"):
     E, H, I, k = SHAPES[name]
     for T in (4096, 16384):
         x, w13, w2, tw, ids = make_inputs(E, H, I, k, T)
+        ids = ids.contiguous()  # the raw launcher below indexes it as a dense array
         dy = torch.randn_like(x)
         yo = old.fused_moe_fwd(x, w13, w2, tw, ids, check=False); yn = new.fused_moe_fwd(x, w13, w2, tw, ids, check=False)
         go = old.fused_moe_bwd(dy, x, w13, w2, tw, ids); gn = new.fused_moe_bwd(dy, x, w13, w2, tw, ids)

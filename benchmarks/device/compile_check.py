@@ -45,7 +45,7 @@ def arg_types(tname: str) -> dict:
     types = {n: f"*{tname}" for n in ("x_ptr", "w13_ptr", "w2_ptr", "dy_ptr", "act_ptr", "hw_ptr", "slot_out_ptr",
                                       "out_ptr", "dgu_ptr", "dw13_ptr", "dw2_ptr", "gu_ptr", "xs_ptr", "y_ptr")}
     types.update(tw_ptr="*fp32", ids_ptr="*i64", dtw_part_ptr="*fp32", dtw_ptr="*fp32", ep_ptr="*i64",
-                 ep_epoch_ptr="*i64", ids_src_ptr="*i64", tw_src_ptr="*fp32")
+                 ep_epoch_ptr="*i64", ids_src_ptr="*i64", tw_src_ptr="*fp32", trace_ptr="*i64")
     return types
 
 

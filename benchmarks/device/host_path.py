@@ -54,6 +54,7 @@ def eager_ms(fn, n: int = 30) -> float:
 def rows_for(name: str, T: int):
     E, H, I, k = SHAPES[name]  # noqa: E741
     x, w13, w2, tw, ids = make_inputs(E, H, I, k, T, device="cuda", dtype=torch.bfloat16)
+    ids = ids.contiguous()  # the raw launcher layers below (the public wrappers make it so themselves)
     args = (x, w13, w2, tw, ids)
     cfg = fused._config(x)
     leaves = [t.detach().clone().requires_grad_(True) for t in (x, w13, w2, tw)]

@@ -24,11 +24,16 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(__file__))
 
 
-def _instructions(ptx: str) -> list[str]:
+def _instructions(ptx: str, module: str = "") -> list[str]:
+    """`module`: the kernel module's name, whose mangled form prefixes the names of its noinline
+    functions (so the two copies' helper names compare equal)."""
     body = ptx.split(".section\t.debug")[0]
+    prefix = module.replace(".", "_$_") + "_$_" if module else None
     keep = []
     for line in body.splitlines():
         s = line.strip()
+        if prefix:
+            s = s.replace(prefix, "")
         if not s or s.startswith(("//", ".loc", ".file", ".param", "$L__")) or "_param_" in s or "$L__tmp" in s:
             continue
         keep.append(s)
@@ -65,7 +70,7 @@ def main():
                 fn = mod._moe_persistent_kernel
                 c = {k: v for k, v in consts.items() if k in fn.arg_names}
                 k = _compile(fn, types, c, ("H", "I", "E"), cfg.num_warps, cfg.num_stages)
-                got.append(_instructions(k.asm["ptx"]))
+                got.append(_instructions(k.asm["ptx"], mod.__name__))
             same = collections.Counter(got[0]) == collections.Counter(got[1])
             same_all &= same
             name = ("bwd" if is_bwd else "fwd") + (" gu" if gu else "")

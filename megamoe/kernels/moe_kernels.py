@@ -136,6 +136,14 @@ def _globaltimer():
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
 
 
+@triton.jit
+def _trace_time(t, CLOCK: tl.constexpr):
+    if CLOCK:
+        return _globaltimer()
+    else:
+        return t.to(tl.int64)
+
+
 @triton.jit(noinline=True)  # inlined, it would spill the GEMM loops' registers
 def _ep_wait_all(pad_ptr, W, epoch, spin_max, err_ptr, code, POLL_NS: tl.constexpr):
     """Wait (bounded, system-scope acquire) until every entry of a signal pad reaches `epoch`: at most
@@ -307,6 +315,7 @@ def _moe_persistent_kernel(
     ep_err_ptr,   # EP: int32 [2] time-out record (signal code, pad entry), 0 = none
     ep_epoch_ptr,  # EP: int64 [1] the last call's epoch; this call's is one more (stored by the last program out)
     xs_ptr, ids_src_ptr, tw_src_ptr, y_ptr,  # EP: the rank's own tokens [TS, H], [TS, SK] routing, y [TS, H]
+    trace_ptr,    # TRACE: int64 [tickets, 4] per ticket (see TRACE), else unused
     T, N, E, H, I, K, LAG, R_MAX, NB,
     RANK, W, TS, SK, TMK, SPIN_MAX,  # EP: rank, ranks, own tokens, top-k, rows per source, polls per wait
     IS_BWD: tl.constexpr, GU: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
@@ -314,6 +323,11 @@ def _moe_persistent_kernel(
     BLK: tl.constexpr, SUB: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr,
     DOT_PRECISION: tl.constexpr, EP: tl.constexpr = False, TMA_W: tl.constexpr = False, GT: tl.constexpr = 1,
     POLL_NS: tl.constexpr = 0,  # EP: least ns between two polls of a signal pad (_ep_wait_all)
+    # a timeline for benchmarks (fused._launch_persistent's `trace`): each ticket t (counted from the
+    # first non-EP ticket) stores [start, after its wait, end, program * 16 + kind code] into
+    # trace_ptr[t]; times from
+    # %globaltimer in ns with CLOCK, else (the interpreter) the ticket's own number, so the order checks
+    TRACE: tl.constexpr = False, CLOCK: tl.constexpr = False,
 ):
     dtype = x_ptr.dtype.element_ty
     n1 = tl.cdiv(I, BN1)
@@ -352,6 +366,10 @@ def _moe_persistent_kernel(
             _ep_wait_all(_ep_addr(ep_ptr, EP_DSIG, RANK, W, tl.int64), W, EPOCH, SPIN_MAX, ep_err_ptr, 1, POLL_NS)
     while t < total:
         t = t - PD
+        if TRACE:
+            t_start = _trace_time(t, CLOCK)
+            t_ready = t_start
+            code = tl.full([], 0, tl.int32)  # 0 phase 0, 1 GEMM1, 2 GEMM2, 3 combine; +4: a tile past R
         if t < P0:
             _metadata_item(t, ids_ptr, blk_ptr, key_start_ptr, key_count_ptr, tile_cum_ptr, num_tiles_ptr,
                            sorted_slot_ptr, inv_slot_ptr, ctr_ptr, N, E, NB, BM, BLK, SUB, KB, CB)
@@ -360,7 +378,11 @@ def _moe_persistent_kernel(
                 _wait_geq(ctr_ptr + CTR_0C, NB)
                 tl.debug_barrier()
                 R = tl.load(num_tiles_ptr, cache_modifier=".cg")
+                if TRACE:
+                    t_ready = _trace_time(t, CLOCK)
             kind, tile, sub = _decode_ticket(t - P0, R_MAX, LAG, n1, n2, GT)
+            if TRACE:
+                code = kind + tl.where((kind < 3) & (tile >= R), 4, 0)
             if kind < 3:
                 if tile < R:
                     # the tile's expert, from the inclusive cumsum of tiles per expert
@@ -442,6 +464,8 @@ def _moe_persistent_kernel(
                     else:
                         _wait_geq(tile_done_ptr + tile, n1)
                         tl.debug_barrier()
+                        if TRACE:
+                            t_ready = _trace_time(t, CLOCK)
                         cols2 = sub * BN2 + tl.arange(0, BN2)
                         cmask2 = cols2 < H
                         acc2 = tl.zeros((BM, BN2), dtype=tl.float32)
@@ -487,6 +511,8 @@ def _moe_persistent_kernel(
             else:
                 _wait_geq(ctr_ptr + CTR_P2, R * n2)
                 tl.debug_barrier()
+                if TRACE:
+                    t_ready = _trace_time(t, CLOCK)
                 _combine_tokens(tile, slot_out_ptr, ids_ptr, out_ptr, T, K, E, H, ep_ptr, 0, 1, 0, BT, BH, False)
                 toks3 = tile * BT + tl.arange(0, BT)
                 tmask3 = toks3 < T
@@ -501,6 +527,12 @@ def _moe_persistent_kernel(
                         for c3 in range(0, n1):
                             d3 += tl.load(dtw_part_ptr + row3 * n1 + c3, mask=valid3, other=0.0, cache_modifier=".cg")
                         tl.store(dtw_ptr + sl3, d3, mask=tmask3)
+        if TRACE:
+            rec = trace_ptr + t.to(tl.int64) * 4
+            tl.store(rec, t_start)
+            tl.store(rec + 1, t_ready)
+            tl.store(rec + 2, _trace_time(t, CLOCK))
+            tl.store(rec + 3, tl.program_id(0).to(tl.int64) * 16 + code)
         t = tl.atomic_add(ctr_ptr + CTR_TICKET, 1)
 
     # leave the workspace as found: the last program out clears every counter
