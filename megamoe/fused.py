@@ -134,7 +134,12 @@ def default_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
         # spill hundreds of registers (compile_check.py)
         return KernelConfig(BM=64, BN1=32, BK1=32, BN2=64, BK2=32, BT=16, BH=128, num_warps=4, bwd_BN1=32,
                             num_stages=2, BMW=64, BNW=64, BKR=32, dw_warps=4, dw_stages=2, tma_weights=False)
-    return KernelConfig(bwd_stages=4)
+    # BT=8: the combine (and the backward's dx / d(topk_weights) gather) in blocks of 8 tokens, not 32,
+    # so at decode more programs share it (T=64: 8 items, not 2, at the very end of the launch).
+    # H200, one process, 3 rounds (results/2026-12-01-h200-ab-bt8.log): forward as a replayed graph
+    # Qwen3 / OLMoE / DeepSeek-V3 / Mixtral T=64 -8 / -10 / -15 / -1.5 %, backward -4 to -8 %;
+    # T = 4096 / 16384 within -1.2 ... +3.4 % (forward) and -0.9 ... +0.3 % (backward); same bits
+    return KernelConfig(bwd_stages=4, BT=8)
 
 
 _CONFIG_OVERRIDE: KernelConfig | None = None
