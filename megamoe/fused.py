@@ -138,7 +138,7 @@ def default_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
     # so at decode more programs share it (T=64: 8 items, not 2, at the very end of the launch).
     # H200, one process, 3 rounds (results/2026-12-01-h200-ab-bt8.log): forward as a replayed graph
     # Qwen3 / OLMoE / DeepSeek-V3 / Mixtral T=64 -8 / -10 / -15 / -1.5 %, backward -4 to -8 %;
-    # T = 4096 / 16384 within -1.2 ... +3.4 % (forward) and -0.9 ... +0.3 % (backward); same bits
+    # T = 4096 / 16384 within -1.2 ... +3.4 % (forward) and -1.0 ... +0.3 % (backward); same bits
     return KernelConfig(bwd_stages=4, BT=8)
 
 
