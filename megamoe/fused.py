@@ -108,6 +108,12 @@ class KernelConfig:
     # loads (results/2026-12-01-h200-ab-tma.log): forward -8% / -4% at Qwen3 / OLMoE T=16384, -4%
     # DeepSeek-V3 slice, +3% Mixtral, T=4096 within +-1%; backward and step within +-1.7%
     tma_weights: bool = True
+    # routing metadata (phase 0) by one histogram and one in-register sort per block of BLK slots,
+    # instead of SUB-slot one-hot sums (megamoe/kernels/moe_kernels.py, _metadata_item): the same
+    # metadata. Off until measured: on the H200 the one-hot steps hold every program ~106 us of a
+    # Qwen3 T=64 forward (results/2026-12-01-h200-trace-items-default-metadata.log); this variant
+    # has been compiled for sm_90 and run under the interpreter only
+    metadata_sort: bool = False
     # weight-gradient kernel
     # H200, Qwen3, T=4096 / 16384 (results/2026-12-01-h200-tune-saved-gu.log): 128x128 with 2 stages
     # 1.258 / 3.726 ms (113 registers and 64 KB of shared memory in the compile check: two programs
@@ -354,7 +360,7 @@ def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg
     ctr = setup.ctr
     extra = {}
     if trace is not None:
-        tickets = 2 * setup.nb + 1 + setup.r_max * (n1 + -(-H // cfg.BN2)) + -(-T // cfg.BT)
+        tickets = 2 * setup.nb + 1 + setup.r_max * (n1 + -(-H // cfg.BN2)) + -(-T // cfg.BT)  # the kernel's `total`
         trace["ticks"] = torch.full((tickets, 4), -1, dtype=torch.int64, device=dev)
         trace["layout"] = dict(P0=2 * setup.nb + 1, R_MAX=setup.r_max, n1=n1, n2=-(-H // cfg.BN2), lag=setup.lag,
                                GT=cfg.group_tiles, programs=setup.programs, T=T, BT=cfg.BT)
@@ -381,7 +387,8 @@ def persistent_constexprs(cfg: KernelConfig, is_bwd: bool, dtype: torch.dtype, E
     return dict(IS_BWD=is_bwd, GU=gu, BM=cfg.BM, BN1=cfg.bwd_BN1 if is_bwd else cfg.BN1, BK1=cfg.BK1, BN2=cfg.BN2,
                 BK2=cfg.BK2, BT=cfg.BT, BH=cfg.BH, BLK=cfg.BLK, SUB=cfg.SUB or max(16, min(cfg.BLK, 8192 // kb)),
                 KB=kb, CB=max(16, 8192 // kb), DOT_PRECISION=_dot_precision(dtype), EP=ep, TMA_W=tma_w,
-                GT=cfg.group_tiles, POLL_NS=poll_ns, TRACE=False, CLOCK=False)
+                GT=cfg.group_tiles, POLL_NS=poll_ns, TRACE=False, CLOCK=False,
+                MSORT=cfg.metadata_sort)
 
 
 def persistent_stages(cfg: KernelConfig, is_bwd: bool) -> int:
