@@ -9,8 +9,9 @@ past the routed ones), how many ran, their mean time waiting (GEMM2: for its til
 the first GEMM1 item of a program: for the routing metadata; combine: for every GEMM2 item) and
 working, and how the launch's span divides between work, waits and the gaps between a program's
 tickets (taking the next ticket). The traced variant is a separate compile with a few more stores per
-ticket; its output is checked bitwise against the untraced launch, and both launches are timed so
-the tracing's own cost shows. Needs a CUDA GPU (the CPU test runs the same code under the interpreter,
+ticket; its output is checked bitwise against the untraced launch, and both calls are timed (the
+traced one including its record buffer's fill and the copy to the host), an upper bound on what
+tracing changes. Needs a CUDA GPU (the CPU test runs the same code under the interpreter,
 where "times" are ticket numbers: tests/test_trace.py).
 """
 
