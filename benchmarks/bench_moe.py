@@ -97,6 +97,12 @@ def make_inputs(E, H, I, k, T, seed=0, device="cuda", dtype=torch.bfloat16):  # 
     return x, w13, w2, tw, ids
 
 
+def floor_ms(ids: torch.Tensor, H: int, I: int, elem_size: int, bw: float) -> float:  # noqa: E741
+    """Decode's weight-read floor: the bytes of the experts `ids` touches (w13 and w2, 3·H·I
+    elements each) at the copy bandwidth `bw` (bytes/s, copy_bandwidth())."""
+    return int(torch.unique(ids[ids >= 0]).numel()) * 3 * H * I * elem_size / bw * 1e3
+
+
 def liger_fn():
     try:
         from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
@@ -149,8 +155,7 @@ def bench_shape(name, T, reps, impls, bw, lines, records):
         print(f"  {name} T={T} {impl}: fwd {row[f'{impl}_fwd_ms']:.3f} ms, fwd+bwd {row[f'{impl}_fb_ms']:.3f} ms",
               flush=True)
     if T <= 512:
-        touched = int(torch.unique(ids).numel())
-        row["floor_ms"] = touched * 3 * H * I * 2 / bw * 1e3
+        row["floor_ms"] = floor_ms(ids, H, I, x.element_size(), bw)
         if "megamoe" in impls:
             row["megamoe_graph_fwd_ms"] = graph_ms(fwd["megamoe"], reps)
     records.append(row)

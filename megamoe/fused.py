@@ -272,6 +272,7 @@ class PersistentSetup:
     r_max: int                  # row tiles at most
     nb: int                     # phase-0 blocks
     n1: int                     # GEMM1 column blocks
+    n2: int                     # GEMM2 column blocks
 
 
 def persistent_setup(N: int, E: int, H: int, I: int, dtype: torch.dtype, device: torch.device,  # noqa: E741
@@ -288,7 +289,7 @@ def persistent_setup(N: int, E: int, H: int, I: int, dtype: torch.dtype, device:
     ctr = counters(r_max) if counters is not None else _counters(device, r_max)
     programs = programs or _num_programs(device, cfg)
     lag = cfg.lag if cfg.lag is not None else _default_lag(programs, n1, n2, cfg.group_tiles)
-    return PersistentSetup(consts, meta, ctr, programs, lag, r_max, nb, n1)
+    return PersistentSetup(consts, meta, ctr, programs, lag, r_max, nb, n1, n2)
 
 
 def _tma_weights(cfg: KernelConfig, w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -360,10 +361,11 @@ def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg
     ctr = setup.ctr
     extra = {}
     if trace is not None:
-        tickets = 2 * setup.nb + 1 + setup.r_max * (n1 + -(-H // cfg.BN2)) + -(-T // cfg.BT)  # the kernel's `total`
+        p0 = 2 * setup.nb + 1
+        tickets = p0 + setup.r_max * (n1 + setup.n2) + -(-T // cfg.BT)  # the kernel's `total`
         trace["ticks"] = torch.full((tickets, 4), -1, dtype=torch.int64, device=dev)
-        trace["layout"] = dict(P0=2 * setup.nb + 1, R_MAX=setup.r_max, n1=n1, n2=-(-H // cfg.BN2), lag=setup.lag,
-                               GT=cfg.group_tiles, programs=setup.programs, T=T, BT=cfg.BT)
+        trace["layout"] = dict(P0=p0, R_MAX=setup.r_max, n1=n1, n2=setup.n2, lag=setup.lag, GT=cfg.group_tiles,
+                               programs=setup.programs, T=T, BT=cfg.BT)
         extra = dict(TRACE=True, CLOCK=dev.type == "cuda")
     _moe_persistent_kernel[(setup.programs,)](
         x, w13, w2, tw, ids, dy if dy is not None else x, *weights,

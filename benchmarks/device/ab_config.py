@@ -22,22 +22,31 @@ import sys
 sys.path.insert(0, os.getcwd())
 import torch  # noqa: E402
 
-from benchmarks.bench_moe import SHAPES, copy_bandwidth, graph_ms, header, make_inputs, time_ms  # noqa: E402
+from benchmarks.bench_moe import SHAPES, copy_bandwidth, floor_ms, graph_ms, header, make_inputs, time_ms  # noqa: E402
 from megamoe import fused  # noqa: E402
 
 
 PIECES = ("fwd", "fwd launch (gu)", "bwd (gu)", "step", "fwd graph")
 
 
+def config_fields(assignments: list[str], flag: str) -> dict:
+    """`FIELD=VALUE` strings -> {field: value} over megamoe.fused.KernelConfig (True/False/None and
+    integers converted); an unknown field or a malformed item exits naming `flag`. Shared by the
+    device tools that take config changes (ab_config, compile_check, trace_items)."""
+    fields = {f.name for f in dataclasses.fields(fused.KernelConfig)}
+    out = {}
+    for a in assignments:
+        k, eq, v = a.partition("=")
+        if not eq or k not in fields:
+            raise SystemExit(f"{flag}: expected FIELD=VALUE with FIELD one of megamoe.fused.KernelConfig's "
+                             f"{sorted(fields)}, got {a!r}")
+        out[k] = {"True": True, "False": False, "None": None}.get(v, int(v) if v.lstrip("-").isdigit() else v)
+    return out
+
+
 def parse_variant(text: str) -> tuple[str, dict]:
     label, _, assigns = text.partition(":")
-    fields = {f.name: f.type for f in dataclasses.fields(fused.KernelConfig)}
-    out = {}
-    for a in filter(None, assigns.split(",")):
-        k, v = a.split("=")
-        if k not in fields:
-            raise SystemExit(f"--variants: unknown KernelConfig field {k!r}")
-        out[k] = {"True": True, "False": False, "None": None}.get(v, v if not v.lstrip("-").isdigit() else int(v))
+    out = config_fields([a for a in assigns.split(",") if a], "--variants")
     return label, out
 
 
@@ -98,7 +107,7 @@ def main():
             fused.set_config(None)
         differ = [lbl for lbl, _ in configs if not all(torch.equal(a, b) for a, b in zip(outs[lbl], outs["default"]))]
         same = "True" if not differ else "differ: " + ",".join(differ)
-        floor = (torch.unique(ids).numel() * 3 * H * I * x.element_size() / bw * 1e3) if T <= 512 else None
+        floor = floor_ms(ids, H, I, x.element_size(), bw) if T <= 512 else None
         print(f"{case} | " + " | ".join(f"{t[p, lbl]:.3f}" for p in pieces for lbl, _ in configs) + f" | {same} | "
               + (f"{floor:.3f}" if floor else "-"), flush=True)
         del x, w13, w2, tw, ids, dy, outs

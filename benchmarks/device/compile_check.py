@@ -233,18 +233,10 @@ def main():
         for name, what in warp_specialize_probe().items():
             print(f"{name:24s} {what}")
         return
-    import dataclasses
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from ab_config import config_fields
 
-    from megamoe import fused
-    fields = {f.name for f in dataclasses.fields(fused.KernelConfig)}
-    overrides = {}
-    for a in args.set:
-        k, eq, v = a.partition("=")
-        if not eq or k not in fields:
-            raise SystemExit(f"--set: expected FIELD=VALUE with FIELD one of megamoe.fused.KernelConfig's "
-                             f"{sorted(fields)}, got {a!r}")
-        overrides[k] = {"True": True, "False": False, "None": None}.get(v, int(v) if v.lstrip("-").isdigit() else v)
-    rows = check(overrides)
+    rows = check(config_fields(args.set, "--set"))
     if args.json:
         print(json.dumps(rows))
         return

@@ -115,9 +115,9 @@ def main():
     print(header(), flush=True)
     import dataclasses
 
-    from ab_config import parse_variant
+    from ab_config import config_fields
     cfg = dataclasses.replace(fused.default_config(torch.bfloat16, torch.device("cuda")),
-                              **parse_variant("set:" + ",".join(args.set))[1])
+                              **config_fields(args.set, "--set"))
     print(f"config: {cfg}", flush=True)
     fused.set_config(cfg)
     for case in args.cases:
