@@ -108,12 +108,14 @@ class KernelConfig:
     # loads (results/2026-12-01-h200-ab-tma.log): forward -8% / -4% at Qwen3 / OLMoE T=16384, -4%
     # DeepSeek-V3 slice, +3% Mixtral, T=4096 within +-1%; backward and step within +-1.7%
     tma_weights: bool = True
-    # routing metadata (phase 0) by one histogram and one in-register sort per block of BLK slots,
-    # instead of SUB-slot one-hot sums (megamoe/kernels/moe_kernels.py, _metadata_item): the same
-    # metadata. Off until measured: on the H200 the one-hot steps hold every program ~106 us of a
-    # Qwen3 T=64 forward (results/2026-12-01-h200-trace-items-default-metadata.log); this variant
-    # has been compiled for sm_90 and run under the interpreter only
-    metadata_sort: bool = False
+    # routing metadata (phase 0) by one histogram and one in-register sort per block of BLK slots
+    # (megamoe/kernels/moe_kernels.py, _metadata_item); False: the older SUB-slot one-hot sums. The
+    # same metadata and bits either way. H200, bf16, one process, 3 rounds
+    # (results/2026-12-01-h200-ab-metadata-sort.log): forward as a replayed graph Qwen3 / OLMoE /
+    # DeepSeek-V3 T=64 0.472 -> 0.381, 0.331 -> 0.275, 0.855 -> 0.830 ms; Qwen3 T=4096 0.951 -> 0.840;
+    # T=16384 and DeepSeek-V3 T=4096 within +-3 %; the metadata phase of a Qwen3 T=64 launch 106 -> 16 us
+    # (-trace-items-metadata-sort.log)
+    metadata_sort: bool = True
     # weight-gradient kernel
     # H200, Qwen3, T=4096 / 16384 (results/2026-12-01-h200-tune-saved-gu.log): 128x128 with 2 stages
     # 1.258 / 3.726 ms (113 registers and 64 KB of shared memory in the compile check: two programs

@@ -183,10 +183,11 @@ def _metadata_item(p0, ids_ptr, blk_ptr, key_start_ptr, key_count_ptr, tile_cum_
     """Phase-0 ticket p0 (< 2NB+1). blk [NB, E+1] holds the block histograms (0a), which 0b turns
     into each block's exclusive prefix per key.
 
-    MSORT (KernelConfig.metadata_sort): 0a takes the whole block's histogram at once (tl.histogram)
-    and 0c ranks the block's slots by sorting (key, slot) pairs in registers, instead of SUB-slot
-    one-hot [SUB, KB] sums, whose reductions cost ~39 us (0a) and ~65 us (0c) per block on the H200
-    at E=128 (benchmarks/RESULTS.md, the per-item timeline). The same metadata either way."""
+    MSORT (KernelConfig.metadata_sort, the default): 0a takes the whole block's histogram at once
+    (tl.histogram) and 0c ranks the block's slots by sorting (key, slot) pairs in registers. Without
+    it, SUB-slot one-hot [SUB, KB] sums, whose reductions cost ~39 us (0a) and ~65 us (0c) per block
+    on the H200 at E=128, against ~2 and ~12 us with MSORT (benchmarks/RESULTS.md, the per-item
+    timeline). The same metadata either way."""
     bins = tl.arange(0, KB)
     is_key = bins <= E
     if p0 < NB:  # 0a: histogram of block p0
