@@ -95,8 +95,12 @@ class KernelConfig:
     # -ab-tile-groups.log, -ab-tma.log), GPU tests passed with it (-test_fused-gpu-bf16-bwd-stages-4.log);
     # the non-gu backward then needs 229,472 B of shared memory, under the H200's 232,448 B (compile_check)
     bwd_stages: int | None = None
-    BLK: int = 1024                 # slots per routing-metadata block (phase 0)
-    SUB: int | None = None          # slots per step inside a block; None: SUB * keys <= 8192
+    # slots per routing-metadata block (phase 0): one tl.histogram and one in-register sort of its
+    # (key, slot) pairs per block (power of two). H200, vs the one-hot sums it replaced on 2026-12-01
+    # (results/2026-12-01-h200-ab-metadata-sort.log, same bits): forward as a replayed graph Qwen3 /
+    # OLMoE / DeepSeek-V3 T=64 0.472 -> 0.381, 0.331 -> 0.275, 0.855 -> 0.830 ms, Qwen3 T=4096
+    # 0.951 -> 0.840; T=16384 and DeepSeek-V3 T=4096 within +1..+3 %
+    BLK: int = 1024
     lag: int | None = None          # in units of group_tiles tiles; None: see _default_lag
     # row tiles whose items go column block by column block (_decode_ticket), so each weight column
     # block is read once for 8 row tiles. H200, bf16, T=4096 (results/2026-12-01-h200-ab-tile-groups.log):
@@ -108,14 +112,6 @@ class KernelConfig:
     # loads (results/2026-12-01-h200-ab-tma.log): forward -8% / -4% at Qwen3 / OLMoE T=16384, -4%
     # DeepSeek-V3 slice, +3% Mixtral, T=4096 within +-1%; backward and step within +-1.7%
     tma_weights: bool = True
-    # routing metadata (phase 0) by one histogram and one in-register sort per block of BLK slots
-    # (megamoe/kernels/moe_kernels.py, _metadata_item); False: the older SUB-slot one-hot sums. The
-    # same metadata and bits either way. H200, bf16, one process, 3 rounds
-    # (results/2026-12-01-h200-ab-metadata-sort.log): forward as a replayed graph Qwen3 / OLMoE /
-    # DeepSeek-V3 T=64 0.472 -> 0.381, 0.331 -> 0.275, 0.855 -> 0.830 ms; Qwen3 T=4096 0.951 -> 0.840;
-    # T=16384 and DeepSeek-V3 T=4096 within +-3 %; the metadata phase of a Qwen3 T=64 launch 106 -> 16 us
-    # (-trace-items-metadata-sort.log)
-    metadata_sort: bool = True
     # weight-gradient kernel
     # H200, Qwen3, T=4096 / 16384 (results/2026-12-01-h200-tune-saved-gu.log): 128x128 with 2 stages
     # 1.258 / 3.726 ms (113 registers and 64 KB of shared memory in the compile check: two programs
@@ -136,7 +132,7 @@ def default_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
     defaults come from the H200 sweeps in benchmarks/RESULTS.md."""
     if device.type != "cuda":  # the interpreter: small tiles, one program
         return KernelConfig(BM=16, BN1=16, BK1=16, BN2=16, BK2=16, BT=8, BH=32, programs=1,
-                            bwd_BN1=16, BMW=16, BNW=16, BKR=16, BLK=32, SUB=16)
+                            bwd_BN1=16, BMW=16, BNW=16, BKR=16, BLK=32)
     if dtype == torch.float32:
         # no TMA: the exact fp32 dots read their operands into registers, and from TMA tiles they
         # spill hundreds of registers (compile_check.py)
@@ -389,10 +385,9 @@ def persistent_constexprs(cfg: KernelConfig, is_bwd: bool, dtype: torch.dtype, E
     of a signal pad (0: no clock, the interpreter). tma_w: weights through TMA descriptors."""
     kb = max(16, _next_pow2(E + 1))  # keys: id + 1 in [0, E]
     return dict(IS_BWD=is_bwd, GU=gu, BM=cfg.BM, BN1=cfg.bwd_BN1 if is_bwd else cfg.BN1, BK1=cfg.BK1, BN2=cfg.BN2,
-                BK2=cfg.BK2, BT=cfg.BT, BH=cfg.BH, BLK=cfg.BLK, SUB=cfg.SUB or max(16, min(cfg.BLK, 8192 // kb)),
+                BK2=cfg.BK2, BT=cfg.BT, BH=cfg.BH, BLK=cfg.BLK,
                 KB=kb, CB=max(16, 8192 // kb), DOT_PRECISION=_dot_precision(dtype), EP=ep, TMA_W=tma_w,
-                GT=cfg.group_tiles, POLL_NS=poll_ns, TRACE=False, CLOCK=False,
-                MSORT=cfg.metadata_sort)
+                GT=cfg.group_tiles, POLL_NS=poll_ns, TRACE=False, CLOCK=False)
 
 
 def persistent_stages(cfg: KernelConfig, is_bwd: bool) -> int:

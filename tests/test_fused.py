@@ -132,19 +132,6 @@ def test_triton_interpreter_result_does_not_depend_on_the_ticket_order(nan_fill)
         assert all(torch.equal(a, b) for a, b in zip(res, results[1, None])), f"(GT, lag) = {key} differs"
 
 
-def test_triton_interpreter_metadata_sort_gives_the_same_bits(nan_fill):
-    """Phase 0 by histogram + sort (KernelConfig.metadata_sort, the default) against the one-hot sums: every
-    output of the forward and backward launches keeps its bits (3 programs; the metadata itself,
-    over five routings, is test_kernel_metadata_equals_torch_metadata's)."""
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("interpreter test: runs on CPU machines (conftest sets TRITON_INTERPRET=1 there)")
-    p = make_problem(37, 36, 40, 5, 3, seed=9, drop_frac=0.2)
-    g = torch.randn(37, 36, generator=torch.Generator().manual_seed(6))
-    base = _launch_outputs(p, g, programs=3, metadata_sort=False)
-    res = _launch_outputs(p, g, programs=3, metadata_sort=True)
-    assert all(torch.equal(a, b) for a, b in zip(res, base))
-
-
 def test_ticket_order_visits_every_item_once_after_what_it_waits_for():
     """The kernel's _decode_ticket, run for every ticket of a few shapes (under the interpreter):
     every (kind, tile, column block) exactly once; a tile's phase-2 items after all its phase-1
@@ -476,18 +463,17 @@ def test_gpu_opcheck():
     pytest.param(64, 128, 8, 0.0, "random", 32, 64, id="T64-E128-k8-8blocks"),
     pytest.param(20, 6, 2, 0.0, "one_expert", 16, 1024, id="T20-all-on-one-1block"),
 ])
-@pytest.mark.parametrize("msort", [False, True], ids=["onehot", "sort"])
-def test_kernel_metadata_equals_torch_metadata(T, E, k, drop, routing, BM, BLK, msort):
-    """Phase 0 of the persistent kernel (the stable counting sort; interpreter on CPU, compiled on
-    GPU) against the torch-op metadata: exact equality of every index output, over several blocks;
-    both of its implementations (KernelConfig.metadata_sort)."""
+def test_kernel_metadata_equals_torch_metadata(T, E, k, drop, routing, BM, BLK):
+    """Phase 0 of the persistent kernel (block histograms and in-register sorts; interpreter on CPU,
+    compiled on GPU) against the torch-op metadata: exact equality of every index output, over
+    several blocks."""
     from megamoe.fused import _config, _launch_persistent, routing_metadata
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs a GPU or the Triton interpreter")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     p = make_problem(T, 16, 16, E, k, drop_frac=drop, routing=routing, seed=3, device=device)
     a = routing_metadata(p.topk_ids, E)
-    cfg = dataclasses.replace(_config(p.x), BM=BM, BLK=BLK, SUB=min(16, BLK), metadata_sort=msort)
+    cfg = dataclasses.replace(_config(p.x), BM=BM, BLK=BLK)
     b = _launch_persistent(False, p.x, p.w13, p.w2, p.topk_weights, p.topk_ids.contiguous(), None,
                                T, 16, 16, E, k, cfg)[4]
     b = {f: getattr(b, f).long().cpu() for f in ("sorted_slot", "inv_slot", "expert_start", "expert_count",

@@ -4,6 +4,7 @@ sm_90 from the tree and from an earlier commit's megamoe/kernels/moe_kernels.py,
 compares their PTX instructions (debug info and label names left out).
 
     python benchmarks/device/ptx_diff.py REV        # e.g. a9c5159
+    python benchmarks/device/ptx_diff.py 036f38f --old-set SUB=32 MSORT=True   # a parameter the tree removed
 
 "same instructions" = the same multiset of PTX instruction lines: at most their order differs.
 Must run without TRITON_INTERPRET.
@@ -47,6 +48,9 @@ def _instructions(ptx: str, module: str = "") -> list[str]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("rev", help="the earlier commit")
+    ap.add_argument("--old-set", nargs="*", default=[], metavar="NAME=VALUE",
+                    help="constexprs for the earlier copy only (integers, True/False): parameters it "
+                         "takes that the tree's kernel no longer has")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("ptx_diff: unset TRITON_INTERPRET")
@@ -62,6 +66,12 @@ def main():
     spec = importlib.util.spec_from_file_location("moe_kernels_old", f.name)
     old = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(old)
+    old_consts = {}
+    for a in args.old_set:
+        name, eq, v = a.partition("=")
+        if not eq:
+            raise SystemExit(f"--old-set: expected NAME=VALUE, got {a!r}")
+        old_consts[name] = {"True": True, "False": False}.get(v) if v in ("True", "False") else int(v)
     E = 128
     same_all = True
     for dtype, tname in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
@@ -72,7 +82,7 @@ def main():
             got = []
             for mod in (new, old):
                 fn = mod._moe_persistent_kernel
-                c = {k: v for k, v in consts.items() if k in fn.arg_names}
+                c = {k: v for k, v in {**consts, **(old_consts if mod is old else {})}.items() if k in fn.arg_names}
                 k = _compile(fn, types, c, ("H", "I", "E"), cfg.num_warps, cfg.num_stages)
                 got.append(_instructions(k.asm["ptx"], mod.__name__))
             same = collections.Counter(got[0]) == collections.Counter(got[1])

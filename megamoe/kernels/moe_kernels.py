@@ -166,9 +166,9 @@ def _ep_wait_all(pad_ptr, W, epoch, spin_max, err_ptr, code, POLL_NS: tl.constex
 
 
 @triton.jit
-def _block_keys(ids_ptr, b, c, N, E, BLK: tl.constexpr, SUB: tl.constexpr):
-    """Slots and keys (id + 1 in [0, E]; -1 past N or out of range) of sub-chunk c of block b."""
-    offs = b * BLK + c * SUB + tl.arange(0, SUB)
+def _block_keys(ids_ptr, b, N, E, BLK: tl.constexpr):
+    """Slots and keys (id + 1 in [0, E]; -1 past N or out of range) of block b."""
+    offs = b * BLK + tl.arange(0, BLK)
     m = offs < N
     key = tl.load(ids_ptr + offs, mask=m, other=-2).to(tl.int32) + 1
     key = tl.where(m & (key >= 0) & (key <= E), key, -1)
@@ -178,27 +178,17 @@ def _block_keys(ids_ptr, b, c, N, E, BLK: tl.constexpr, SUB: tl.constexpr):
 @triton.jit(noinline=True)  # inlined, it pushes the GEMM loops past 255 registers (a stack frame)
 def _metadata_item(p0, ids_ptr, blk_ptr, key_start_ptr, key_count_ptr, tile_cum_ptr, num_tiles_ptr,
                    sorted_slot_ptr, inv_slot_ptr, ctr_ptr, N, E, NB, BM,
-                   BLK: tl.constexpr, SUB: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr,
-                   MSORT: tl.constexpr = False):
+                   BLK: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr):
     """Phase-0 ticket p0 (< 2NB+1). blk [NB, E+1] holds the block histograms (0a), which 0b turns
-    into each block's exclusive prefix per key.
-
-    MSORT (KernelConfig.metadata_sort, the default): 0a takes the whole block's histogram at once
-    (tl.histogram) and 0c ranks the block's slots by sorting (key, slot) pairs in registers. Without
-    it, SUB-slot one-hot [SUB, KB] sums, whose reductions cost ~39 us (0a) and ~65 us (0c) per block
-    on the H200 at E=128, against ~2 and ~12 us with MSORT (benchmarks/RESULTS.md, the per-item
-    timeline). The same metadata either way."""
+    into each block's exclusive prefix per key; 0c ranks the block's slots by one in-register sort of
+    its (key, slot) pairs. (Until 2026-12-01 0a and 0c summed one-hot [32, E+1] matrices over
+    sub-chunks of the block instead: ~39 and ~65 us per block on the H200 at E=128 against ~2 and
+    ~12 us now, the same metadata; benchmarks/RESULTS.md, "The metadata by histogram + sort".)"""
     bins = tl.arange(0, KB)
     is_key = bins <= E
     if p0 < NB:  # 0a: histogram of block p0
-        if MSORT:
-            offs, key = _block_keys(ids_ptr, p0, 0, N, E, BLK, BLK)
-            cnt = tl.histogram(tl.where(key >= 0, key, 0), KB, mask=key >= 0)
-        else:
-            cnt = tl.zeros((KB,), dtype=tl.int32)
-            for c in range(0, BLK // SUB):
-                offs, key = _block_keys(ids_ptr, p0, c, N, E, BLK, SUB)
-                cnt += tl.sum((key[:, None] == bins[None, :]).to(tl.int32), axis=0)
+        offs, key = _block_keys(ids_ptr, p0, N, E, BLK)
+        cnt = tl.histogram(tl.where(key >= 0, key, 0), KB, mask=key >= 0)
         tl.store(blk_ptr + p0 * (E + 1) + bins, cnt, mask=is_key)
         _publish(ctr_ptr + CTR_0A)
     elif p0 == NB:  # 0b: prefixes over blocks, key starts, tiles per expert
@@ -228,32 +218,22 @@ def _metadata_item(p0, ids_ptr, blk_ptr, key_start_ptr, key_count_ptr, tile_cum_
         tl.debug_barrier()
         base = tl.load(blk_ptr + b * (E + 1) + bins, mask=is_key, other=0, cache_modifier=".cg") + \
             tl.load(key_start_ptr + bins, mask=is_key, other=0, cache_modifier=".cg")
-        if MSORT:
-            # sorted by (key, slot), the block's p-th pair goes to row base[key] + p - first[key],
-            # first[key] = the pairs of smaller keys in the block. (base - first) per key goes
-            # through the block's own blk row (read by this item only) so each pair can gather it.
-            offs, key = _block_keys(ids_ptr, b, 0, N, E, BLK, BLK)
-            ok = key >= 0
-            cnt = tl.histogram(tl.where(ok, key, 0), KB, mask=ok)
-            tl.debug_barrier()  # every thread has read the row (base) before it is overwritten
-            tl.store(blk_ptr + b * (E + 1) + bins, base - (tl.cumsum(cnt, axis=0) - cnt), mask=is_key)
-            tl.debug_barrier()
-            pairs = tl.sort(tl.where(ok, key * BLK + (offs - b * BLK), KB * BLK))
-            skey = pairs // BLK
-            sok = skey < KB
-            sslot = b * BLK + pairs % BLK
-            row = tl.load(blk_ptr + b * (E + 1) + skey, mask=sok, other=0, cache_modifier=".cg") + tl.arange(0, BLK)
-            tl.store(sorted_slot_ptr + row, sslot, mask=sok)
-            tl.store(inv_slot_ptr + sslot, row, mask=sok)
-        else:
-            for c in range(0, BLK // SUB):
-                offs, key = _block_keys(ids_ptr, b, c, N, E, BLK, SUB)
-                oh = (key[:, None] == bins[None, :]).to(tl.int32)
-                rank = tl.sum(oh * (tl.cumsum(oh, axis=0) - 1 + base[None, :]), axis=1)
-                ok = key >= 0
-                tl.store(sorted_slot_ptr + rank, offs, mask=ok)
-                tl.store(inv_slot_ptr + offs, rank, mask=ok)
-                base += tl.sum(oh, axis=0)
+        # sorted by (key, slot), the block's p-th pair goes to row base[key] + p - first[key],
+        # first[key] = the pairs of smaller keys in the block. (base - first) per key goes through
+        # the block's own blk row (read by this item only) so each pair can gather it.
+        offs, key = _block_keys(ids_ptr, b, N, E, BLK)
+        ok = key >= 0
+        cnt = tl.histogram(tl.where(ok, key, 0), KB, mask=ok)
+        tl.debug_barrier()  # every thread has read the row (base) before it is overwritten
+        tl.store(blk_ptr + b * (E + 1) + bins, base - (tl.cumsum(cnt, axis=0) - cnt), mask=is_key)
+        tl.debug_barrier()
+        pairs = tl.sort(tl.where(ok, key * BLK + (offs - b * BLK), KB * BLK))
+        skey = pairs // BLK
+        sok = skey < KB
+        sslot = b * BLK + pairs % BLK
+        row = tl.load(blk_ptr + b * (E + 1) + skey, mask=sok, other=0, cache_modifier=".cg") + tl.arange(0, BLK)
+        tl.store(sorted_slot_ptr + row, sslot, mask=sok)
+        tl.store(inv_slot_ptr + sslot, row, mask=sok)
         _publish(ctr_ptr + CTR_0C)
 
 
@@ -349,7 +329,7 @@ def _moe_persistent_kernel(
     RANK, W, TS, SK, TMK, SPIN_MAX,  # EP: rank, ranks, own tokens, top-k, rows per source, polls per wait
     IS_BWD: tl.constexpr, GU: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
     BN2: tl.constexpr, BK2: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
-    BLK: tl.constexpr, SUB: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr,
+    BLK: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr,
     DOT_PRECISION: tl.constexpr, EP: tl.constexpr = False, TMA_W: tl.constexpr = False, GT: tl.constexpr = 1,
     POLL_NS: tl.constexpr = 0,  # EP: least ns between two polls of a signal pad (_ep_wait_all)
     # a timeline for benchmarks (fused._launch_persistent's `trace`): each ticket t (counted from the
@@ -357,7 +337,6 @@ def _moe_persistent_kernel(
     # trace_ptr[t]; times from %globaltimer in ns with CLOCK, else (the interpreter, which has no
     # clock) the ticket's own number, so that tests can check the records' order and kinds
     TRACE: tl.constexpr = False, CLOCK: tl.constexpr = False,
-    MSORT: tl.constexpr = False,  # routing metadata by histogram + sort (_metadata_item)
 ):
     dtype = x_ptr.dtype.element_ty
     n1 = tl.cdiv(I, BN1)
@@ -402,7 +381,7 @@ def _moe_persistent_kernel(
             code = tl.full([], 0, tl.int32)  # 0 phase 0, 1 GEMM1, 2 GEMM2, 3 combine; +4: a tile past R
         if t < P0:
             _metadata_item(t, ids_ptr, blk_ptr, key_start_ptr, key_count_ptr, tile_cum_ptr, num_tiles_ptr,
-                           sorted_slot_ptr, inv_slot_ptr, ctr_ptr, N, E, NB, BM, BLK, SUB, KB, CB, MSORT)
+                           sorted_slot_ptr, inv_slot_ptr, ctr_ptr, N, E, NB, BM, BLK, KB, CB)
         else:
             if R < 0:
                 _wait_geq(ctr_ptr + CTR_0C, NB)
