@@ -1,5 +1,5 @@
-"""The persistent kernel's traced variant (benchmarks/device/trace_items.py) under the interpreter:
-the same output bits as the untraced launch, one record per ticket, each ticket's kind what the
+"""The persistent kernel's traced variant (benchmarks/device/trace_items.py) under the interpreter,
+forward and backward launches: the same output bits as the untraced launch, one record per ticket, each ticket's kind what the
 routing implies. Under the interpreter the "times" are ticket numbers (no clock), so the timing
 itself is checked on a GPU only, by the tool's run (benchmarks/RESULTS.md)."""
 
@@ -17,11 +17,11 @@ from megamoe.testing import make_problem
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks", "device"))
 
-from trace_items import summarize, traced_forward  # noqa: E402
+from trace_items import BWD_KINDS, KINDS, summarize, traced_launch  # noqa: E402
 
 
-@pytest.mark.parametrize("programs", [1, 3])
-def test_traced_launch_records_every_ticket_and_keeps_the_bits(programs, nan_fill):
+@pytest.mark.parametrize("is_bwd,programs", [(False, 1), (False, 3), (True, 3)], ids=["fwd-1", "fwd-3", "bwd-3"])
+def test_traced_launch_records_every_ticket_and_keeps_the_bits(is_bwd, programs, nan_fill):
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("interpreter test: runs on CPU machines (conftest sets TRITON_INTERPRET=1 there)")
     import dataclasses
@@ -32,13 +32,20 @@ def test_traced_launch_records_every_ticket_and_keeps_the_bits(programs, nan_fil
     p = make_problem(T, H, I, E, k, seed=11, drop_frac=0.2, routing="skip_odd")  # experts 1, 3, 5: no rows
     x, w13, w2, tw, ids = p.args()
     cfg = dataclasses.replace(fused.default_config(x.dtype, x.device), programs=programs)
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(12)) if is_bwd else None
     fused.set_config(cfg)
     try:
-        y_plain = fused_moe_fwd(x, w13, w2, tw, ids, backend="triton")
-        y, ticks, layout = traced_forward(x, w13, w2, tw, ids, cfg)
+        if is_bwd:  # the training backward: reads the (gate, up) its forward saved
+            gu = fused_moe_fwd(x, w13, w2, tw, ids, backend="triton", save_gu=True)[1]
+            r = fused._launch_persistent(True, x, w13, w2, tw, ids, dy, T, H, I, E, k, cfg, gu=gu)
+            plain = (r[0], r[3])  # dx, d(topk_weights)
+        else:
+            gu = None
+            plain = (fused_moe_fwd(x, w13, w2, tw, ids, backend="triton"),)
+        outs, ticks, layout = traced_launch(is_bwd, x, w13, w2, tw, ids, dy, gu, cfg)
     finally:
         fused.set_config(None)
-    assert torch.equal(y, y_plain)
+    assert len(outs) == len(plain) and all(torch.equal(a, b) for a, b in zip(outs, plain))
 
     n = ticks.shape[0]
     # every ticket taken once; no clock: start = after-wait = end = the ticket's number
@@ -52,7 +59,7 @@ def test_traced_launch_records_every_ticket_and_keeps_the_bits(programs, nan_fil
     per_expert = torch.bincount(ids[ids >= 0].flatten(), minlength=E)
     R = int(((per_expert + cfg.BM - 1) // cfg.BM).sum())
     n1, n2, P0, R_MAX = layout["n1"], layout["n2"], layout["P0"], layout["R_MAX"]
-    assert (n1, n2) == (-(-I // cfg.BN1), -(-H // cfg.BN2))
+    assert (n1, n2) == (-(-I // (cfg.bwd_BN1 if is_bwd else cfg.BN1)), -(-H // cfg.BN2))
     assert n == P0 + R_MAX * (n1 + n2) + -(-T // cfg.BT)
     assert (code[:P0] == 0).all() and (code[P0:] != 0).all()
     counts = {c: int((code == c).sum()) for c in (1, 2, 3, 5, 6)}
@@ -60,10 +67,11 @@ def test_traced_launch_records_every_ticket_and_keeps_the_bits(programs, nan_fil
     # combine tickets come last; every tile's GEMM2 tickets after all its GEMM1 tickets is the
     # ticket order's own test (test_fused.py); here: the summary adds up
     assert (code[-counts[3]:] == 3).all()
-    s = summarize(ticks, P0)
+    kinds = BWD_KINDS if is_bwd else KINDS
+    s = summarize(ticks, P0, kinds)
     # no clock: each ticket's work is 0 and the last metadata ticket "ends" at its own number
     assert s["metadata_steps"] == {"a": 0.0, "b": 0.0, "c": 0.0, "done": float(P0 - 1)}
     assert s["tickets"] == n and s["untaken"] == 0 and s["programs"] == len(set((ticks[:, 3] // 16).tolist()))
     assert {name: v["n"] for name, v in s["kinds"].items()} == {
-        "metadata": P0, "GEMM1": R * n1, "GEMM2": R * n2, "combine": counts[3],
-        **({"GEMM1 (no tile)": counts[5], "GEMM2 (no tile)": counts[6]} if counts[5] else {})}
+        kinds[0]: P0, kinds[1]: R * n1, kinds[2]: R * n2, kinds[3]: counts[3],
+        **({kinds[5]: counts[5], kinds[6]: counts[6]} if counts[5] else {})}

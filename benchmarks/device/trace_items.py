@@ -1,6 +1,8 @@
-"""Where one persistent forward launch spends its time, work item by work item, on a GPU.
+"""Where one persistent launch (forward, or with --backward also the backward's) spends its time,
+work item by work item, on a GPU.
 
     python3 benchmarks/device/trace_items.py --cases qwen3:64 qwen3:4096 dsv3:64 mixtral:64
+    python3 benchmarks/device/trace_items.py --backward --cases qwen3:4096 mixtral:4096
 
 Launches the forward's traced variant (fused._launch_persistent(trace=...): every ticket stores its
 start, the end of its wait and its end from the GPU's %globaltimer, and which program ran it) and
@@ -11,8 +13,11 @@ working, and how the launch's span divides between work, waits and the gaps betw
 tickets (taking the next ticket). The traced variant is a separate compile with a few more stores per
 ticket; its output is checked bitwise against the untraced launch, and both calls are timed (the
 traced one including its record buffer's fill and the copy to the host), an upper bound on what
-tracing changes. Needs a CUDA GPU (the CPU test runs the same code under the interpreter,
-where "times" are ticket numbers: tests/test_trace.py).
+tracing changes. --backward also traces the training backward's persistent launch (reading the
+forward's saved (gate, up); its items: phase 1 = d(gate, up) from dy, phase 2 = the dx rows, then
+the per-token gather of dx and d(topk_weights)); the weight-gradient kernel is a separate launch and
+not traced. Needs a CUDA GPU (the CPU test runs the same code under the interpreter, where "times"
+are ticket numbers: tests/test_trace.py).
 """
 
 from __future__ import annotations
@@ -27,22 +32,32 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 KINDS = {0: "metadata", 1: "GEMM1", 2: "GEMM2", 3: "combine", 5: "GEMM1 (no tile)", 6: "GEMM2 (no tile)"}
+BWD_KINDS = {0: "metadata", 1: "d(gate, up)", 2: "dx rows", 3: "dx, dtw gather", 5: "d(gate, up) (no tile)",
+             6: "dx rows (no tile)"}
 
 
-def traced_forward(x, w13, w2, tw, ids, cfg=None):
-    """(y, ticks [tickets, 4] int64 on the CPU, layout) of one traced forward launch."""
+def traced_launch(is_bwd, x, w13, w2, tw, ids, dy=None, gu=None, cfg=None):
+    """(outputs, ticks [tickets, 4] int64 on the CPU, layout) of one traced persistent launch: the
+    forward (outputs = (y,)) or the backward reading the saved gu (outputs = (dx, d(topk_weights)))."""
     from megamoe import fused
 
     T, H = x.shape
     E, two_i, _ = w13.shape
     cfg = cfg or fused._config(x)
     trace: dict = {}
-    y = fused._launch_persistent(False, x, w13, w2, tw.contiguous(), ids.contiguous(), None, T, H, two_i // 2, E,
-                                 ids.shape[1], cfg, trace=trace)[0]
-    return y, trace["ticks"].cpu(), trace["layout"]
+    res = fused._launch_persistent(is_bwd, x, w13, w2, tw.contiguous(), ids.contiguous(), dy, T, H, two_i // 2, E,
+                                   ids.shape[1], cfg, gu=gu, trace=trace)
+    outs = (res[0], res[3]) if is_bwd else (res[0],)
+    return outs, trace["ticks"].cpu(), trace["layout"]
 
 
-def summarize(ticks: torch.Tensor, P0: int | None = None) -> dict:
+def traced_forward(x, w13, w2, tw, ids, cfg=None):
+    """(y, ticks [tickets, 4] int64 on the CPU, layout) of one traced forward launch."""
+    outs, ticks, layout = traced_launch(False, x, w13, w2, tw, ids, cfg=cfg)
+    return outs[0], ticks, layout
+
+
+def summarize(ticks: torch.Tensor, P0: int | None = None, kinds: dict = KINDS) -> dict:
     """Per kind: count, mean wait and work; the span and its split; with P0 (the layout's), the
     routing metadata's three steps (0a block histograms, 0b prefixes, 0c scatters: the longest item
     of each) and when the last one ended. `ticks` as traced_forward gives (rows never written, -1,
@@ -55,7 +70,7 @@ def summarize(ticks: torch.Tensor, P0: int | None = None) -> dict:
     span = float(end.max()) - t0
     out = {"tickets": int(done.shape[0]), "untaken": int(ticks.shape[0] - done.shape[0]), "span": span,
            "programs": int(prog.max()) + 1, "kinds": {}}
-    for c, name in KINDS.items():
+    for c, name in kinds.items():
         m = code == c
         if int(m.sum()):
             out["kinds"][name] = dict(n=int(m.sum()), wait=float((ready - start)[m].mean()),
@@ -106,6 +121,7 @@ def main():
     ap.add_argument("--cases", nargs="+", default=["qwen3:64", "qwen3:4096", "dsv3:64", "mixtral:64"])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="KernelConfig fields to change")
+    ap.add_argument("--backward", action="store_true", help="also trace the backward's persistent launch")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("trace_items.py needs a CUDA GPU (tests/test_trace.py runs the traced kernel on CPU)")
@@ -132,6 +148,23 @@ def main():
         y, ticks, layout = traced_forward(x, w13, w2, tw, ids)  # a warm launch's timeline
         print(report(case, summarize(ticks, layout["P0"]), "us", ms_plain, ms_traced) + f"\n  layout {layout}, traced output "
               f"bitwise equal to the untraced: {same}", flush=True)
+        if args.backward:
+            dy = torch.randn_like(x)
+            gu = fused.fused_moe_fwd(x, w13, w2, tw, ids, check=False, save_gu=True)[1]
+            ids_c, tw_c = ids.contiguous(), tw.contiguous()
+
+            def plain():
+                r = fused._launch_persistent(True, x, w13, w2, tw_c, ids_c, dy, x.shape[0], H, I, E, k, cfg, gu=gu)
+                return r[0], r[3]
+
+            outs, ticks, layout = traced_launch(True, x, w13, w2, tw, ids, dy, gu, cfg)
+            same = all(torch.equal(a, b) for a, b in zip(outs, plain()))
+            ms_plain = time_ms(plain, args.reps)
+            ms_traced = time_ms(lambda: traced_launch(True, x, w13, w2, tw, ids, dy, gu, cfg), args.reps)
+            outs, ticks, layout = traced_launch(True, x, w13, w2, tw, ids, dy, gu, cfg)
+            print(report(case + " backward", summarize(ticks, layout["P0"], BWD_KINDS), "us", ms_plain, ms_traced)
+                  + f"\n  layout {layout}, traced dx and d(topk_weights) bitwise equal to the untraced: {same}",
+                  flush=True)
 
 
 if __name__ == "__main__":
