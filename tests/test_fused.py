@@ -461,6 +461,7 @@ def test_gpu_opcheck():
     pytest.param(1, 4, 2, 0.0, "random", 16, 32, id="T1-E4-k2"),
     pytest.param(50, 7, 2, 0.5, "skip_odd", 16, 16, id="T50-E7-empty-experts-7blocks"),
     pytest.param(64, 128, 8, 0.0, "random", 32, 64, id="T64-E128-k8-8blocks"),
+    pytest.param(40, 256, 8, 0.1, "random", 16, 64, id="T40-E256-k8-5blocks"),  # DeepSeek-V3's expert count
     pytest.param(20, 6, 2, 0.0, "one_expert", 16, 1024, id="T20-all-on-one-1block"),
 ])
 def test_kernel_metadata_equals_torch_metadata(T, E, k, drop, routing, BM, BLK):

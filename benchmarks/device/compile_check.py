@@ -108,9 +108,10 @@ def _local_ops(cubin: bytes) -> dict:
     return dict(local_ops=total, inner_loop_local_ops=inner)
 
 
-def check(overrides: dict | None = None) -> list[dict]:
+def check(overrides: dict | None = None, E: int = 128) -> list[dict]:
     """One row per kernel variant. `overrides`: KernelConfig fields replaced in the bf16 config
-    (then only bf16 is compiled)."""
+    (then only bf16 is compiled). E: the expert count (the phase-0 key width KB and the expert
+    lookup of every GEMM item depend on it; 128 is Qwen3-30B-A3B's, 256 DeepSeek-V3's)."""
     import dataclasses
 
     import torch
@@ -120,7 +121,6 @@ def check(overrides: dict | None = None) -> list[dict]:
 
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("compile_check: unset TRITON_INTERPRET (the interpreter replaces the kernels)")
-    E = 128  # Qwen3-30B-A3B's expert count (the phase-0 key width depends on it)
     rows = []
     dtypes = ((torch.bfloat16, "bf16"),) if overrides else ((torch.bfloat16, "bf16"), (torch.float32, "fp32"))
     for dtype, tname in dtypes:
@@ -226,6 +226,7 @@ def main():
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     ap.add_argument("--warp-specialize-probe", action="store_true",
                     help="only report where Triton's warp_specialize applies on sm_90")
+    ap.add_argument("--experts", type=int, default=128, help="the expert count E the kernels are compiled for")
     ap.add_argument("--set", nargs="+", default=[], metavar="FIELD=VALUE",
                     help="compile bf16 only, with these KernelConfig fields replaced (e.g. BM=64 num_warps=4)")
     args = ap.parse_args()
@@ -236,7 +237,7 @@ def main():
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from ab_config import config_fields
 
-    rows = check(config_fields(args.set, "--set"))
+    rows = check(config_fields(args.set, "--set"), args.experts)
     if args.json:
         print(json.dumps(rows))
         return
