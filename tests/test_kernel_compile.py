@@ -17,6 +17,19 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks", "device"))
 from compile_check import SHARED_LIMIT  # noqa: E402
 
 
+def test_gluon_warp_specialised_prototype_compiles_for_sm90():
+    """benchmarks/device/gluon_gemm1.py (not used by the op): one warp-specialised region (gather
+    loader, weight loader, MMA), within shared memory, no spill. Never run on a GPU yet."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "device", "gluon_gemm1.py"),
+                           "--compile-only"], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(r)
+    assert r["warp_specialize"] == 1 and r["async_copies"] > 0, r
+    assert 0 < r["shared"] <= SHARED_LIMIT and r["stack"] == 0 and r["local"] == 0, r
+
+
 def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "device", "compile_check.py"), "--json"],

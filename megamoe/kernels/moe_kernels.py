@@ -181,9 +181,9 @@ def _metadata_item(p0, ids_ptr, blk_ptr, key_start_ptr, key_count_ptr, tile_cum_
                    BLK: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr):
     """Phase-0 ticket p0 (< 2NB+1). blk [NB, E+1] holds the block histograms (0a), which 0b turns
     into each block's exclusive prefix per key; 0c ranks the block's slots by one in-register sort of
-    its (key, slot) pairs. (Until 2026-12-01 0a and 0c summed one-hot [32, E+1] matrices over
-    sub-chunks of the block instead: ~39 and ~65 us per block on the H200 at E=128 against ~2 and
-    ~12 us now, the same metadata; benchmarks/RESULTS.md, "The metadata by histogram + sort".)"""
+    its (key, slot) pairs. (Until 2026-12-01 0a and 0c summed one-hot [sub-chunk, E+1] matrices
+    over sub-chunks of the block instead: ~39 and ~65 us per block on the H200 at E=128 against ~2
+    and ~12 us now, the same metadata; benchmarks/RESULTS.md, "The metadata by histogram + sort".)"""
     bins = tl.arange(0, KB)
     is_key = bins <= E
     if p0 < NB:  # 0a: histogram of block p0
