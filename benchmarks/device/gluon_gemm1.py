@@ -152,7 +152,6 @@ def compile_only(BM=128, BN=128, BK=64, STAGES=4, num_warps=4) -> dict:
     """Compile the Gluon kernel for sm_90 on any machine; shared memory and registers."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401  (the launch-side type)
 
     fn = gathered_gemm_ws_kernel
     consts = dict(BM=BM, BN=BN, BK=BK, STAGES=STAGES, num_warps=num_warps)
