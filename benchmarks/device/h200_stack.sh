@@ -8,7 +8,7 @@
 # rl_reference | kernel_tests (op + trainer GPU tests) | bench (bench_moe.py; carry .whl with the
 # Liger wheel; BENCH_ARGS overrides its shapes/tokens) | tune (tune_moe.py: stage split, tile
 # variants) | profile (one training step under torch.profiler: kernels and gaps) | host (host_path.py: host time per layer, one-call latency vs a CUDA graph) | probe (the Gluon
-# GEMM1 prototype's check and timing, the backward's per-item timeline) | ep (multigpu EP tests + bench_ep.py; needs 2 GPUs). docs/GPU_MACHINE.md: costs.
+# GEMM1 prototype's check and timing, the backward's per-item timeline, the E=256 GPU tests) | ep (multigpu EP tests + bench_ep.py; needs 2 GPUs). docs/GPU_MACHINE.md: costs.
 set -u
 cd "$(dirname "$0")/../.."
 RUNS=runs/h200; LOG="${OUT:-$RUNS}"; mkdir -p "$RUNS" "$LOG"
@@ -63,7 +63,10 @@ for stage in "$@"; do
       timeout 90 $PY benchmarks/device/gluon_gemm1.py > "$LOG/gluon_gemm1.log" 2>&1; echo "gluon_gemm1 rc=$?"
       tail -8 "$LOG/gluon_gemm1.log"
       timeout 200 $PY benchmarks/device/trace_items.py --backward --cases qwen3:4096 qwen3:16384 mixtral:4096 \
-        > "$LOG/trace_backward.log" 2>&1; rc=$?; grep -vE "^\s*$" "$LOG/trace_backward.log" | tail -40 ;;
+        > "$LOG/trace_backward.log" 2>&1; rc=$?; grep -vE "^\s*$" "$LOG/trace_backward.log" | tail -40
+      # the E=256 ground-truth cases (bf16, fp32), added after the last GPU test run
+      timeout 200 $PY -m pytest -p no:cacheprovider -q -rA -m gpu tests/test_fused.py -k E256 \
+        > "$LOG/test_fused_e256.log" 2>&1 || rc=$?; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$LOG/test_fused_e256.log" ;;
     ep) # two or more GPUs (kind nvidia-h200-x2); whole outputs into files (the ranks' stderr says why a spawn failed)
       timeout 150 $PY benchmarks/device/ep_diag.py > "$LOG/ep_diag.log" 2>&1; echo "ep_diag rc=$?"; grep "^\[rank" "$LOG/ep_diag.log"
       timeout 300 $PY -m pytest -p no:cacheprovider -q -rA -m multigpu tests/test_ep.py tests/test_ep_fused_multiproc.py \
