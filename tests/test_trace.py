@@ -46,6 +46,13 @@ def test_traced_launch_records_every_ticket_and_keeps_the_bits(is_bwd, programs,
     finally:
         fused.set_config(None)
     assert len(outs) == len(plain) and all(torch.equal(a, b) for a, b in zip(outs, plain))
+    # the tool's untraced launch (its timing baseline) gives the same outputs and no records
+    fused.set_config(cfg)
+    try:
+        untraced = traced_launch(is_bwd, x, w13, w2, tw, ids, dy, gu, cfg, traced=False)
+    finally:
+        fused.set_config(None)
+    assert untraced[1:] == (None, None) and all(torch.equal(a, b) for a, b in zip(untraced[0], plain))
 
     n = ticks.shape[0]
     # every ticket taken once; no clock: start = after-wait = end = the ticket's number

@@ -29,6 +29,11 @@ from megamoe import fused  # noqa: E402
 PIECES = ("fwd", "fwd launch (gu)", "bwd (gu)", "step", "fwd graph")
 
 
+def config_value(v: str):
+    """A FIELD=VALUE tool argument's value: True/False/None, an integer, else the string."""
+    return {"True": True, "False": False, "None": None}.get(v, int(v) if v.lstrip("-").isdigit() else v)
+
+
 def config_fields(assignments: list[str], flag: str) -> dict:
     """`FIELD=VALUE` strings -> {field: value} over megamoe.fused.KernelConfig (True/False/None and
     integers converted); an unknown field or a malformed item exits naming `flag`. Shared by the
@@ -40,7 +45,7 @@ def config_fields(assignments: list[str], flag: str) -> dict:
         if not eq or k not in fields:
             raise SystemExit(f"{flag}: expected FIELD=VALUE with FIELD one of megamoe.fused.KernelConfig's "
                              f"{sorted(fields)}, got {a!r}")
-        out[k] = {"True": True, "False": False, "None": None}.get(v, int(v) if v.lstrip("-").isdigit() else v)
+        out[k] = config_value(v)
     return out
 
 

@@ -230,6 +230,8 @@ def main():
     ap.add_argument("--set", nargs="+", default=[], metavar="FIELD=VALUE",
                     help="compile bf16 only, with these KernelConfig fields replaced (e.g. BM=64 num_warps=4)")
     args = ap.parse_args()
+    if args.experts < 1:
+        raise SystemExit(f"--experts: expected an expert count >= 1, got {args.experts}")
     if args.warp_specialize_probe:
         for name, what in warp_specialize_probe().items():
             print(f"{name:24s} {what}")

@@ -49,7 +49,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("rev", help="the earlier commit")
     ap.add_argument("--old-set", nargs="*", default=[], metavar="NAME=VALUE",
-                    help="constexprs for the earlier copy only (integers, True/False): parameters it "
+                    help="constexprs for the earlier copy only (integers, True/False/None): parameters it "
                          "takes that the tree's kernel no longer has")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
@@ -66,12 +66,13 @@ def main():
     spec = importlib.util.spec_from_file_location("moe_kernels_old", f.name)
     old = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(old)
+    from ab_config import config_value
     old_consts = {}
     for a in args.old_set:
         name, eq, v = a.partition("=")
         if not eq:
             raise SystemExit(f"--old-set: expected NAME=VALUE, got {a!r}")
-        old_consts[name] = {"True": True, "False": False}.get(v) if v in ("True", "False") else int(v)
+        old_consts[name] = config_value(v)
     E = 128
     same_all = True
     for dtype, tname in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):

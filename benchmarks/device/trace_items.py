@@ -36,19 +36,20 @@ BWD_KINDS = {0: "metadata", 1: "d(gate, up)", 2: "dx rows", 3: "dx, dtw gather",
              6: "dx rows (no tile)"}
 
 
-def traced_launch(is_bwd, x, w13, w2, tw, ids, dy=None, gu=None, cfg=None):
+def traced_launch(is_bwd, x, w13, w2, tw, ids, dy=None, gu=None, cfg=None, traced=True):
     """(outputs, ticks [tickets, 4] int64 on the CPU, layout) of one traced persistent launch: the
-    forward (outputs = (y,)) or the backward reading the saved gu (outputs = (dx, d(topk_weights)))."""
+    forward (outputs = (y,)) or the backward reading the saved gu (outputs = (dx, d(topk_weights))).
+    traced=False: the same launch untraced, (outputs, None, None)."""
     from megamoe import fused
 
     T, H = x.shape
     E, two_i, _ = w13.shape
     cfg = cfg or fused._config(x)
-    trace: dict = {}
+    trace: dict | None = {} if traced else None
     res = fused._launch_persistent(is_bwd, x, w13, w2, tw.contiguous(), ids.contiguous(), dy, T, H, two_i // 2, E,
                                    ids.shape[1], cfg, gu=gu, trace=trace)
     outs = (res[0], res[3]) if is_bwd else (res[0],)
-    return outs, trace["ticks"].cpu(), trace["layout"]
+    return (outs, trace["ticks"].cpu(), trace["layout"]) if traced else (outs, None, None)
 
 
 def traced_forward(x, w13, w2, tw, ids, cfg=None):
@@ -151,11 +152,9 @@ def main():
         if args.backward:
             dy = torch.randn_like(x)
             gu = fused.fused_moe_fwd(x, w13, w2, tw, ids, check=False, save_gu=True)[1]
-            ids_c, tw_c = ids.contiguous(), tw.contiguous()
 
             def plain():
-                r = fused._launch_persistent(True, x, w13, w2, tw_c, ids_c, dy, x.shape[0], H, I, E, k, cfg, gu=gu)
-                return r[0], r[3]
+                return traced_launch(True, x, w13, w2, tw, ids, dy, gu, cfg, traced=False)[0]
 
             outs, ticks, layout = traced_launch(True, x, w13, w2, tw, ids, dy, gu, cfg)
             same = all(torch.equal(a, b) for a, b in zip(outs, plain()))
