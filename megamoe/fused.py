@@ -1,6 +1,7 @@
 """The `megamoe` implementation: one persistent Triton launch per forward (routing metadata, both
 GEMMs, SwiGLU, weighting and combine; CUDA), or the torch implementation with the same semantics and
-reduction order (CPU); fused backward (one persistent launch plus the weight-gradient launch).
+reduction order (CPU); fused backward (one persistent launch, then the weight gradients: a row gather
+and one weight-gradient launch).
 
 Layers (CONVENTIONS.md): kernels (megamoe/kernels/moe_kernels.py) -> launchers (`_launch_*`) ->
 `fused_moe_fwd` / `fused_moe_bwd` (plain functions returning tensors; tests and benchmarks call
@@ -26,7 +27,8 @@ recomputes GEMM1 and rounds it the same way, and nothing beyond the inputs is sa
 the input dtype and two fp32 [H] rows (the expert output before and after the routing-weight scale):
 208 KiB per token for Qwen3 in bf16, measured by benchmarks/bench_memory.py (24 KiB for megamoe;
 tests/test_memory.py). Inference (no grad) writes no (gate, up). Transient backward
-workspace, freed on return: per token K * (2I + I + H) elements of the input dtype plus
+workspace, freed on return: per token K * (2I + I + H) elements of the input dtype (and K * 2H more
+while the weight gradients run: the token rows of x and dy in the sorted order) plus
 K * (ceil(I / BN1) + 1) fp32, and int32 routing metadata (2K per token, plus (E + 1) per block of
 1024 slots).
 """
@@ -115,12 +117,16 @@ class KernelConfig:
     # weight-gradient kernel
     # H200, Qwen3, T=4096 / 16384 (results/2026-12-01-h200-tune-saved-gu.log): 128x128 with 2 stages
     # 1.258 / 3.726 ms (113 registers and 64 KB of shared memory in the compile check: two programs
-    # per SM) vs 256x128 1.777 / 5.005; 3 stages 1.277 / 3.807
+    # per SM) vs 256x128 1.777 / 5.005; 3 stages 1.277 / 3.807. Operands in the sorted order through
+    # per-expert TMA descriptors (dw_tma) with 3 stages: 1.20-1.50x those 2-stage pointer loads of
+    # gathered rows, same bits (results/2026-12-01-h200-dw-probe.log)
     BMW: int = 128
     BNW: int = 128
     BKR: int = 64
     dw_warps: int = 8
-    dw_stages: int = 2
+    dw_stages: int = 3
+    dw_tma: bool = True
+    BR: int = 32                    # rows x BH columns per step of the token-row gather before dW
 
 
 def _interpreting() -> bool:
@@ -132,12 +138,13 @@ def default_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
     defaults come from the H200 sweeps in benchmarks/RESULTS.md."""
     if device.type != "cuda":  # the interpreter: small tiles, one program
         return KernelConfig(BM=16, BN1=16, BK1=16, BN2=16, BK2=16, BT=8, BH=32, programs=1,
-                            bwd_BN1=16, BMW=16, BNW=16, BKR=16, BLK=32)
+                            bwd_BN1=16, BMW=16, BNW=16, BKR=16, BLK=32, BR=8)
     if dtype == torch.float32:
         # no TMA: the exact fp32 dots read their operands into registers, and from TMA tiles they
         # spill hundreds of registers (compile_check.py)
         return KernelConfig(BM=64, BN1=32, BK1=32, BN2=64, BK2=32, BT=16, BH=128, num_warps=4, bwd_BN1=32,
-                            num_stages=2, BMW=64, BNW=64, BKR=32, dw_warps=4, dw_stages=2, tma_weights=False)
+                            num_stages=2, BMW=64, BNW=64, BKR=32, dw_warps=4, dw_stages=2, tma_weights=False,
+                            dw_tma=False)
     # BT=8: the combine (and the backward's dx / d(topk_weights) gather) in blocks of 8 tokens, not 32,
     # so at decode more programs share it (T=64: 8 items, not 2, at the very end of the launch).
     # H200, one process, 3 rounds (results/2026-12-01-h200-ab-bt8.log): forward as a replayed graph
@@ -394,23 +401,59 @@ def persistent_stages(cfg: KernelConfig, is_bwd: bool) -> int:
     return (cfg.bwd_stages or cfg.num_stages) if is_bwd else cfg.num_stages
 
 
-def dw_constexprs(cfg: KernelConfig, dtype: torch.dtype) -> dict:
-    return dict(BMW=cfg.BMW, BNW=cfg.BNW, BKR=cfg.BKR, DOT_PRECISION=_dot_precision(dtype))
+def dw_constexprs(cfg: KernelConfig, dtype: torch.dtype, tma: bool) -> dict:
+    return dict(BMW=cfg.BMW, BNW=cfg.BNW, BKR=cfg.BKR, TMA=tma, DOT_PRECISION=_dot_precision(dtype))
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _launch_dw(x, dy, dgu, hw, meta: KernelMeta, E, H, I, K, cfg: KernelConfig):
-    from megamoe.kernels.moe_kernels import _moe_bwd_dw_kernel
+def _dw_tma(cfg: KernelConfig, tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Whether the weight-gradient launch reads its operands through TMA descriptors: asked for by
+    the config and possible (16-byte aligned bases and row strides: every expert's first row of
+    dgu [N, 2I], hw [N, I], xs and dys [N, H] must start on 16 bytes, i.e. I and H a multiple of 8 in
+    bf16). Either way the same values reach the same tiles (tests/test_fused.py)."""
+    if not cfg.dw_tma:
+        return False
+    return all(t.data_ptr() % 16 == 0 and (t.shape[1] * t.element_size()) % 16 == 0 for t in tensors)
 
+
+def _triton_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_scratch_allocator() -> None:
+    """Kernels that make TMA descriptors on the device need global scratch memory, which Triton's
+    launcher asks `triton.set_allocator`'s allocator for (a context variable: per thread, so the
+    autograd engine's backward thread needs it too). Set a torch one where none is set; an allocator
+    the caller set stays."""
+    from triton.runtime import _allocation
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        import triton
+        triton.set_allocator(_triton_scratch)
+
+
+def _launch_dw(x, dy, dgu, hw, meta: KernelMeta, E, H, I, K, cfg: KernelConfig):
+    """dW13 [E, 2I, H], dW2 [E, H, I]: the token rows gathered into the sorted order (one launch),
+    then the weight-gradient kernel (one launch). The gathered copies (2·T·k·H elements) live only
+    for this call."""
+    from megamoe.kernels.moe_kernels import _gather_token_rows_kernel, _moe_bwd_dw_kernel
+
+    N = meta.sorted_slot.numel()
+    xs = alloc.empty(N, H, dtype=x.dtype, device=x.device)
+    dys = alloc.empty(N, H, dtype=x.dtype, device=x.device)
+    _gather_token_rows_kernel[(-(-N // cfg.BR),)](x, dy, meta.sorted_slot, xs, dys, N, H, K, BR=cfg.BR,
+                                                   BH=min(256, _next_pow2(H)), num_warps=4)
     dw13 = alloc.empty(E, 2 * I, H, dtype=x.dtype, device=x.device)
     dw2 = alloc.empty(E, H, I, dtype=x.dtype, device=x.device)
-    per_e = (-(-2 * I // cfg.BMW)) * (-(-H // cfg.BNW)) + (-(-H // cfg.BMW)) * (-(-I // cfg.BNW))
+    tma = _dw_tma(cfg, (dgu, hw, xs, dys))
+    if tma and x.device.type == "cuda":
+        _ensure_scratch_allocator()
+    per_e = (-(-2 * I // cfg.BMW) + -(-I // cfg.BMW)) * (-(-H // cfg.BNW))
     _moe_bwd_dw_kernel[(E * per_e,)](
-        x, dy, dgu, hw, meta.sorted_slot, meta.expert_start, meta.expert_count, dw13, dw2, E, H, I, K,
-        **dw_constexprs(cfg, x.dtype), num_warps=cfg.dw_warps, num_stages=cfg.dw_stages,
+        xs, dys, dgu, hw, meta.expert_start, meta.expert_count, dw13, dw2, E, H, I,
+        **dw_constexprs(cfg, x.dtype, tma), num_warps=cfg.dw_warps, num_stages=cfg.dw_stages,
     )
     return dw13, dw2
 
@@ -542,7 +585,9 @@ def fused_moe_bwd(dy_TH, x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk, *
 
     gu: the (gate, up) that `fused_moe_fwd(..., save_gu=True)` returned for these inputs; None
     recomputes GEMM1 (same result: both round it to x's dtype). Triton: one persistent launch
-    ((gate, up) + d(gate,up) + per-slot dx + slot-order combine) and one weight-gradient launch.
+    ((gate, up) + d(gate,up) + per-slot dx + slot-order combine), then the token rows of x and dy
+    gathered into the sorted order (2·T·k·H elements of workspace while the weight gradients run) and
+    one weight-gradient launch.
     """
     s = check_moe_inputs(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk, check_ids=False)
     if tuple(dy_TH.shape) != (s.T, s.H):

@@ -196,6 +196,42 @@ def test_triton_interpreter_tma_weight_loads_equal_pointer_loads(T, H, I, E, k, 
     _tma_vs_pointers(p, torch.randn(T, H, generator=torch.Generator().manual_seed(3)))
 
 
+@pytest.mark.parametrize("T,H,I,E,k,routing,drop", [EDGE_CASES[1], EDGE_CASES[3]])
+def test_triton_interpreter_dw_tma_loads_equal_pointer_loads(T, H, I, E, k, routing, drop, nan_fill):  # noqa: E741
+    """The weight-gradient kernel's per-expert descriptors (made on the device, bounded by the
+    expert's rows) give the bits of its masked pointer loads: expert row counts not multiples of the
+    K block, experts with no rows, H and I not multiples of the tiles. (The ground-truth tests run the
+    default, the descriptors; this one also runs the pointer path.)"""
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("interpreter test: runs on CPU machines (conftest sets TRITON_INTERPRET=1 there)")
+    from megamoe import fused
+    p = make_problem(T, H, I, E, k, routing=routing, drop_frac=drop, seed=T)
+    g = torch.randn(T, H, generator=torch.Generator().manual_seed(4))
+    N = T * k
+    operands = (torch.empty(N, 2 * I), torch.empty(N, I), torch.empty(N, H), torch.empty(N, H))
+    base = fused.default_config(torch.float32, torch.device("cpu"))
+    for tma in (True, False):  # the case reaches the path it names
+        assert fused._dw_tma(dataclasses.replace(base, dw_tma=tma), operands) == tma
+    via_tma, via_pointers = _launch_outputs(p, g, dw_tma=True), _launch_outputs(p, g, dw_tma=False)
+    for name, a, b in zip(LAUNCH_OUTPUTS, via_tma, via_pointers):
+        assert torch.equal(a, b), f"{name}: weight-gradient TMA loads differ from pointer loads"
+
+
+def test_dw_tma_only_where_the_hardware_can_address_the_rows():
+    from megamoe import fused
+    cfg = fused.KernelConfig()
+    t = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt)  # noqa: E731
+    assert fused._dw_tma(cfg, (t(9, 48), t(9, 24), t(9, 40), t(9, 40)))
+    assert not fused._dw_tma(cfg, (t(9, 40), t(9, 20), t(9, 40), t(9, 40))), "I * 2 bytes not a multiple of 16"
+    assert not fused._dw_tma(cfg, (t(9, 48), t(9, 24), t(9, 36), t(9, 36))), "H * 2 bytes not a multiple of 16"
+    assert fused._dw_tma(cfg, (t(9, 40, dt=torch.float32), t(9, 20, dt=torch.float32), t(9, 36, dt=torch.float32),
+                               t(9, 36, dt=torch.float32)))
+    shifted = t(9 * 40 + 4)[4:].view(9, 40)  # base 8 bytes past an aligned one
+    assert not fused._dw_tma(cfg, (t(9, 48), t(9, 24), shifted, t(9, 40))), "base not 16-byte aligned"
+    assert not fused._dw_tma(fused.KernelConfig(dw_tma=False), (t(9, 48), t(9, 24), t(9, 40), t(9, 40)))
+    assert not fused.default_config(torch.float32, torch.device("cuda")).dw_tma
+
+
 def test_backward_pipeline_stages_follow_the_config():
     from megamoe import fused
     cfg = fused.KernelConfig(num_stages=3)
@@ -414,6 +450,19 @@ def test_gpu_cuda_graph_replay_matches_eager():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, fused_moe_fwd(*q.args())), f"replay {seed} differs from eager"
+
+
+@pytest.mark.gpu
+def test_gpu_dw_tma_loads_equal_pointer_loads():
+    """bf16 on the GPU: the weight gradients through device-made per-expert TMA descriptors (the
+    default) equal the masked pointer loads bitwise, and so every other output of the launches."""
+    from megamoe import fused
+    p = make_problem(517, 512, 192, 64, 8, seed=5, dtype=torch.bfloat16, device="cuda")
+    g = torch.randn(517, 512, generator=torch.Generator().manual_seed(6)).to("cuda", torch.bfloat16)
+    assert fused.default_config(torch.bfloat16, g.device).dw_tma
+    via_tma, via_pointers = _launch_outputs(p, g, dw_tma=True), _launch_outputs(p, g, dw_tma=False)
+    for name, a, b in zip(LAUNCH_OUTPUTS, via_tma, via_pointers):
+        assert torch.equal(a, b), f"{name}: weight-gradient TMA loads differ from pointer loads"
 
 
 @pytest.mark.gpu

@@ -43,7 +43,7 @@ def arg_types(tname: str) -> dict:
     """The kernels' pointer arguments as a launch types them (x's dtype `tname` where it applies);
     pointers not named here are int32 (`_compile`'s default)."""
     types = {n: f"*{tname}" for n in ("x_ptr", "w13_ptr", "w2_ptr", "dy_ptr", "act_ptr", "hw_ptr", "slot_out_ptr",
-                                      "out_ptr", "dgu_ptr", "dw13_ptr", "dw2_ptr", "gu_ptr", "xs_ptr", "y_ptr")}
+                                      "out_ptr", "dgu_ptr", "dw13_ptr", "dw2_ptr", "gu_ptr", "xs_ptr", "dys_ptr", "y_ptr")}
     types.update(tw_ptr="*fp32", ids_ptr="*i64", dtw_part_ptr="*fp32", dtw_ptr="*fp32", ep_ptr="*i64",
                  ep_epoch_ptr="*i64", ids_src_ptr="*i64", tw_src_ptr="*fp32", trace_ptr="*i64")
     return types
@@ -138,11 +138,15 @@ def check(overrides: dict | None = None, E: int = 128) -> list[dict]:
                              tma_loads=k.asm["ttgir"].count("async_tma_copy_global_to_local"),
                              clock_reads=k.asm["ptx"].count("%globaltimer"),
                              **_resources(k.asm["cubin"]), **_local_ops(k.asm["cubin"])))
-        k = _compile(mk._moe_bwd_dw_kernel, data, fused.dw_constexprs(cfg, dtype), ("H", "I"), cfg.dw_warps, cfg.dw_stages)
-        rows.append(dict(kernel="weight gradients", dtype=tname, shared=k.metadata.shared,
-                         async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
-                         tma_loads=k.asm["ttgir"].count("async_tma_copy_global_to_local"), **_resources(k.asm["cubin"]),
-                         **_local_ops(k.asm["cubin"])))
+        # the weight gradients: through TMA where the config asks for it, and the pointer variant the
+        # launcher falls back to where TMA cannot address the rows (H or I not a multiple of 8 in bf16)
+        for tma in ((True, False) if cfg.dw_tma else (False,)):
+            k = _compile(mk._moe_bwd_dw_kernel, data, fused.dw_constexprs(cfg, dtype, tma), ("H", "I"), cfg.dw_warps,
+                         cfg.dw_stages)
+            rows.append(dict(kernel="weight gradients" + (" tma" if tma else ""), dtype=tname, shared=k.metadata.shared,
+                             async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
+                             tma_loads=k.asm["ttgir"].count("async_tma_copy_global_to_local"),
+                             **_resources(k.asm["cubin"]), **_local_ops(k.asm["cubin"])))
     return rows
 
 

@@ -58,13 +58,13 @@ for stage in "$@"; do
     profile) timeout 240 $PY benchmarks/device/profile_step.py --shape qwen3 --tokens 4096 16384; rc=$? ;;
     host) timeout 200 $PY benchmarks/device/host_path.py --shape qwen3 --tokens 64 512 4096; rc=$? ;;
     tune) timeout 300 $PY benchmarks/tune_moe.py --shape qwen3 --tokens 64 4096 16384 --reps 15; rc=$? ;;
-    probe) # never run on a GPU before 2026-12-01's sixth session ended: the Gluon warp-specialised
-      # GEMM1 prototype (a wrong barrier count hangs: hence the short timeout) and the backward's timeline
+    probe) # the Gluon warp-specialised GEMM1 prototype (a wrong barrier count would hang: hence the
+      # short timeout) and the backward's timeline; first run 2026-12-01 (seventh session, 117 s)
       timeout 90 $PY benchmarks/device/gluon_gemm1.py > "$LOG/gluon_gemm1.log" 2>&1; echo "gluon_gemm1 rc=$?"
       tail -8 "$LOG/gluon_gemm1.log"
       timeout 200 $PY benchmarks/device/trace_items.py --backward --cases qwen3:4096 qwen3:16384 mixtral:4096 \
         > "$LOG/trace_backward.log" 2>&1; rc=$?; grep -vE "^\s*$" "$LOG/trace_backward.log" | tail -40
-      # the E=256 ground-truth cases (bf16, fp32), added after the last GPU test run
+      # the E=256 ground-truth cases (bf16, fp32)
       timeout 200 $PY -m pytest -p no:cacheprovider -q -rA -m gpu tests/test_fused.py -k E256 \
         > "$LOG/test_fused_e256.log" 2>&1 || rc=$?; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$LOG/test_fused_e256.log" ;;
     ep) # two or more GPUs (kind nvidia-h200-x2); whole outputs into files (the ranks' stderr says why a spawn failed)

@@ -558,64 +558,97 @@ def _moe_persistent_kernel(
         tl.atomic_xchg(ctr_ptr + CTR_TICKET, 0)  # the ticket counter last
 
 
-@triton.jit(do_not_specialize=["E"])
-def _moe_bwd_dw_kernel(
-    x_ptr, dy_ptr, dgu_ptr, hw_ptr, sorted_slot_ptr, expert_start_ptr, expert_count_ptr,
-    dw13_ptr, dw2_ptr, E, H, I, K,
-    BMW: tl.constexpr, BNW: tl.constexpr, BKR: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """Weight gradients, one output tile per program, each summed over its expert's rows in order.
+@triton.jit
+def _gather_token_rows_kernel(x_ptr, dy_ptr, sorted_slot_ptr, xs_ptr, dys_ptr, N, H, K,
+                              BR: tl.constexpr, BH: tl.constexpr):
+    """xs[r] = x[t(r)], dys[r] = dy[t(r)] with t(r) = sorted_slot[r] // K: the weight gradients'
+    token rows in the sorted order, so that every operand of _moe_bwd_dw_kernel is contiguous."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    rmask = r < N
+    src = (tl.load(sorted_slot_ptr + r, mask=rmask, other=0) // K).to(tl.int64) * H
+    dst = r.to(tl.int64) * H
+    for h0 in range(0, H, BH):
+        hs = h0 + tl.arange(0, BH)
+        m = rmask[:, None] & (hs < H)[None, :]
+        tl.store(xs_ptr + dst[:, None] + hs[None, :], tl.load(x_ptr + src[:, None] + hs[None, :], mask=m), mask=m)
+        tl.store(dys_ptr + dst[:, None] + hs[None, :], tl.load(dy_ptr + src[:, None] + hs[None, :], mask=m), mask=m)
 
-    dW13[e] [2I, H] = dgu_e^T @ x_e     dW2[e] [H, I] = dy_e^T @ (w * h)_e
-    Tiles q = [0, n13) of expert e are dW13 tiles, [n13, n13 + n2) dW2 tiles. (A persistent variant,
-    one program per SM looping over the tiles, and TMA stores of the tiles measured no faster on the
-    H200: benchmarks/RESULTS.md.)
-    """
+
+@triton.jit
+def _dw_tile(I, H, expert_start_ptr, expert_count_ptr, BMW: tl.constexpr, BNW: tl.constexpr):
+    """This program's weight-gradient tile: (expert e, its first sorted row, its row count, whether
+    a dW13 tile, first row m0, first column n0). Per expert, tiles [0, n13) are dW13's [2I, H] tiles,
+    then dW2's as [I, H] tiles (transposed), each kind row-major over [BMW, BNW] blocks."""
     tile = tl.program_id(0)
-    n13_m = tl.cdiv(2 * I, BMW)
-    n13_n = tl.cdiv(H, BNW)
-    n2_n = tl.cdiv(I, BNW)
-    n13 = n13_m * n13_n
-    per_e = n13 + tl.cdiv(H, BMW) * n2_n
+    n_n = tl.cdiv(H, BNW)
+    n13 = tl.cdiv(2 * I, BMW) * n_n
+    per_e = n13 + tl.cdiv(I, BMW) * n_n
     e = tile // per_e
     q = tile % per_e
     start = tl.load(expert_start_ptr + e)
     count = tl.load(expert_count_ptr + e)
-    # one K loop for both kinds of tile (one software pipeline, so one set of shared buffers):
-    # dW13: A = dgu rows (sorted row), B = x rows (token); dW2: A = dy rows (token), B = w*h rows
     is13 = q < n13
     qq = tl.where(is13, q, q - n13)
-    n_cols = tl.where(is13, n13_n, n2_n)
-    m0 = (qq // n_cols) * BMW
-    n0 = (qq % n_cols) * BNW
-    om = m0 + tl.arange(0, BMW)
-    on = n0 + tl.arange(0, BNW)
-    mmask = om < tl.where(is13, 2 * I, H)
-    nmask = on < tl.where(is13, H, I)
-    if is13:
-        a_base = dgu_ptr
-        b_base = x_ptr
-    else:
-        a_base = dy_ptr
-        b_base = hw_ptr
-    a_stride = tl.where(is13, 2 * I, H).to(tl.int64)
-    b_stride = tl.where(is13, H, I).to(tl.int64)
-    acc = tl.zeros((BMW, BNW), dtype=tl.float32)
-    for r0 in range(0, count, BKR):
-        rs = start + r0 + tl.arange(0, BKR)
-        rmask = (r0 + tl.arange(0, BKR)) < count
-        tok = tl.load(sorted_slot_ptr + rs, mask=rmask, other=0) // K
-        a_row = tl.where(is13, rs, tok).to(tl.int64)
-        b_row = tl.where(is13, tok, rs).to(tl.int64)
-        a = tl.load(a_base + a_row[:, None] * a_stride + om[None, :],
-                    mask=rmask[:, None] & mmask[None, :], other=0.0)
-        b = tl.load(b_base + b_row[:, None] * b_stride + on[None, :],
-                    mask=rmask[:, None] & nmask[None, :], other=0.0)
-        acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
-    omask = mmask[:, None] & nmask[None, :]
+    return e, start, count, is13, (qq // n_n) * BMW, (qq % n_n) * BNW
+
+
+@triton.jit
+def _dw_store(acc, e, is13, om, on, omask, dw13_ptr, dw2_ptr, H, I):
+    """A finished weight-gradient tile (rows om, columns on of its kind) into dW13[e] [2I, H], or
+    as the [I, H] tile of dW2[e] [H, I] stored transposed."""
     if is13:
         tl.store(dw13_ptr + e.to(tl.int64) * (2 * I * H) + om[:, None] * H + on[None, :],
                  acc.to(dw13_ptr.dtype.element_ty), mask=omask)
     else:
-        tl.store(dw2_ptr + e.to(tl.int64) * (H * I) + om[:, None] * I + on[None, :],
+        tl.store(dw2_ptr + e.to(tl.int64) * (H * I) + on[None, :] * I + om[:, None],
                  acc.to(dw2_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit(do_not_specialize=["E"])
+def _moe_bwd_dw_kernel(
+    xs_ptr, dys_ptr, dgu_ptr, hw_ptr, expert_start_ptr, expert_count_ptr, dw13_ptr, dw2_ptr, E, H, I,
+    BMW: tl.constexpr, BNW: tl.constexpr, BKR: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Weight gradients, one output tile per program, each summed over its expert's rows in order.
+
+    dW13[e] [2I, H] = dgu_e^T @ xs_e     dW2[e]^T [I, H] = hw_e^T @ dys_e
+    with every operand in the sorted row order (xs, dys from _gather_token_rows_kernel), so both
+    tile kinds have the same roles: A = [BKR, BMW] rows of dgu or hw, B = [BKR, BNW] rows of xs or
+    dys; dW2's [I, H] tiles are stored transposed. Tiles q = [0, n13) of expert e are dW13 tiles,
+    [n13, per_e) dW2 tiles. TMA: both operands through descriptors made here over the expert's rows
+    only (the last partial K block reads zeros, never the next expert's rows), else masked pointer
+    loads; the same values either way, so the same bits. (A persistent variant, TMA stores, and
+    larger tiles measured no faster on the H200; gathering x / dy rows through the token index in
+    the K loop instead of reading sorted copies cost 1.16-1.32x: benchmarks/RESULTS.md.)
+    """
+    e, start, count, is13, m0, n0 = _dw_tile(I, H, expert_start_ptr, expert_count_ptr, BMW, BNW)
+    om = m0 + tl.arange(0, BMW)
+    on = n0 + tl.arange(0, BNW)
+    a_cols = tl.where(is13, 2 * I, I)
+    mmask = om < a_cols
+    nmask = on < H
+    if is13:
+        a_base = dgu_ptr
+        b_base = xs_ptr
+    else:
+        a_base = hw_ptr
+        b_base = dys_ptr
+    a_stride = a_cols.to(tl.int64)
+    if TMA:
+        rows = tl.maximum(count, 1)  # a descriptor's extent may not be 0; no load happens then
+        a_desc = tl.make_tensor_descriptor(a_base + start.to(tl.int64) * a_stride, shape=[rows, a_cols],
+                                           strides=[a_stride, 1], block_shape=[BKR, BMW])
+        b_desc = tl.make_tensor_descriptor(b_base + start.to(tl.int64) * H, shape=[rows, H],
+                                           strides=[H, 1], block_shape=[BKR, BNW])
+    acc = tl.zeros((BMW, BNW), dtype=tl.float32)
+    for r0 in range(0, count, BKR):
+        if TMA:
+            a = a_desc.load([r0, m0])
+            b = b_desc.load([r0, n0])
+        else:
+            rs = (start + r0 + tl.arange(0, BKR)).to(tl.int64)
+            rmask = (r0 + tl.arange(0, BKR)) < count
+            a = tl.load(a_base + rs[:, None] * a_stride + om[None, :], mask=rmask[:, None] & mmask[None, :], other=0.0)
+            b = tl.load(b_base + rs[:, None] * H + on[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
+        acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
+    _dw_store(acc, e, is13, om, on, mmask[:, None] & nmask[None, :], dw13_ptr, dw2_ptr, H, I)
