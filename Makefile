@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 # The RL demo: tiny random MoE, built-in task, vLLM CPU rollouts, FSDP2 trainer, megamoe on both
 # sides; the reward curve and mismatch metrics land in $(DEMO_DIR) (metrics.jsonl, plot.png).

@@ -126,7 +126,7 @@ class KernelConfig:
     dw_warps: int = 8
     dw_stages: int = 3
     dw_tma: bool = True
-    BR: int = 32                    # rows x BH columns per step of the token-row gather before dW
+    BR: int = 32                    # token rows per program of the row gather before the dW kernel
 
 
 def _interpreting() -> bool:
@@ -420,6 +420,8 @@ def _dw_tma(cfg: KernelConfig, tensors: tuple[torch.Tensor, ...]) -> bool:
 
 
 def _triton_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    # on the current device (where Triton launches); torch's caching allocator hands out blocks
+    # aligned to 512 bytes, more than the alignment Triton asks for
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
