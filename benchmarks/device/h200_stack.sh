@@ -5,7 +5,8 @@
 # .gpu-ray/ (carry both); the kernel stages (kernel_tests, bench, tune) run without them.
 # Stages: versions | rollout (tests/test_rollout_gpu.py) | consistency_tests (gpu tests of the
 # consistency issue) | invariance | consistency (the CLI, 8 layers H=1024 E=64 k=8 bf16) | rl_megamoe |
-# rl_reference | kernel_tests (op + trainer GPU tests) | bench (bench_moe.py; carry .whl with the
+# rl_reference | kernel_tests (the op's bf16 GPU tests + the trainer's) | kernel_tests_fp32 (the op's fp32
+# and TMA-weight GPU tests) | bench (bench_moe.py; carry .whl with the
 # Liger wheel; BENCH_ARGS overrides its shapes/tokens) | tune (tune_moe.py: stage split, tile
 # variants) | profile (one training step under torch.profiler: kernels and gaps) | host (host_path.py: host time per layer, one-call latency vs a CUDA graph) | probe (the Gluon
 # GEMM1 prototype's check and timing, the backward's per-item timeline, the E=256 GPU tests) | ep (multigpu EP tests + bench_ep.py; needs 2 GPUs). docs/GPU_MACHINE.md: costs.
@@ -44,7 +45,13 @@ for stage in "$@"; do
     rl_reference) timeout 330 $PY -m rl.cli train --config configs/h200_rl.yaml "${RL_ARGS[@]}" rollout.moe_impl=reference \
         trainer.moe_impl=reference run.out_dir="$RUNS/rl-reference" run.progress=false --overwrite; rc=$?
       cp "$RUNS/rl-reference/metrics.jsonl" "$LOG/rl-reference-metrics.jsonl" ;;
-    kernel_tests) timeout 480 $PY -m pytest -p no:cacheprovider -q -s -m gpu tests/test_fused.py tests/test_trainer_gpu.py; rc=$? ;;
+    # the op's GPU tests outlast one call together: two stages, one per call (docs/GPU_MACHINE.md)
+    kernel_tests) timeout 540 $PY -m pytest -p no:cacheprovider -q -rA -m gpu tests/test_fused.py tests/test_trainer_gpu.py \
+        -k "bf16 or opcheck or graph or repeated or nan or dw_tma or trainer" > "$LOG/kernel_tests.log" 2>&1; rc=$?
+      grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$LOG/kernel_tests.log" ;;
+    kernel_tests_fp32) timeout 540 $PY -m pytest -p no:cacheprovider -q -rA -m gpu tests/test_fused.py \
+        -k "not (bf16 or opcheck or graph or repeated or nan or dw_tma)" > "$LOG/kernel_tests_fp32.log" 2>&1; rc=$?
+      grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$LOG/kernel_tests_fp32.log" ;;
     bench) # Liger Kernel (the Triton peer) from a carried wheel folder: pip download liger-kernel==0.8.5 -d .whl
       $PY -m pip install -q --no-index --no-deps --target /tmp/ligersite .whl/liger_kernel-*.whl >/dev/null
       read -r -a BENCH <<< "${BENCH_ARGS:---shapes qwen3 olmoe --tokens 4096 16384 64}"
