@@ -302,11 +302,14 @@ def _tma_weights(cfg: KernelConfig, w13: torch.Tensor, w2: torch.Tensor) -> bool
     possible (the hardware needs 16-byte aligned bases and row strides, i.e. H and I a multiple of 8
     in bf16, of 4 in fp32). Either way the kernel reads the same values into the same tiles and
     gives the same bits (tests/test_fused.py); TMA only moves them with fewer registers."""
-    if not cfg.tma_weights:
-        return False
-    H, I = w13.shape[2], w2.shape[2]  # noqa: E741
-    return all(t.data_ptr() % 16 == 0 for t in (w13, w2)) and (H * w13.element_size()) % 16 == 0 and \
-        (I * w13.element_size()) % 16 == 0
+    return cfg.tma_weights and _tma_addressable((w13, w2))
+
+
+def _tma_addressable(tensors) -> bool:
+    """Whether TMA can address every row of these row-major tensors: a 16-byte aligned base and a
+    row of a multiple of 16 bytes (w13's rows are H long, w2's I; the weight gradients' operands
+    2I, I and H)."""
+    return all(t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0 for t in tensors)
 
 
 def weight_args(w13: torch.Tensor, w2: torch.Tensor, consts: dict, is_bwd: bool, gu: bool) -> tuple:
@@ -414,9 +417,7 @@ def _dw_tma(cfg: KernelConfig, tensors: tuple[torch.Tensor, ...]) -> bool:
     the config and possible (16-byte aligned bases and row strides: every expert's first row of
     dgu [N, 2I], hw [N, I], xs and dys [N, H] must start on 16 bytes, i.e. I and H a multiple of 8 in
     bf16). Either way the same values reach the same tiles (tests/test_fused.py)."""
-    if not cfg.dw_tma:
-        return False
-    return all(t.data_ptr() % 16 == 0 and (t.shape[1] * t.element_size()) % 16 == 0 for t in tensors)
+    return cfg.dw_tma and _tma_addressable(tensors)
 
 
 def _triton_scratch(size: int, alignment: int, stream) -> torch.Tensor:

@@ -37,7 +37,7 @@ import triton.language as tl  # noqa: E402
 
 from benchmarks.bench_moe import SHAPES, graph_ms, time_ms  # noqa: E402
 from megamoe import fused  # noqa: E402
-from megamoe.kernels.moe_kernels import _dw_store, _dw_tile  # noqa: E402
+from megamoe.kernels.moe_kernels import _dw_operands, _dw_store, _dw_tile  # noqa: E402
 
 
 @triton.jit(do_not_specialize=["E"])
@@ -55,15 +55,9 @@ def dw_probe_kernel(
     e, start, count, is13, m0, n0 = _dw_tile(I, H, expert_start_ptr, expert_count_ptr, BMW, BNW)
     om = m0 + tl.arange(0, BMW)
     on = n0 + tl.arange(0, BNW)
-    a_cols = tl.where(is13, 2 * I, I)
+    a_base, b_base, a_cols = _dw_operands(is13, dgu_ptr, hw_ptr, x_ptr, dy_ptr, I)
     mmask = om < a_cols
     nmask = on < H
-    if is13:
-        a_base = dgu_ptr
-        b_base = x_ptr
-    else:
-        a_base = hw_ptr
-        b_base = dy_ptr
     a_stride = a_cols.to(tl.int64)
     if TMA > 0:
         rows = tl.maximum(count, 1)

@@ -593,6 +593,20 @@ def _dw_tile(I, H, expert_start_ptr, expert_count_ptr, BMW: tl.constexpr, BNW: t
 
 
 @triton.jit
+def _dw_operands(is13, dgu_ptr, hw_ptr, b13_ptr, b2_ptr, I):
+    """A weight-gradient tile's operands: (A base, B base, A's columns). A: the sorted rows of dgu
+    [N, 2I] (dW13) or hw [N, I] (dW2); B: the [N, H] token rows (x / dy or their sorted copies)."""
+    a_cols = tl.where(is13, 2 * I, I)
+    if is13:
+        a_base = dgu_ptr
+        b_base = b13_ptr
+    else:
+        a_base = hw_ptr
+        b_base = b2_ptr
+    return a_base, b_base, a_cols
+
+
+@triton.jit
 def _dw_store(acc, e, is13, om, on, omask, dw13_ptr, dw2_ptr, H, I):
     """A finished weight-gradient tile (rows om, columns on of its kind) into dW13[e] [2I, H], or
     as the [I, H] tile of dW2[e] [H, I] stored transposed."""
@@ -624,15 +638,9 @@ def _moe_bwd_dw_kernel(
     e, start, count, is13, m0, n0 = _dw_tile(I, H, expert_start_ptr, expert_count_ptr, BMW, BNW)
     om = m0 + tl.arange(0, BMW)
     on = n0 + tl.arange(0, BNW)
-    a_cols = tl.where(is13, 2 * I, I)
+    a_base, b_base, a_cols = _dw_operands(is13, dgu_ptr, hw_ptr, xs_ptr, dys_ptr, I)
     mmask = om < a_cols
     nmask = on < H
-    if is13:
-        a_base = dgu_ptr
-        b_base = xs_ptr
-    else:
-        a_base = hw_ptr
-        b_base = dys_ptr
     a_stride = a_cols.to(tl.int64)
     if TMA:
         rows = tl.maximum(count, 1)  # a descriptor's extent may not be 0; no load happens then
