@@ -119,7 +119,10 @@ class KernelConfig:
     # 1.258 / 3.726 ms (113 registers and 64 KB of shared memory in the compile check: two programs
     # per SM) vs 256x128 1.777 / 5.005; 3 stages 1.277 / 3.807. Operands in the sorted order through
     # per-expert TMA descriptors (dw_tma) with 3 stages: 1.20-1.50x those 2-stage pointer loads of
-    # gathered rows, same bits (results/2026-12-01-h200-dw-probe.log)
+    # gathered rows, same bits (results/2026-12-01-h200-dw-probe.log). Whole K blocks through host
+    # descriptors over all rows instead of descriptors made on the device per program: gather + dW
+    # -27 to -29% at T=64/512, -13% Qwen3 4096, -7% Mixtral, DSV3 within +-1% (two repeats; one run
+    # +5%), same bits (results/2026-12-01-h200-dw-probe-host-descriptors*.log)
     BMW: int = 128
     BNW: int = 128
     BKR: int = 64
@@ -413,28 +416,22 @@ def _next_pow2(n: int) -> int:
 
 
 def _dw_tma(cfg: KernelConfig, tensors: tuple[torch.Tensor, ...]) -> bool:
-    """Whether the weight-gradient launch reads its operands through TMA descriptors: asked for by
-    the config and possible (16-byte aligned bases and row strides: every expert's first row of
-    dgu [N, 2I], hw [N, I], xs and dys [N, H] must start on 16 bytes, i.e. I and H a multiple of 8 in
-    bf16). Either way the same values reach the same tiles (tests/test_fused.py)."""
+    """Whether the weight-gradient launch reads its experts' whole K blocks through TMA descriptors:
+    asked for by the config and possible (16-byte aligned bases and row strides of dgu [N, 2I],
+    hw [N, I], xs and dys [N, H], i.e. I and H a multiple of 8 in bf16). Either way the same values
+    reach the same tiles (tests/test_fused.py)."""
     return cfg.dw_tma and _tma_addressable(tensors)
 
 
-def _triton_scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    # on the current device (where Triton launches); torch's caching allocator hands out blocks
-    # aligned to 512 bytes, more than the alignment Triton asks for
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _ensure_scratch_allocator() -> None:
-    """Kernels that make TMA descriptors on the device need global scratch memory, which Triton's
-    launcher asks `triton.set_allocator`'s allocator for (a context variable: per thread, so the
-    autograd engine's backward thread needs it too). Set a torch one where none is set; an allocator
-    the caller set stays."""
-    from triton.runtime import _allocation
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        import triton
-        triton.set_allocator(_triton_scratch)
+def dw_operand_args(xs, dys, dgu, hw, cfg: KernelConfig, tma: bool) -> tuple:
+    """The weight-gradient kernel's (xs_d, dys_d, dgu_d, hw_d) arguments: with tma, TMA descriptors
+    over all N sorted rows (the kernel reads only whole K blocks of one expert through them), else
+    the tensors themselves (unused)."""
+    if not tma:
+        return xs, dys, dgu, hw
+    from triton.tools.tensor_descriptor import TensorDescriptor as TD
+    return (TD.from_tensor(xs, [cfg.BKR, cfg.BNW]), TD.from_tensor(dys, [cfg.BKR, cfg.BNW]),
+            TD.from_tensor(dgu, [cfg.BKR, cfg.BMW]), TD.from_tensor(hw, [cfg.BKR, cfg.BMW]))
 
 
 def _launch_dw(x, dy, dgu, hw, meta: KernelMeta, E, H, I, K, cfg: KernelConfig):
@@ -451,11 +448,10 @@ def _launch_dw(x, dy, dgu, hw, meta: KernelMeta, E, H, I, K, cfg: KernelConfig):
     dw13 = alloc.empty(E, 2 * I, H, dtype=x.dtype, device=x.device)
     dw2 = alloc.empty(E, H, I, dtype=x.dtype, device=x.device)
     tma = _dw_tma(cfg, (dgu, hw, xs, dys))
-    if tma and x.device.type == "cuda":
-        _ensure_scratch_allocator()
     per_e = (-(-2 * I // cfg.BMW) + -(-I // cfg.BMW)) * (-(-H // cfg.BNW))
     _moe_bwd_dw_kernel[(E * per_e,)](
-        xs, dys, dgu, hw, meta.expert_start, meta.expert_count, dw13, dw2, E, H, I,
+        xs, dys, dgu, hw, *dw_operand_args(xs, dys, dgu, hw, cfg, tma), meta.expert_start, meta.expert_count,
+        dw13, dw2, E, H, I,
         **dw_constexprs(cfg, x.dtype, tma), num_warps=cfg.dw_warps, num_stages=cfg.dw_stages,
     )
     return dw13, dw2

@@ -196,12 +196,17 @@ def test_triton_interpreter_tma_weight_loads_equal_pointer_loads(T, H, I, E, k, 
     _tma_vs_pointers(p, torch.randn(T, H, generator=torch.Generator().manual_seed(3)))
 
 
-@pytest.mark.parametrize("T,H,I,E,k,routing,drop", [EDGE_CASES[1], EDGE_CASES[3]])
+@pytest.mark.parametrize("T,H,I,E,k,routing,drop", [
+    EDGE_CASES[3],
+    # 2 x 41 slots on experts 0, 2, 4 (the interpreter's K block is 16): whole blocks, partial ones
+    pytest.param(41, 40, 24, 6, 2, "skip_odd", 0.0, id="T41-E6-whole-and-partial-blocks"),
+])
 def test_triton_interpreter_dw_tma_loads_equal_pointer_loads(T, H, I, E, k, routing, drop, nan_fill):  # noqa: E741
-    """The weight-gradient kernel's per-expert descriptors (made on the device, bounded by the
-    expert's rows) give the bits of its masked pointer loads: expert row counts not multiples of the
-    K block, experts with no rows, H and I not multiples of the tiles. (The ground-truth tests run the
-    default, the descriptors; this one also runs the pointer path.)"""
+    """The weight-gradient kernel's TMA path (an expert's whole K blocks through the host's
+    descriptors over all rows, its last partial block by masked pointer loads) gives the bits of the
+    pointer-only path: expert row counts below, at and above the K block and not multiples of it,
+    experts with no rows, H and I not multiples of the tiles. (The ground-truth tests run the
+    default, TMA; this one also runs the pointer path.)"""
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("interpreter test: runs on CPU machines (conftest sets TRITON_INTERPRET=1 there)")
     from megamoe import fused
@@ -212,6 +217,11 @@ def test_triton_interpreter_dw_tma_loads_equal_pointer_loads(T, H, I, E, k, rout
     base = fused.default_config(torch.float32, torch.device("cpu"))
     for tma in (True, False):  # the case reaches the path it names
         assert fused._dw_tma(dataclasses.replace(base, dw_tma=tma), operands) == tma
+    ids = p.topk_ids
+    counts = torch.bincount(ids[ids >= 0].flatten(), minlength=E)
+    assert (counts == 0).any() and (counts % base.BKR != 0).any(), counts
+    if T == 41:  # the case that reads whole blocks through the descriptors
+        assert (counts >= base.BKR).any(), counts
     via_tma, via_pointers = _launch_outputs(p, g, dw_tma=True), _launch_outputs(p, g, dw_tma=False)
     for name, a, b in zip(LAUNCH_OUTPUTS, via_tma, via_pointers):
         assert torch.equal(a, b), f"{name}: weight-gradient TMA loads differ from pointer loads"
@@ -454,7 +464,7 @@ def test_gpu_cuda_graph_replay_matches_eager():
 
 @pytest.mark.gpu
 def test_gpu_dw_tma_loads_equal_pointer_loads():
-    """bf16 on the GPU: the weight gradients through device-made per-expert TMA descriptors (the
+    """bf16 on the GPU: the weight gradients with whole K blocks through TMA descriptors (the
     default) equal the masked pointer loads bitwise, and so every other output of the launches."""
     from megamoe import fused
     p = make_problem(517, 512, 192, 64, 8, seed=5, dtype=torch.bfloat16, device="cuda")

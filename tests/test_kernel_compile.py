@@ -62,13 +62,16 @@ def test_kernels_compile_for_sm90():
     for r in rows:
         assert 0 < r["shared"] <= SHARED_LIMIT, r
         # the pipeliner turned the GEMM loads into asynchronous copies (it needs the divisibility
-        # a real launch specialises on); with TMA, the weight tiles come as TMA copies (and every
-        # operand of the TMA weight-gradient kernel)
-        assert (r["async_copies"] > 0) != (r["kernel"] == "weight gradients tma"), r
+        # a real launch specialises on); with TMA, the weight tiles come as TMA copies (and the TMA
+        # weight-gradient kernel's whole K blocks; its last partial block stays pointer loads)
+        assert r["async_copies"] > 0, r
         assert (r["tma_loads"] > 0) == r["kernel"].endswith(" tma"), r
         if r["kernel"].startswith("persistent"):  # only the EP launch's signal waits read the GPU's clock
             assert (r["clock_reads"] > 0) == r["kernel"].endswith(" ep"), r
         assert r.get("local", 0) == 0, r
+        if r["kernel"].startswith("weight gradients"):  # two programs per SM (228 KiB, 1 KiB reserved per
+            # block): a TMA variant whose tile kinds compiled one pipelined loop each took 196 KB
+            assert 2 * (r["shared"] + 1024) <= 228 * 1024, r
         # no register spill inside a GEMM loop of the bf16 kernels (the (gate, up) variants spill a
         # few values across work items, outside every inner loop: benchmarks/RESULTS.md); the fp32
         # kernels are the tests' exact-precision path, not tuned

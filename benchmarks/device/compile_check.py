@@ -73,6 +73,20 @@ def weight_arg_types(tname: str, consts: dict, is_bwd: bool, gu: bool) -> dict:
             for n, a in zip(("w13_d1", "w2_d1", "w_d2"), args)}
 
 
+def dw_desc_types(tname: str, cfg, tma: bool) -> dict:
+    """The types of the weight-gradient kernel's (xs_d, dys_d, dgu_d, hw_d) arguments as
+    megamoe.fused.dw_operand_args makes them."""
+    import torch
+    from triton.runtime.jit import mangle_type
+
+    from megamoe import fused
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[tname]
+    t = torch.empty(16, 16, dtype=dtype)
+    args = fused.dw_operand_args(t, t, t, t, cfg, tma)
+    return {n: f"*{tname}" if isinstance(a, torch.Tensor) else mangle_type(a)
+            for n, a in zip(("xs_d", "dys_d", "dgu_d", "hw_d"), args)}
+
+
 def _cuobjdump(cubin: bytes, flag: str) -> str:
     import triton
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -141,8 +155,8 @@ def check(overrides: dict | None = None, E: int = 128) -> list[dict]:
         # the weight gradients: through TMA where the config asks for it, and the pointer variant the
         # launcher falls back to where TMA cannot address the rows (H or I not a multiple of 8 in bf16)
         for tma in ((True, False) if cfg.dw_tma else (False,)):
-            k = _compile(mk._moe_bwd_dw_kernel, data, fused.dw_constexprs(cfg, dtype, tma), ("H", "I"), cfg.dw_warps,
-                         cfg.dw_stages)
+            k = _compile(mk._moe_bwd_dw_kernel, {**data, **dw_desc_types(tname, cfg, tma)},
+                         fused.dw_constexprs(cfg, dtype, tma), ("H", "I"), cfg.dw_warps, cfg.dw_stages)
             rows.append(dict(kernel="weight gradients" + (" tma" if tma else ""), dtype=tname, shared=k.metadata.shared,
                              async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
                              tma_loads=k.asm["ttgir"].count("async_tma_copy_global_to_local"),

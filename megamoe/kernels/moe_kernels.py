@@ -618,9 +618,21 @@ def _dw_store(acc, e, is13, om, on, omask, dw13_ptr, dw2_ptr, H, I):
                  acc.to(dw2_ptr.dtype.element_ty), mask=omask)
 
 
+@triton.jit
+def _dw_full_blocks(a_desc, b_desc, start, full, m0, n0, acc, BKR: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc += A^T B over the expert's whole K blocks, rows [start, start + full), through TMA
+    descriptors over all N sorted rows (made on the host once per launch)."""
+    for r0 in range(0, full, BKR):
+        a = a_desc.load([start + r0, m0])
+        b = b_desc.load([start + r0, n0])
+        acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
 @triton.jit(do_not_specialize=["E"])
 def _moe_bwd_dw_kernel(
-    xs_ptr, dys_ptr, dgu_ptr, hw_ptr, expert_start_ptr, expert_count_ptr, dw13_ptr, dw2_ptr, E, H, I,
+    xs_ptr, dys_ptr, dgu_ptr, hw_ptr, xs_d, dys_d, dgu_d, hw_d, expert_start_ptr, expert_count_ptr,
+    dw13_ptr, dw2_ptr, E, H, I,
     BMW: tl.constexpr, BNW: tl.constexpr, BKR: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Weight gradients, one output tile per program, each summed over its expert's rows in order.
@@ -629,9 +641,12 @@ def _moe_bwd_dw_kernel(
     with every operand in the sorted row order (xs, dys from _gather_token_rows_kernel), so both
     tile kinds have the same roles: A = [BKR, BMW] rows of dgu or hw, B = [BKR, BNW] rows of xs or
     dys; dW2's [I, H] tiles are stored transposed. Tiles q = [0, n13) of expert e are dW13 tiles,
-    [n13, per_e) dW2 tiles. TMA: both operands through descriptors made here over the expert's rows
-    only (the last partial K block reads zeros, never the next expert's rows), else masked pointer
-    loads; the same values either way, so the same bits. (A persistent variant, TMA stores, and
+    [n13, per_e) dW2 tiles. TMA: the expert's whole K blocks through the host's descriptors over
+    all N rows (*_d; else those arguments are the tensors and unused), then its last partial block
+    (or, without TMA, every block) by masked pointer loads: a descriptor block past the expert's
+    end would read the next expert's rows. The same values reach the same dots in the same order
+    either way, so the same bits. (Descriptors made on the device per program, over the expert's
+    rows only, cost 0.2-0.3 ms per backward at T <= 512; a persistent variant, TMA stores, and
     larger tiles measured no faster on the H200; gathering x / dy rows through the token index in
     the K loop instead of reading sorted copies cost 1.16-1.32x: benchmarks/RESULTS.md.)
     """
@@ -642,21 +657,21 @@ def _moe_bwd_dw_kernel(
     mmask = om < a_cols
     nmask = on < H
     a_stride = a_cols.to(tl.int64)
-    if TMA:
-        rows = tl.maximum(count, 1)  # a descriptor's extent may not be 0; no load happens then
-        a_desc = tl.make_tensor_descriptor(a_base + start.to(tl.int64) * a_stride, shape=[rows, a_cols],
-                                           strides=[a_stride, 1], block_shape=[BKR, BMW])
-        b_desc = tl.make_tensor_descriptor(b_base + start.to(tl.int64) * H, shape=[rows, H],
-                                           strides=[H, 1], block_shape=[BKR, BNW])
     acc = tl.zeros((BMW, BNW), dtype=tl.float32)
-    for r0 in range(0, count, BKR):
-        if TMA:
-            a = a_desc.load([r0, m0])
-            b = b_desc.load([r0, n0])
+    full = 0
+    if TMA:
+        full = count - count % BKR
+        if is13:
+            a_d = dgu_d
+            b_d = xs_d
         else:
-            rs = (start + r0 + tl.arange(0, BKR)).to(tl.int64)
-            rmask = (r0 + tl.arange(0, BKR)) < count
-            a = tl.load(a_base + rs[:, None] * a_stride + om[None, :], mask=rmask[:, None] & mmask[None, :], other=0.0)
-            b = tl.load(b_base + rs[:, None] * H + on[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
+            a_d = hw_d
+            b_d = dys_d
+        acc = _dw_full_blocks(a_d, b_d, start, full, m0, n0, acc, BKR, DOT_PRECISION)
+    for r0 in range(full, count, BKR):
+        rs = (start + r0 + tl.arange(0, BKR)).to(tl.int64)
+        rmask = (r0 + tl.arange(0, BKR)) < count
+        a = tl.load(a_base + rs[:, None] * a_stride + om[None, :], mask=rmask[:, None] & mmask[None, :], other=0.0)
+        b = tl.load(b_base + rs[:, None] * H + on[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
         acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
     _dw_store(acc, e, is13, om, on, mmask[:, None] & nmask[None, :], dw13_ptr, dw2_ptr, H, I)
