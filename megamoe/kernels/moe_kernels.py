@@ -646,9 +646,9 @@ def _moe_bwd_dw_kernel(
     (or, without TMA, every block) by masked pointer loads: a descriptor block past the expert's
     end would read the next expert's rows. The same values reach the same dots in the same order
     either way, so the same bits. (Descriptors made on the device per program, over the expert's
-    rows only, cost 0.2-0.3 ms per backward at T <= 512; a persistent variant, TMA stores, and
-    larger tiles measured no faster on the H200; gathering x / dy rows through the token index in
-    the K loop instead of reading sorted copies cost 1.16-1.32x: benchmarks/RESULTS.md.)
+    rows only, cost 0.13-0.29 ms per backward at T <= 512 and Qwen3 4096; a persistent variant,
+    TMA stores, and larger tiles measured no faster on the H200; gathering x / dy rows through the
+    token index in the K loop instead of reading sorted copies cost 1.16-1.32x: benchmarks/RESULTS.md.)
     """
     e, start, count, is13, m0, n0 = _dw_tile(I, H, expert_start_ptr, expert_count_ptr, BMW, BNW)
     om = m0 + tl.arange(0, BMW)
