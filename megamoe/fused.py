@@ -131,6 +131,35 @@ class KernelConfig:
     dw_tma: bool = True
     BR: int = 32                    # token rows per program of the row gather before the dW kernel
 
+    def __post_init__(self) -> None:
+        """A config the kernels cannot run (a block that is no power of two, a dot block under 16, a
+        negative phase-2 lag, which orders a tile's phase-2 items before its phase-1 items: a
+        program would wait for work no program has taken) is refused here, naming the field,
+        before any launch."""
+        def bad(field: str, expected: str) -> None:
+            raise ValueError(f"KernelConfig.{field}: expected {expected}, got {getattr(self, field)!r}")
+
+        def pow2(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0
+
+        for f in ("BM", "BN1", "BK1", "BN2", "BK2", "bwd_BN1", "BMW", "BNW", "BKR"):  # tl.dot blocks
+            if not (pow2(getattr(self, f)) and getattr(self, f) >= 16):
+                bad(f, "a power of two >= 16 (a tl.dot block)")
+        for f in ("BT", "BH", "BLK", "BR"):
+            if not pow2(getattr(self, f)):
+                bad(f, "a power of two")
+        for f in ("num_warps", "dw_warps"):
+            if not (pow2(getattr(self, f)) and getattr(self, f) <= 32):
+                bad(f, "a power of two <= 32")
+        for f, optional, least in (("num_stages", False, 1), ("dw_stages", False, 1), ("bwd_stages", True, 1),
+                                   ("group_tiles", False, 1), ("programs", True, 1), ("lag", True, 0)):
+            v = getattr(self, f)
+            if not ((optional and v is None) or (isinstance(v, int) and not isinstance(v, bool) and v >= least)):
+                bad(f, f"an int >= {least}" + (" or None" if optional else ""))
+        for f in ("tma_weights", "dw_tma"):
+            if not isinstance(getattr(self, f), bool):
+                bad(f, "a bool")
+
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

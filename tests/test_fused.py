@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import pytest
 import torch
@@ -141,7 +142,8 @@ def test_ticket_order_visits_every_item_once_after_what_it_waits_for():
     items; inside a unit, column block by column block over the unit's tiles."""
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("interpreter test: runs on CPU machines (conftest sets TRITON_INTERPRET=1 there)")
-    for R, LAG, n1, n2, GT in ((8, 1, 3, 2, 4), (12, 2, 2, 5, 3), (6, 9, 1, 1, 2), (5, 3, 4, 2, 1), (16, 1, 6, 8, 8)):
+    for R, LAG, n1, n2, GT in ((8, 1, 3, 2, 4), (12, 2, 2, 5, 3), (6, 9, 1, 1, 2), (5, 3, 4, 2, 1), (16, 1, 6, 8, 8),
+                               (8, 0, 3, 2, 4), (5, 0, 4, 2, 1)):  # (a negative LAG breaks the order: KernelConfig refuses it)
         n = R * (n1 + n2) + 3
         out = torch.zeros(n, 3, dtype=torch.int32)
         _decode_all[(1,)](out, n, R, LAG, n1, n2, GT=GT, BLOCK=triton.next_power_of_2(n))
@@ -240,6 +242,31 @@ def test_dw_tma_only_where_the_hardware_can_address_the_rows():
     assert not fused._dw_tma(cfg, (t(9, 48), t(9, 24), shifted, t(9, 40))), "base not 16-byte aligned"
     assert not fused._dw_tma(fused.KernelConfig(dw_tma=False), (t(9, 48), t(9, 24), t(9, 40), t(9, 40)))
     assert not fused.default_config(torch.float32, torch.device("cuda")).dw_tma
+
+
+@pytest.mark.parametrize("field,value,expected", [
+    ("BM", 48, "power of two >= 16"), ("BKR", 8, "power of two >= 16"), ("bwd_BN1", 0, "power of two >= 16"),
+    ("BT", 12, "power of two"), ("BLK", -4, "power of two"), ("BR", 2.0, "power of two"),
+    ("num_warps", 64, "power of two <= 32"), ("dw_warps", 3, "power of two <= 32"),
+    ("num_stages", 0, "int >= 1"), ("bwd_stages", 0, "int >= 1 or None"), ("lag", -1, "int >= 0 or None"),
+    ("programs", -1, "int >= 1 or None"), ("group_tiles", True, "int >= 1"), ("dw_tma", 1, "a bool"),
+])
+def test_kernel_config_refuses_what_the_kernels_cannot_run(field, value, expected):
+    from megamoe import fused
+    with pytest.raises(ValueError, match=rf"KernelConfig\.{field}: expected .*{re.escape(expected)}.*got {re.escape(repr(value))}"):
+        fused.KernelConfig(**{field: value})
+    with pytest.raises(ValueError, match=rf"KernelConfig\.{field}"):  # and through replace (set_config's users)
+        dataclasses.replace(fused.KernelConfig(), **{field: value})
+
+
+def test_every_default_config_is_valid():
+    from megamoe import fused
+    for dev in ("cpu", "cuda"):
+        for dt in (torch.float32, torch.bfloat16):
+            cfg = fused.default_config(dt, torch.device(dev))
+            assert dataclasses.replace(cfg) == cfg
+    fused.KernelConfig(bwd_stages=None, programs=None, lag=None)  # the optional fields' None
+    fused.KernelConfig(lag=0)  # phase-2 items right after their unit's phase-1 items (the ticket-order test)
 
 
 def test_backward_pipeline_stages_follow_the_config():
