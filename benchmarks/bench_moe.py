@@ -4,6 +4,10 @@
     python benchmarks/bench_moe.py --shapes qwen3 --tokens 4096 16384 --reps 50 --out results.md
 
 Forward and forward+backward, median over --reps repetitions timed with CUDA events, bf16.
+--rounds R (default 1) times every (implementation, forward / forward+backward) pair R times,
+round-robin over the pairs, and keeps each pair's least median, also printing the spread of its R
+medians: the implementations then share the machine's drifts (a peer's time alone has moved 10-15 %
+between runs on the H200) instead of each meeting its own.
 FLOPs: 6*T*k*H*I per forward (two GEMMs, gate+up counted as 2I), x3 for forward+backward.
 Decode (T <= 512) is also compared with its weight-read floor: bytes of the experts touched / the
 device copy bandwidth measured in the same process; there megamoe's forward is also timed as a
@@ -79,6 +83,18 @@ def graph_ms(fn, reps: int) -> float:
     return time_ms(graph.replay, reps)
 
 
+def interleaved_ms(timers: dict, rounds: int) -> dict:
+    """{key: [median ms of each round]}: every timer of `timers` ({key: () -> ms}) once per round,
+    in the dict's order, `rounds` rounds one after another (round-robin)."""
+    if rounds < 1:
+        raise ValueError(f"rounds: expected an int >= 1, got {rounds!r}")
+    out = {key: [] for key in timers}
+    for _ in range(rounds):
+        for key, timer in timers.items():
+            out[key].append(timer())
+    return out
+
+
 def copy_bandwidth() -> float:
     """Device copy bandwidth in bytes/s, counting bytes read + written."""
     a = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda")
@@ -111,7 +127,7 @@ def liger_fn():
     return LigerFusedMoEFunction, None
 
 
-def bench_shape(name, T, reps, impls, bw, lines, records):
+def bench_shape(name, T, reps, impls, bw, lines, records, rounds: int = 1):
     E, H, I, k = SHAPES[name]  # noqa: E741
     x, w13, w2, tw, ids = make_inputs(E, H, I, k, T)
     flops = 6.0 * T * k * H * I
@@ -143,17 +159,31 @@ def bench_shape(name, T, reps, impls, bw, lines, records):
             y.backward(dy)
         return run
 
-    row = {"shape": name, "T": T, "E": E, "H": H, "I": I, "k": k}
+    row = {"shape": name, "T": T, "E": E, "H": H, "I": I, "k": k, "rounds": rounds}
+    timers = {}
     for impl in impls:
         if impl == "liger" and liger is None:
             row[f"{impl}_fwd_ms"] = row[f"{impl}_fb_ms"] = None
             row["liger_note"] = liger_err
             continue
-        row[f"{impl}_fwd_ms"] = time_ms(fwd[impl], reps)
-        row[f"{impl}_fb_ms"] = time_ms(fb(impl), reps)
-        # progress: a run cut by a time limit (Liger autotunes for minutes per new shape) keeps these
-        print(f"  {name} T={T} {impl}: fwd {row[f'{impl}_fwd_ms']:.3f} ms, fwd+bwd {row[f'{impl}_fb_ms']:.3f} ms",
-              flush=True)
+        timers[impl, "fwd"] = lambda f=fwd[impl]: time_ms(f, reps)
+        timers[impl, "fb"] = lambda f=fb(impl): time_ms(f, reps)
+    if rounds == 1:  # one implementation after another, printing each as it finishes
+        meds = {}
+        for impl in dict.fromkeys(i for i, _ in timers):
+            for mode in ("fwd", "fb"):
+                meds[impl, mode] = [timers[impl, mode]()]
+            # progress: a run cut by a time limit (Liger autotunes for minutes per new shape) keeps these
+            print(f"  {name} T={T} {impl}: fwd {meds[impl, 'fwd'][0]:.3f} ms, fwd+bwd {meds[impl, 'fb'][0]:.3f} ms",
+                  flush=True)
+    else:
+        meds = interleaved_ms(timers, rounds)
+    for (impl, mode), ms in meds.items():
+        row[f"{impl}_{mode}_ms"] = min(ms)
+        row[f"{impl}_{mode}_rounds_ms"] = ms
+        if rounds > 1:
+            print(f"  {name} T={T} {impl} {mode}: rounds {' '.join(f'{m:.3f}' for m in ms)} ms, "
+                  f"spread {max(ms) / min(ms):.3f}x", flush=True)
     if T <= 512:
         row["floor_ms"] = floor_ms(ids, H, I, x.element_size(), bw)
         if "megamoe" in impls:
@@ -188,16 +218,20 @@ def main():
     ap.add_argument("--tokens", nargs="+", type=int, default=[64, 512, 4096, 16384])
     ap.add_argument("--impls", nargs="+", default=["megamoe", "reference", "liger"])
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time the implementations round-robin this many times, keep each one's least median")
     ap.add_argument("--out", default=None, help="write the table (markdown) and records (json) here")
     args = ap.parse_args()
-    head = header()
+    if args.rounds < 1:
+        ap.error(f"--rounds: expected an int >= 1, got {args.rounds}")
+    head = header() + (f" | {args.rounds} interleaved rounds, least median" if args.rounds > 1 else "")
     print(head, flush=True)
     bw = copy_bandwidth()
     print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s (read + write)", flush=True)
     lines, records = [], []
     for name in args.shapes:
         for T in args.tokens:
-            bench_shape(name, T, args.reps, args.impls, bw, lines, records)
+            bench_shape(name, T, args.reps, args.impls, bw, lines, records, rounds=args.rounds)
             torch.cuda.empty_cache()
             if args.out:  # after every row, so a run stopped by a time limit keeps what it measured
                 with open(args.out, "w") as f:

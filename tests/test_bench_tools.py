@@ -103,3 +103,54 @@ def test_liger_warm_gives_each_worker_a_slice_and_together_every_config():
         kept["two"] += [c.kwargs["B"] for c in mod.two.configs]
     assert sorted(kept["five"]) == [16, 32, 48, 64, 80]
     assert set(kept["two"]) == {16, 32}  # worker 2 of 3 keeps configuration 2 % 2 = 0 again
+
+
+def test_bench_moe_rounds_go_round_robin_and_keep_every_median():
+    """bench_moe.py --rounds: every (implementation, mode) timer once per round, in order, round
+    after round, so the implementations meet the same drifts; each keeps all of its medians."""
+    sys.path.insert(0, ROOT)
+    from benchmarks.bench_moe import interleaved_ms
+
+    calls, clock = [], iter(range(100))
+
+    def timer(key):
+        def run():
+            calls.append(key)
+            return float(next(clock))
+        return run
+
+    keys = [("megamoe", "fwd"), ("megamoe", "fb"), ("liger", "fwd"), ("liger", "fb")]
+    out = interleaved_ms({k: timer(k) for k in keys}, 3)
+    assert calls == keys * 3
+    assert out == {k: [float(i), float(i + 4), float(i + 8)] for i, k in enumerate(keys)}
+    with pytest.raises(ValueError, match="rounds: expected an int >= 1, got 0"):
+        interleaved_ms({k: timer(k) for k in keys}, 0)
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_bench_moe_rows_on_cpu(monkeypatch, rounds):
+    """bench_shape end to end on a tiny shape on CPU (the torch backend; CUDA-event timing replaced
+    by a call that returns a fixed time): each implementation's forward and forward+backward run
+    `rounds` times and the table rows name both modes, with Liger's columns n/a when not installed."""
+    sys.path.insert(0, ROOT)
+    from benchmarks import bench_moe as bm
+
+    calls = []
+
+    def fake_time(fn, reps, warmup=0):
+        calls.append(fn)
+        fn()
+        return 2.0
+
+    make = bm.make_inputs
+    monkeypatch.setitem(bm.SHAPES, "tiny", (4, 32, 16, 2))
+    monkeypatch.setattr(bm, "make_inputs", lambda *a, **kw: make(*a, device="cpu", dtype=torch.float32))
+    monkeypatch.setattr(bm, "time_ms", fake_time)
+    monkeypatch.setattr(bm, "graph_ms", lambda fn, reps: fake_time(fn, reps))
+    lines, records = [], []
+    bm.bench_shape("tiny", 16, 1, ["megamoe", "reference"], 1e12, lines, records, rounds=rounds)
+    assert len(calls) == 4 * rounds + 1  # (2 impls x 2 modes) per round + megamoe's graph forward (T <= 512)
+    row = records[0]
+    assert row["rounds"] == rounds and row["megamoe_fb_rounds_ms"] == [2.0] * rounds
+    assert [ln.split("|")[0].split()[-1] for ln in lines] == ["fwd", "fb"]
+    assert all("megamoe    2.000 ms" in ln and "1.00x vs reference" in ln for ln in lines), lines
