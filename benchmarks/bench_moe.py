@@ -83,15 +83,18 @@ def graph_ms(fn, reps: int) -> float:
     return time_ms(graph.replay, reps)
 
 
-def interleaved_ms(timers: dict, rounds: int) -> dict:
+def interleaved_ms(timers: dict, rounds: int, report=None) -> dict:
     """{key: [median ms of each round]}: every timer of `timers` ({key: () -> ms}) once per round,
-    in the dict's order, `rounds` rounds one after another (round-robin)."""
+    in the dict's order, `rounds` rounds one after another (round-robin); report(key, round, ms),
+    if given, after each timing."""
     if rounds < 1:
         raise ValueError(f"rounds: expected an int >= 1, got {rounds!r}")
     out = {key: [] for key in timers}
-    for _ in range(rounds):
+    for r in range(rounds):
         for key, timer in timers.items():
             out[key].append(timer())
+            if report:
+                report(key, r, out[key][-1])
     return out
 
 
@@ -168,16 +171,10 @@ def bench_shape(name, T, reps, impls, bw, lines, records, rounds: int = 1):
             continue
         timers[impl, "fwd"] = lambda f=fwd[impl]: time_ms(f, reps)
         timers[impl, "fb"] = lambda f=fb(impl): time_ms(f, reps)
-    if rounds == 1:  # one implementation after another, printing each as it finishes
-        meds = {}
-        for impl in dict.fromkeys(i for i, _ in timers):
-            for mode in ("fwd", "fb"):
-                meds[impl, mode] = [timers[impl, mode]()]
-            # progress: a run cut by a time limit (Liger autotunes for minutes per new shape) keeps these
-            print(f"  {name} T={T} {impl}: fwd {meds[impl, 'fwd'][0]:.3f} ms, fwd+bwd {meds[impl, 'fb'][0]:.3f} ms",
-                  flush=True)
-    else:
-        meds = interleaved_ms(timers, rounds)
+    # progress: a run cut by a time limit (Liger autotunes for minutes per new shape) keeps these
+    meds = interleaved_ms(timers, rounds, report=lambda key, r, ms: print(
+        f"  {name} T={T} {key[0]} {key[1]}: {ms:.3f} ms" + (f" (round {r + 1}/{rounds})" if rounds > 1 else ""),
+        flush=True))
     for (impl, mode), ms in meds.items():
         row[f"{impl}_{mode}_ms"] = min(ms)
         row[f"{impl}_{mode}_rounds_ms"] = ms

@@ -63,28 +63,29 @@ def weight_arg_types(tname: str, consts: dict, is_bwd: bool, gu: bool) -> dict:
     """The types of the kernel's (w13_d1, w2_d1, w_d2) arguments as megamoe.fused.weight_args makes
     them (descriptor block shapes from the same code; tiny tensors: the types do not depend on shape)."""
     import torch
-    from triton.runtime.jit import mangle_type
 
     from megamoe import fused
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[tname]
     w13, w2 = torch.empty(1, 2 * 16, 16, dtype=dtype), torch.empty(1, 16, 16, dtype=dtype)
-    args = fused.weight_args(w13, w2, consts, is_bwd, gu)
-    return {n: f"*{tname}" if isinstance(a, torch.Tensor) else mangle_type(a)
-            for n, a in zip(("w13_d1", "w2_d1", "w_d2"), args)}
+    return _launch_arg_types(tname, ("w13_d1", "w2_d1", "w_d2"), fused.weight_args(w13, w2, consts, is_bwd, gu))
+
+
+def _launch_arg_types(tname: str, names, args) -> dict:
+    """{name: type} of arguments a launcher passes: a tensor is a `*tname` pointer, anything else
+    (a TMA descriptor) the type Triton's launcher gives it."""
+    import torch
+    from triton.runtime.jit import mangle_type
+    return {n: f"*{tname}" if isinstance(a, torch.Tensor) else mangle_type(a) for n, a in zip(names, args)}
 
 
 def dw_desc_types(tname: str, cfg, tma: bool) -> dict:
     """The types of the weight-gradient kernel's (xs_d, dys_d, dgu_d, hw_d) arguments as
     megamoe.fused.dw_operand_args makes them."""
     import torch
-    from triton.runtime.jit import mangle_type
 
     from megamoe import fused
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[tname]
-    t = torch.empty(16, 16, dtype=dtype)
-    args = fused.dw_operand_args(t, t, t, t, cfg, tma)
-    return {n: f"*{tname}" if isinstance(a, torch.Tensor) else mangle_type(a)
-            for n, a in zip(("xs_d", "dys_d", "dgu_d", "hw_d"), args)}
+    t = torch.empty(16, 16, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[tname])
+    return _launch_arg_types(tname, ("xs_d", "dys_d", "dgu_d", "hw_d"), fused.dw_operand_args(t, t, t, t, cfg, tma))
 
 
 def _cuobjdump(cubin: bytes, flag: str) -> str:

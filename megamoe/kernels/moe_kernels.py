@@ -595,7 +595,8 @@ def _dw_tile(I, H, expert_start_ptr, expert_count_ptr, BMW: tl.constexpr, BNW: t
 @triton.jit
 def _dw_operands(is13, dgu_ptr, hw_ptr, b13_ptr, b2_ptr, I):
     """A weight-gradient tile's operands: (A base, B base, A's columns). A: the sorted rows of dgu
-    [N, 2I] (dW13) or hw [N, I] (dW2); B: the [N, H] token rows (x / dy or their sorted copies)."""
+    [N, 2I] (dW13) or hw [N, I] (dW2); B: the [N, H] token rows (x / dy or their sorted copies).
+    The bases may be pointers or TMA descriptors of those tensors."""
     a_cols = tl.where(is13, 2 * I, I)
     if is13:
         a_base = dgu_ptr
@@ -661,12 +662,7 @@ def _moe_bwd_dw_kernel(
     full = 0
     if TMA:
         full = count - count % BKR
-        if is13:
-            a_d = dgu_d
-            b_d = xs_d
-        else:
-            a_d = hw_d
-            b_d = dys_d
+        a_d, b_d, _ = _dw_operands(is13, dgu_d, hw_d, xs_d, dys_d, I)  # the same choice, as descriptors
         acc = _dw_full_blocks(a_d, b_d, start, full, m0, n0, acc, BKR, DOT_PRECISION)
     for r0 in range(full, count, BKR):
         rs = (start + r0 + tl.arange(0, BKR)).to(tl.int64)
