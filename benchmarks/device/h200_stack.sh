@@ -6,7 +6,7 @@
 # Stages: versions | rollout (tests/test_rollout_gpu.py) | consistency_tests (gpu tests of the
 # consistency issue) | invariance | consistency (the CLI, 8 layers H=1024 E=64 k=8 bf16) | rl_megamoe |
 # rl_reference | kernel_tests (the op's bf16 GPU tests + the trainer's) | kernel_tests_fp32 (the op's fp32
-# and TMA-weight GPU tests) | bench (bench_moe.py; carry .whl with the
+# and TMA-weight GPU tests) | gpu_tests (both of those and the trainer's, as 8 concurrent pytest processes) | bench (bench_moe.py; carry .whl with the
 # Liger wheel; BENCH_ARGS overrides its shapes/tokens) | tune (tune_moe.py: stage split, tile
 # variants) | profile (one training step under torch.profiler: kernels and gaps) | host (host_path.py: host time per layer, one-call latency vs a CUDA graph) | probe (the Gluon
 # GEMM1 prototype's check and timing, the backward's per-item timeline, the E=256 GPU tests) | ep (multigpu EP tests + bench_ep.py; needs 2 GPUs). docs/GPU_MACHINE.md: costs.
@@ -52,6 +52,13 @@ for stage in "$@"; do
     kernel_tests_fp32) timeout 540 $PY -m pytest -p no:cacheprovider -q -rA -m gpu tests/test_fused.py \
         -k "not (bf16 or opcheck or graph or repeated or nan or dw_tma)" > "$LOG/kernel_tests_fp32.log" 2>&1; rc=$?
       grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$LOG/kernel_tests_fp32.log" ;;
+    gpu_tests) # every -m gpu test of the op and the trainer (bf16 + fp32), 8 concurrent pytest processes
+      # (shard_tests.py: compiling is most of their time and CPU work); shard logs stay on the machine
+      # (8-file limit on $OUT), concatenated into one file
+      timeout 590 $PY benchmarks/device/shard_tests.py --shards 8 --timeout 560 --out "$RUNS/gpu_tests" -- \
+        -m gpu tests/test_fused.py tests/test_trainer_gpu.py > "$LOG/gpu_tests.log" 2>&1; rc=$?
+      for f in "$RUNS"/gpu_tests/shard*.log; do echo "=== $f"; cat "$f"; done > "$LOG/gpu_tests_shards.log"
+      cat "$LOG/gpu_tests.log" ;;
     bench) # Liger Kernel (the Triton peer) from a carried wheel folder: pip download liger-kernel==0.8.5 -d .whl
       $PY -m pip install -q --no-index --no-deps --target /tmp/ligersite .whl/liger_kernel-*.whl >/dev/null
       read -r -a BENCH <<< "${BENCH_ARGS:---shapes qwen3 olmoe --tokens 4096 16384 64}"
