@@ -53,10 +53,17 @@ def arg_types(tname: str) -> dict:
 # config asks for it (bf16; fp32's exact-precision dots read their operands into registers and with
 # TMA tiles spill hundreds); the pointer variants also serve shapes whose rows TMA cannot address
 # (H or I not a multiple of 16 bytes) and the EP forward.
-def persistent_variants(tma: bool) -> list[tuple[bool, bool, bool, bool]]:
+def persistent_variants(cfg) -> list[tuple[bool, bool, bool, bool, bool]]:
+    """(is_bwd, gu, ep, tma, decode) for every persistent launch the config makes: forward and
+    backward with and without saved (gate, up), the pointer fallbacks where the weights go through
+    TMA, the EP forward, and the forwards at T <= decode_tokens where those get other pipeline stages."""
+    tma = cfg.tma_weights
     main = [(is_bwd, gu, False, tma) for is_bwd in (False, True) for gu in (False, True)]
     fallback = [(False, False, False, False), (True, True, False, False)] if tma else []
-    return main + fallback + [(False, False, True, False)]
+    out = [(*v, False) for v in main + fallback + [(False, False, True, False)]]
+    if cfg.decode_stages not in (None, cfg.num_stages):
+        out += [(False, gu, False, t, True) for t in ((tma, False) if tma else (False,)) for gu in (False, True)]
+    return out
 
 
 def weight_arg_types(tname: str, consts: dict, is_bwd: bool, gu: bool) -> dict:
@@ -141,13 +148,14 @@ def check(overrides: dict | None = None, E: int = 128) -> list[dict]:
     for dtype, tname in dtypes:
         cfg = dataclasses.replace(fused.default_config(dtype, torch.device("cuda")), **(overrides or {}))
         data = arg_types(tname)
-        for is_bwd, gu, ep, tma in persistent_variants(cfg.tma_weights):
+        for is_bwd, gu, ep, tma, decode in persistent_variants(cfg):
             consts = fused.persistent_constexprs(cfg, is_bwd, dtype, E, gu=gu, ep=ep, tma_w=tma,
                                                  poll_ns=ep_fused.POLL_NS["cuda"] if ep else 0)
             types = {**data, **weight_arg_types(tname, consts, is_bwd, gu)}
             k = _compile(mk._moe_persistent_kernel, types, consts, ("H", "I", "E"), cfg.num_warps,
-                         fused.persistent_stages(cfg, is_bwd))
-            name = ("bwd" if is_bwd else "fwd") + (" gu" if gu else "") + (" ep" if ep else "") + (" tma" if tma else "")
+                         fused.persistent_stages(cfg, is_bwd, cfg.decode_tokens if decode else None))
+            name = (("bwd" if is_bwd else "fwd") + (" gu" if gu else "") + (" ep" if ep else "")
+                    + (" tma" if tma else "") + (" decode" if decode else ""))
             rows.append(dict(kernel="persistent " + name, dtype=tname,
                              shared=k.metadata.shared, async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
                              tma_loads=k.asm["ttgir"].count("async_tma_copy_global_to_local"),
