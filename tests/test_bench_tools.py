@@ -46,6 +46,11 @@ def test_host_path_imports_and_refuses_without_a_gpu():
     proc = subprocess.run([sys.executable, "benchmarks/device/host_path.py"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode != 0 and "host_path.py needs a CUDA GPU" in proc.stderr, proc.stderr[-2000:]
+    # a config change naming no KernelConfig field is refused before the GPU check, naming the flag
+    proc = subprocess.run([sys.executable, "benchmarks/device/host_path.py", "--set", "tma=False"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "--set: expected FIELD=VALUE" in proc.stderr and "'tma=False'" in proc.stderr, \
+        proc.stderr[-2000:]
 
 
 def test_ep_diag_runs_every_step_on_gloo():

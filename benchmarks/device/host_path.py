@@ -104,11 +104,21 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3", choices=list(SHAPES))
     ap.add_argument("--tokens", nargs="+", type=int, default=[64, 4096])
+    ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="KernelConfig fields to change, e.g. tma_weights=False (the launch then encodes no tensor maps)")
     args = ap.parse_args()
+    from ab_config import config_fields
+    changes = config_fields(args.set, "--set")
     if not torch.cuda.is_available():
         raise SystemExit("host_path.py needs a CUDA GPU")
+    import dataclasses
+
     import triton
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}")
+    if changes:
+        cfg = dataclasses.replace(fused.default_config(torch.bfloat16, torch.device("cuda")), **changes)
+        fused.set_config(cfg)
+        print(f"config: {cfg}")
     for T in args.tokens:
         print(f"\n{args.shape} T={T} bf16")
         print(f"{'layer':36s} {'host us':>8s} {'eager ms':>9s}")
