@@ -66,8 +66,8 @@ from torch.autograd.function import once_differentiable
 from megamoe import alloc
 from megamoe.contract import FLOAT_DTYPES, check_moe_inputs
 from megamoe.ep import _check_everywhere, _check_local, check_global_ids, check_positive_ints
-from megamoe.fused import (_check_backend, _combine_slots, _config, grown_counters, persistent_setup, persistent_stages,
-                           weight_args)
+from megamoe.fused import (_check_backend, _combine_slots, _config, grown_counters, launch_device, persistent_setup,
+                           persistent_stages, weight_args)
 
 _ADDRESS_ROWS = ("recv_x", "recv_id", "recv_w", "out", "dsig", "csig")  # the kernel's EP_* rows
 # polls per wait before a time-out. On a GPU polls are at least POLL_NS apart (the kernel reads the
@@ -299,13 +299,14 @@ def _launch(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws: EPWorkspac
     act = alloc.empty(N, I, dtype=x.dtype, device=x.device)
     y = alloc.empty(s.T, H, dtype=x.dtype, device=x.device)
     ctr = setup.ctr
-    _moe_persistent_kernel[(setup.programs,)](
-        ws.recv_x, w13, w2, ws.recv_w, ws.recv_id, ws.recv_x, *weight_args(w13, w2, setup.consts, False, False),
-        *setup.meta,
-        act, act, act, ws.recv_w, ws.recv_w, ws.out, y, ctr, ctr[CTR_SLOTS.value:],
-        ws.table, ws.err, ws.epoch_dev, x, ids, tw, y, ids,  # ids: the trace pointer, unused
-        N, N, L, H, I, 1, setup.lag, setup.r_max, setup.nb, ws.rank, W, s.T, s.k, TMK, spin_max,
-        **setup.consts, num_warps=cfg.num_warps, num_stages=persistent_stages(cfg, False))
+    with launch_device(x.device):
+        _moe_persistent_kernel[(setup.programs,)](
+            ws.recv_x, w13, w2, ws.recv_w, ws.recv_id, ws.recv_x, *weight_args(w13, w2, setup.consts, False, False),
+            *setup.meta,
+            act, act, act, ws.recv_w, ws.recv_w, ws.out, y, ctr, ctr[CTR_SLOTS.value:],
+            ws.table, ws.err, ws.epoch_dev, x, ids, tw, y, ids,  # ids: the trace pointer, unused
+            N, N, L, H, I, 1, setup.lag, setup.r_max, setup.nb, ws.rank, W, s.T, s.k, TMK, spin_max,
+            **setup.consts, num_warps=cfg.num_warps, num_stages=persistent_stages(cfg, False))
     if check:
         _check_after(ws, spin_max)
     return y

@@ -35,6 +35,7 @@ K * (ceil(I / BN1) + 1) fp32, and int32 routing metadata (2K per token, plus (E 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Callable
@@ -371,6 +372,26 @@ def weight_args(w13: torch.Tensor, w2: torch.Tensor, consts: dict, is_bwd: bool,
     return w13_d1, w2, TD.from_tensor(w2, [1, BN2, BK2])
 
 
+@contextlib.contextmanager
+def launch_device(dev: torch.device):
+    """Around every Triton launch of the op: on CUDA, the launch's device is `dev` and its context is
+    bound to the calling thread. Triton launches on the thread's current device and encodes the TMA
+    descriptors (tma_weights, dw_tma) through the driver before its launcher binds a context itself;
+    autograd runs a backward on a thread of its own, which has no context until some CUDA runtime
+    call binds one. So the op's backward as the first node of a backward pass failed with "Failed to
+    create tensor map descriptor: invalid device context" (H200, 2026-12-02,
+    results/2026-12-02-h200-host-path-tma.log; the same bug in pytorch/pytorch#124565).
+    torch.cuda.device switches the device only where it differs; set_device (same device) binds the
+    context. A no-op elsewhere (the interpreter on CPU)."""
+    if dev.type != "cuda":
+        yield
+        return
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    with torch.cuda.device(idx):
+        torch.cuda.set_device(idx)
+        yield
+
+
 def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg: KernelConfig,
                        gu: torch.Tensor | None = None, save_gu: bool = False, trace: dict | None = None):
     """One persistent launch: routing metadata, then the forward (or the backward but dW).
@@ -417,14 +438,15 @@ def _launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg
         trace["layout"] = dict(P0=p0, R_MAX=setup.r_max, n1=n1, n2=setup.n2, lag=setup.lag, GT=cfg.group_tiles,
                                programs=setup.programs, T=T, BT=cfg.BT)
         extra = dict(TRACE=True, CLOCK=dev.type == "cuda")
-    _moe_persistent_kernel[(setup.programs,)](
-        x, w13, w2, tw, ids, dy if dy is not None else x, *weights,
-        sorted_slot, inv_slot, key_start, key_count, tile_cum, num_tiles, blk,
-        act, hw, gu if use_gu else act, dtw_part, dtw, slot_out, out, ctr, ctr[CTR_SLOTS.value:],
-        ctr, ctr, ctr, x, ids, tw, out,  # the EP arguments, unused here
-        trace["ticks"] if trace is not None else ids,
-        T, N, E, H, I, K, setup.lag, setup.r_max, setup.nb, 0, 1, 0, 0, 0, 0,
-        **{**setup.consts, **extra}, num_warps=cfg.num_warps, num_stages=persistent_stages(cfg, is_bwd, T))
+    with launch_device(dev):
+        _moe_persistent_kernel[(setup.programs,)](
+            x, w13, w2, tw, ids, dy if dy is not None else x, *weights,
+            sorted_slot, inv_slot, key_start, key_count, tile_cum, num_tiles, blk,
+            act, hw, gu if use_gu else act, dtw_part, dtw, slot_out, out, ctr, ctr[CTR_SLOTS.value:],
+            ctr, ctr, ctr, x, ids, tw, out,  # the EP arguments, unused here
+            trace["ticks"] if trace is not None else ids,
+            T, N, E, H, I, K, setup.lag, setup.r_max, setup.nb, 0, 1, 0, 0, 0, 0,
+            **{**setup.consts, **extra}, num_warps=cfg.num_warps, num_stages=persistent_stages(cfg, is_bwd, T))
     meta = KernelMeta(sorted_slot, inv_slot, key_start[1:], key_count[1:], tile_cum, num_tiles)
     return out, act, hw, dtw, meta, (gu if use_gu and not is_bwd else None)
 
@@ -488,17 +510,18 @@ def _launch_dw(x, dy, dgu, hw, meta: KernelMeta, E, H, I, K, cfg: KernelConfig):
     N = meta.sorted_slot.numel()
     xs = alloc.empty(N, H, dtype=x.dtype, device=x.device)
     dys = alloc.empty(N, H, dtype=x.dtype, device=x.device)
-    _gather_token_rows_kernel[(-(-N // cfg.BR),)](x, dy, meta.sorted_slot, xs, dys, N, H, K, BR=cfg.BR,
-                                                   BH=min(256, _next_pow2(H)), num_warps=4)
     dw13 = alloc.empty(E, 2 * I, H, dtype=x.dtype, device=x.device)
     dw2 = alloc.empty(E, H, I, dtype=x.dtype, device=x.device)
     tma = _dw_tma(cfg, (dgu, hw, xs, dys))
     per_e = (-(-2 * I // cfg.BMW) + -(-I // cfg.BMW)) * (-(-H // cfg.BNW))
-    _moe_bwd_dw_kernel[(E * per_e,)](
-        xs, dys, dgu, hw, *dw_operand_args(xs, dys, dgu, hw, cfg, tma), meta.expert_start, meta.expert_count,
-        dw13, dw2, E, H, I,
-        **dw_constexprs(cfg, x.dtype, tma), num_warps=cfg.dw_warps, num_stages=cfg.dw_stages,
-    )
+    with launch_device(x.device):
+        _gather_token_rows_kernel[(-(-N // cfg.BR),)](x, dy, meta.sorted_slot, xs, dys, N, H, K, BR=cfg.BR,
+                                                       BH=min(256, _next_pow2(H)), num_warps=4)
+        _moe_bwd_dw_kernel[(E * per_e,)](
+            xs, dys, dgu, hw, *dw_operand_args(xs, dys, dgu, hw, cfg, tma), meta.expert_start, meta.expert_count,
+            dw13, dw2, E, H, I,
+            **dw_constexprs(cfg, x.dtype, tma), num_warps=cfg.dw_warps, num_stages=cfg.dw_stages,
+        )
     return dw13, dw2
 
 

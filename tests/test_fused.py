@@ -548,6 +548,46 @@ def test_gpu_tma_weight_loads_equal_pointer_loads(T, H, I, E, k):  # noqa: E741
     _tma_vs_pointers(p, torch.randn(T, H, device="cuda", dtype=torch.bfloat16))
 
 
+# In a fresh process, with the kernels already loaded by the main thread: the op's backward as the
+# first node that autograd's device thread runs, and the forward as the first CUDA work of a new
+# Python thread. Neither thread has a CUDA context bound until something binds one; Triton encodes
+# TMA descriptors before its launcher binds one, so before fused.launch_device the backward failed
+# with "Failed to create tensor map descriptor: invalid device context"
+# (results/2026-12-02-h200-host-path-tma.log; this test on the code before it: -fresh-threads.log).
+_FRESH_THREADS = """
+import threading, torch, megamoe
+from megamoe.fused import fused_moe_bwd, fused_moe_fwd
+from megamoe.testing import make_problem
+p = make_problem(64, 2048, 768, 128, 8, seed=11, dtype=torch.bfloat16, device="cuda")
+x, w13, w2, tw, ids = p.args()
+dy = torch.randn(64, 2048, generator=torch.Generator().manual_seed(12)).to("cuda", torch.bfloat16)
+# first on this thread: the kernels compiled and loaded (Triton's loader binds a context to the thread
+# that loads; a thread that only launches them does not get one)
+want_y, gu = fused_moe_fwd(x, w13, w2, tw, ids, save_gu=True)
+want = fused_moe_bwd(dy, x, w13, w2, tw, ids, gu=gu)
+leaves = [t.clone().requires_grad_(True) for t in (x, w13, w2, tw)]
+y = megamoe.fused_moe(*leaves, ids, check_ids=False)
+y.backward(dy)
+got = []
+t = threading.Thread(target=lambda: got.append(megamoe.fused_moe(x, w13, w2, tw, ids, check_ids=False)))
+t.start(); t.join()
+assert len(got) == 1 and torch.equal(got[0], want_y), "forward on a new thread differs"
+assert torch.equal(y, want_y), "forward differs"
+for name, leaf, w in zip(("dx", "dw13", "dw2", "dtopk_weights"), leaves, want):
+    assert torch.equal(leaf.grad, w), name
+print("fresh threads ok")
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_launches_from_threads_without_a_cuda_context():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", _FRESH_THREADS], capture_output=True, text=True, timeout=400,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0 and "fresh threads ok" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+
+
 @pytest.mark.gpu
 def test_gpu_opcheck():
     p = make_problem(64, 128, 64, 8, 2, seed=5, dtype=torch.bfloat16, device="cuda")
