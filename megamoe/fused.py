@@ -98,14 +98,17 @@ class KernelConfig:
     # -ab-tile-groups.log, -ab-tma.log), GPU tests passed with it (-test_fused-gpu-bf16-bwd-stages-4.log);
     # the non-gu backward then needs 229,472 B of shared memory, under the H200's 232,448 B (compile_check)
     bwd_stages: int | None = None
-    # the forward's pipeline stages when T <= decode_tokens (None: num_stages). Stages change how far
+    # the forward's pipeline stages when T <= small_tokens (None: num_stages). Stages change how far
     # ahead the loads run, not the arithmetic: same bits at every T (ab_config's bit check; the GPU batch
-    # invariance test crosses the threshold). H200, bf16, 4 vs 3 stages, one process, 3 rounds
-    # (results/2026-12-02-h200-ab-decode-stages.log, -ab-fwd-stages-large.log): forward as a replayed
-    # graph OLMoE / Qwen3 / DeepSeek-V3 / Mixtral T=64 -6 / -6 / -7 / -5 %, T=512 -6 / -6 %; at
-    # T >= 4096 mixed (Qwen3 4096 -4 %, Mixtral 4096 / 16384 +3 / +4 %, Qwen3 16384 +0.5..+7 %), so 3 there
-    decode_stages: int | None = None
-    decode_tokens: int = 512
+    # invariance test crosses the threshold). H200, bf16, 4 vs 3 stages, one process, 3 rounds, forward
+    # as a replayed graph (results/2026-12-02-h200-ab-decode-stages.log, -ab-fwd-stages-large.log,
+    # -ab-fwd-stages-mid.log): T=64 OLMoE / Qwen3 / DeepSeek-V3 / Mixtral -6 / -6 / -7 / -5 %;
+    # T=512 OLMoE / Qwen3 -6 / -6 %; T=1024 -7 / -6 / -3 / +4 %; T=2048 OLMoE / Qwen3 -6 / -9 %;
+    # T=4096 -3 / -5 / -5 / +2.5 %; T=16384 -1 / +0.5..+7 / -3 / +4 %. So 4 up to T=4096 (Mixtral, E=8,
+    # loses 2.5-4 % from T=1024 on: not understood), 3 above; as the default vs 512: -ab-small-tokens-4096.log,
+    # GPU tests on it: -gpu-tests-small-tokens-4096.log
+    small_stages: int | None = None
+    small_tokens: int = 4096
     # slots per routing-metadata block (phase 0): one tl.histogram and one in-register sort of its
     # (key, slot) pairs per block (power of two). H200, vs the one-hot sums it replaced on 2026-12-01
     # (results/2026-12-01-h200-ab-metadata-sort.log, same bits): forward as a replayed graph Qwen3 /
@@ -161,7 +164,7 @@ class KernelConfig:
             if not (pow2(getattr(self, f)) and getattr(self, f) <= 32):
                 bad(f, "a power of two <= 32")
         for f, optional, least in (("num_stages", False, 1), ("dw_stages", False, 1), ("bwd_stages", True, 1),
-                                   ("decode_stages", True, 1), ("decode_tokens", False, 0),
+                                   ("small_stages", True, 1), ("small_tokens", False, 0),
                                    ("group_tiles", False, 1), ("programs", True, 1), ("lag", True, 0)):
             v = getattr(self, f)
             if not ((optional and v is None) or (isinstance(v, int) and not isinstance(v, bool) and v >= least)):
@@ -177,7 +180,7 @@ def _interpreting() -> bool:
 
 def default_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
     """Tile sizes depend on dtype and device only, never on T (batch invariance); T picks only the
-    forward's pipeline depth (decode_stages), which leaves every bit unchanged. The bf16 CUDA
+    forward's pipeline depth (small_stages), which leaves every bit unchanged. The bf16 CUDA
     defaults come from the H200 sweeps in benchmarks/RESULTS.md."""
     if device.type != "cuda":  # the interpreter: small tiles, one program
         return KernelConfig(BM=16, BN1=16, BK1=16, BN2=16, BK2=16, BT=8, BH=32, programs=1,
@@ -193,7 +196,7 @@ def default_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
     # H200, one process, 3 rounds (results/2026-12-01-h200-ab-bt8.log): forward as a replayed graph
     # Qwen3 / OLMoE / DeepSeek-V3 / Mixtral T=64 -8 / -10 / -15 / -1.5 %, backward -4 to -8 %;
     # T = 4096 / 16384 within -1.2 ... +3.4 % (forward) and -1.0 ... +0.3 % (backward); same bits
-    return KernelConfig(bwd_stages=4, BT=8, decode_stages=4)
+    return KernelConfig(bwd_stages=4, BT=8, small_stages=4)
 
 
 _CONFIG_OVERRIDE: KernelConfig | None = None
@@ -469,8 +472,8 @@ def persistent_stages(cfg: KernelConfig, is_bwd: bool, T: int | None = None) -> 
     the EP launch, whose T is the received rows, and compile checks: num_stages)."""
     if is_bwd:
         return cfg.bwd_stages or cfg.num_stages
-    if T is not None and cfg.decode_stages is not None and T <= cfg.decode_tokens:
-        return cfg.decode_stages
+    if T is not None and cfg.small_stages is not None and T <= cfg.small_tokens:
+        return cfg.small_stages
     return cfg.num_stages
 
 

@@ -250,7 +250,7 @@ def test_dw_tma_only_where_the_hardware_can_address_the_rows():
     ("num_warps", 64, "power of two <= 32"), ("dw_warps", 3, "power of two <= 32"),
     ("num_stages", 0, "int >= 1"), ("bwd_stages", 0, "int >= 1 or None"), ("lag", -1, "int >= 0 or None"),
     ("programs", -1, "int >= 1 or None"), ("group_tiles", True, "int >= 1"), ("dw_tma", 1, "a bool"),
-    ("decode_stages", 0, "int >= 1 or None"), ("decode_tokens", None, "int >= 0"),
+    ("small_stages", 0, "int >= 1 or None"), ("small_tokens", None, "int >= 0"),
 ])
 def test_kernel_config_refuses_what_the_kernels_cannot_run(field, value, expected):
     from megamoe import fused
@@ -266,7 +266,7 @@ def test_every_default_config_is_valid():
         for dt in (torch.float32, torch.bfloat16):
             cfg = fused.default_config(dt, torch.device(dev))
             assert dataclasses.replace(cfg) == cfg
-    fused.KernelConfig(bwd_stages=None, decode_stages=None, programs=None, lag=None)  # the optional fields' None
+    fused.KernelConfig(bwd_stages=None, small_stages=None, programs=None, lag=None)  # the optional fields' None
     fused.KernelConfig(lag=0)  # phase-2 items right after their unit's phase-1 items (the ticket-order test)
 
 
@@ -278,16 +278,17 @@ def test_backward_pipeline_stages_follow_the_config():
     assert (fused.persistent_stages(cfg, False), fused.persistent_stages(cfg, True)) == (3, 4)
 
 
-def test_forward_pipeline_stages_at_decode():
-    """decode_stages applies to the forward at T <= decode_tokens only: not to larger T, not to the
+def test_forward_pipeline_stages_at_small_T():
+    """small_stages applies to the forward at T <= small_tokens only: not to larger T, not to the
     backward, not without a T (the EP launch); the bf16 CUDA default uses 4 there, fp32 none."""
     from megamoe import fused
-    cfg = fused.KernelConfig(num_stages=3, bwd_stages=2, decode_stages=4, decode_tokens=512)
+    cfg = fused.KernelConfig(num_stages=3, bwd_stages=2, small_stages=4, small_tokens=512)
     assert [fused.persistent_stages(cfg, False, T) for T in (1, 512, 513, 16384, None)] == [4, 4, 3, 3, 3]
     assert [fused.persistent_stages(cfg, True, T) for T in (1, 16384)] == [2, 2]
-    assert fused.persistent_stages(fused.KernelConfig(num_stages=3), False, 1) == 3  # decode_stages None
-    assert fused.default_config(torch.bfloat16, torch.device("cuda")).decode_stages == 4
-    assert fused.default_config(torch.float32, torch.device("cuda")).decode_stages is None
+    assert fused.persistent_stages(fused.KernelConfig(num_stages=3), False, 1) == 3  # small_stages None
+    bf16 = fused.default_config(torch.bfloat16, torch.device("cuda"))
+    assert [fused.persistent_stages(bf16, False, T) for T in (64, 4096, 4097)] == [4, 4, 3]
+    assert fused.default_config(torch.float32, torch.device("cuda")).small_stages is None
 
 
 def test_the_raw_launcher_refuses_strided_inputs():
@@ -480,8 +481,8 @@ def test_gpu_against_ground_truth(T, H, I, E, k, routing, drop, dtype, nan_fill)
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gpu_batch_invariant_and_deterministic(dtype):
-    # 1024 > decode_tokens: the full batch's forward runs with num_stages, the parts with decode_stages
-    _batch_invariance("cuda", dtype, "triton", [1, 7, 512, 1024])
+    # 4100 > small_tokens: the full batch's forward runs with num_stages, the parts with small_stages
+    _batch_invariance("cuda", dtype, "triton", [1, 7, 512, 4096, 4100])
 
 
 @pytest.mark.gpu

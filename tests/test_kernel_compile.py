@@ -56,7 +56,7 @@ def test_kernels_compile_for_sm90():
     # fp32 through pointers only
     bf16 = ("persistent fwd tma", "persistent fwd gu tma", "persistent bwd tma", "persistent bwd gu tma",
             "persistent fwd", "persistent bwd gu", "persistent fwd ep", "weight gradients tma", "weight gradients",
-            # the forwards at T <= decode_tokens, with the config's decode_stages
+            # the forwards at T <= small_tokens, with the config's small_stages
             "persistent fwd tma decode", "persistent fwd gu tma decode", "persistent fwd decode", "persistent fwd gu decode")
     fp32 = ("persistent fwd", "persistent fwd gu", "persistent bwd", "persistent bwd gu", "persistent fwd ep",
             "weight gradients")

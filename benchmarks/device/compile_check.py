@@ -56,12 +56,12 @@ def arg_types(tname: str) -> dict:
 def persistent_variants(cfg) -> list[tuple[bool, bool, bool, bool, bool]]:
     """(is_bwd, gu, ep, tma, decode) for every persistent launch the config makes: forward and
     backward with and without saved (gate, up), the pointer fallbacks where the weights go through
-    TMA, the EP forward, and the forwards at T <= decode_tokens where those get other pipeline stages."""
+    TMA, the EP forward, and the forwards at T <= small_tokens where those get other pipeline stages."""
     tma = cfg.tma_weights
     main = [(is_bwd, gu, False, tma) for is_bwd in (False, True) for gu in (False, True)]
     fallback = [(False, False, False, False), (True, True, False, False)] if tma else []
     out = [(*v, False) for v in main + fallback + [(False, False, True, False)]]
-    if cfg.decode_stages not in (None, cfg.num_stages):
+    if cfg.small_stages not in (None, cfg.num_stages):
         out += [(False, gu, False, t, True) for t in ((tma, False) if tma else (False,)) for gu in (False, True)]
     return out
 
@@ -153,7 +153,7 @@ def check(overrides: dict | None = None, E: int = 128) -> list[dict]:
                                                  poll_ns=ep_fused.POLL_NS["cuda"] if ep else 0)
             types = {**data, **weight_arg_types(tname, consts, is_bwd, gu)}
             k = _compile(mk._moe_persistent_kernel, types, consts, ("H", "I", "E"), cfg.num_warps,
-                         fused.persistent_stages(cfg, is_bwd, cfg.decode_tokens if decode else None))
+                         fused.persistent_stages(cfg, is_bwd, cfg.small_tokens if decode else None))
             name = (("bwd" if is_bwd else "fwd") + (" gu" if gu else "") + (" ep" if ep else "")
                     + (" tma" if tma else "") + (" decode" if decode else ""))
             rows.append(dict(kernel="persistent " + name, dtype=tname,
