@@ -11,8 +11,10 @@ between runs on the H200) instead of each meeting its own.
 FLOPs: 6*T*k*H*I per forward (two GEMMs, gate+up counted as 2I), x3 for forward+backward.
 Decode (T <= 512) is also compared with its weight-read floor: bytes of the experts touched / the
 device copy bandwidth measured in the same process; there megamoe's forward is also timed as a
-replayed CUDA graph (device time only, as vLLM runs decode steps). Liger comes from `liger-kernel` (pure-Python
-Triton package); when it is not importable its columns say so.
+replayed CUDA graph (device time only, as vLLM runs decode steps). --graph times every implementation's
+forward that way at every T (rows "graph"; one that cannot be captured says n/a and why), which
+separates device time from the host time an eager call exposes. Liger comes from `liger-kernel`
+(pure-Python Triton package); when it is not importable its columns say so.
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ def liger_fn():
     return LigerFusedMoEFunction, None
 
 
-def bench_shape(name, T, reps, impls, bw, lines, records, rounds: int = 1):
+def bench_shape(name, T, reps, impls, bw, lines, records, rounds: int = 1, graph: bool = False):
     E, H, I, k = SHAPES[name]  # noqa: E741
     x, w13, w2, tw, ids = make_inputs(E, H, I, k, T)
     flops = 6.0 * T * k * H * I
@@ -164,6 +166,20 @@ def bench_shape(name, T, reps, impls, bw, lines, records, rounds: int = 1):
 
     row = {"shape": name, "T": T, "E": E, "H": H, "I": I, "k": k, "rounds": rounds}
     timers = {}
+    uncapturable = {}  # impl: why its forward could not be captured in a CUDA graph
+
+    def graph_timer(impl):
+        def run():
+            if impl in uncapturable:
+                return float("nan")
+            try:
+                return graph_ms(fwd[impl], reps)
+            except Exception as exc:  # noqa: BLE001  (a forward that waits on the host cannot be captured)
+                uncapturable[impl] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+                print(f"  {name} T={T} {impl}: forward not capturable: {uncapturable[impl]}", flush=True)
+                return float("nan")
+        return run
+
     for impl in impls:
         if impl == "liger" and liger is None:
             row[f"{impl}_fwd_ms"] = row[f"{impl}_fb_ms"] = None
@@ -171,13 +187,19 @@ def bench_shape(name, T, reps, impls, bw, lines, records, rounds: int = 1):
             continue
         timers[impl, "fwd"] = lambda f=fwd[impl]: time_ms(f, reps)
         timers[impl, "fb"] = lambda f=fb(impl): time_ms(f, reps)
+        if graph:
+            timers[impl, "graph"] = graph_timer(impl)
     # progress: a run cut by a time limit (Liger autotunes for minutes per new shape) keeps these
     meds = interleaved_ms(timers, rounds, report=lambda key, r, ms: print(
         f"  {name} T={T} {key[0]} {key[1]}: {ms:.3f} ms" + (f" (round {r + 1}/{rounds})" if rounds > 1 else ""),
         flush=True))
     for (impl, mode), ms in meds.items():
-        row[f"{impl}_{mode}_ms"] = min(ms)
+        measured = [m for m in ms if m == m]  # NaN: a forward that could not be captured
+        row[f"{impl}_{mode}_ms"] = min(measured) if measured else None
         row[f"{impl}_{mode}_rounds_ms"] = ms
+        if mode == "graph" and impl in uncapturable:
+            row[f"{impl}_graph_note"] = uncapturable[impl]
+            continue
         if rounds > 1:
             print(f"  {name} T={T} {impl} {mode}: rounds {' '.join(f'{m:.3f}' for m in ms)} ms, "
                   f"spread {max(ms) / min(ms):.3f}x", flush=True)
@@ -190,7 +212,7 @@ def bench_shape(name, T, reps, impls, bw, lines, records, rounds: int = 1):
     def tf(ms, mult):
         return f"{flops * mult / (ms * 1e-3) / 1e12:6.0f}" if ms else "   n/a"
 
-    for mode, mult in (("fwd", 1), ("fb", 3)):
+    for mode, mult in (("fwd", 1), ("fb", 3)) + ((("graph", 1),) if graph else ()):
         m = row.get(f"megamoe_{mode}_ms")
         cells = []
         for impl in impls:
@@ -217,6 +239,9 @@ def main():
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=1,
                     help="time the implementations round-robin this many times, keep each one's least median")
+    ap.add_argument("--graph", action="store_true",
+                    help="also time every implementation's forward captured once in a CUDA graph and replayed "
+                         "(device time, no host time): rows 'graph'")
     ap.add_argument("--out", default=None, help="write the table (markdown) and records (json) here")
     args = ap.parse_args()
     if args.rounds < 1:
@@ -228,7 +253,7 @@ def main():
     lines, records = [], []
     for name in args.shapes:
         for T in args.tokens:
-            bench_shape(name, T, args.reps, args.impls, bw, lines, records, rounds=args.rounds)
+            bench_shape(name, T, args.reps, args.impls, bw, lines, records, rounds=args.rounds, graph=args.graph)
             torch.cuda.empty_cache()
             if args.out:  # after every row, so a run stopped by a time limit keeps what it measured
                 with open(args.out, "w") as f:

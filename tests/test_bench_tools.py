@@ -159,3 +159,35 @@ def test_bench_moe_rows_on_cpu(monkeypatch, rounds):
     assert row["rounds"] == rounds and row["megamoe_fb_rounds_ms"] == [2.0] * rounds
     assert [ln.split("|")[0].split()[-1] for ln in lines] == ["fwd", "fb"]
     assert all("megamoe    2.000 ms" in ln and "1.00x vs reference" in ln for ln in lines), lines
+
+
+def test_bench_moe_graph_rows_on_cpu(monkeypatch):
+    """--graph: each implementation's forward also timed as a replayed graph, once per round, in a
+    third row; one whose capture fails gets n/a there with the reason in its record, and the other
+    rows stay."""
+    sys.path.insert(0, ROOT)
+    from benchmarks import bench_moe as bm
+
+    graphed = []
+
+    def fake_graph(fn, reps):
+        graphed.append(fn)
+        if len(graphed) == 2:  # the reference's forward (megamoe's comes first in the round)
+            raise RuntimeError("operation not permitted when stream is capturing\nmore")
+        return 1.0
+
+    make = bm.make_inputs
+    monkeypatch.setitem(bm.SHAPES, "tiny", (4, 32, 16, 2))
+    monkeypatch.setattr(bm, "make_inputs", lambda *a, **kw: make(*a, device="cpu", dtype=torch.float32))
+    monkeypatch.setattr(bm, "time_ms", lambda fn, reps, warmup=0: (fn(), 2.0)[1])
+    monkeypatch.setattr(bm, "graph_ms", fake_graph)
+    lines, records = [], []
+    bm.bench_shape("tiny", 1024, 1, ["megamoe", "reference"], 1e12, lines, records, rounds=2, graph=True)
+    assert len(graphed) == 3  # megamoe in both rounds, the reference once (not retried after failing)
+    row = records[0]
+    assert row["megamoe_graph_rounds_ms"] == [1.0, 1.0] and row["megamoe_graph_ms"] == 1.0
+    assert row["reference_graph_ms"] is None
+    assert row["reference_graph_note"] == "RuntimeError: operation not permitted when stream is capturing"
+    assert [ln.split("|")[0].split()[-1] for ln in lines] == ["fwd", "fb", "graph"]
+    assert "megamoe    1.000 ms" in lines[2] and "reference      n/a" in lines[2] and "vs reference" not in lines[2]
+    assert "2.000 ms" in lines[0] and "1.00x vs reference" in lines[0]
