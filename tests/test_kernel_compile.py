@@ -57,7 +57,7 @@ def test_kernels_compile_for_sm90():
     bf16 = ("persistent fwd tma", "persistent fwd gu tma", "persistent bwd tma", "persistent bwd gu tma",
             "persistent fwd", "persistent bwd gu", "persistent fwd ep", "weight gradients tma", "weight gradients",
             # the forwards at T <= small_tokens, with the config's small_stages
-            "persistent fwd tma decode", "persistent fwd gu tma decode", "persistent fwd decode", "persistent fwd gu decode")
+            "persistent fwd tma small-T", "persistent fwd gu tma small-T", "persistent fwd small-T", "persistent fwd gu small-T")
     fp32 = ("persistent fwd", "persistent fwd gu", "persistent bwd", "persistent bwd gu", "persistent fwd ep",
             "weight gradients")
     assert kernels == {(k, "bf16") for k in bf16} | {(k, "fp32") for k in fp32}

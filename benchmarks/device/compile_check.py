@@ -54,7 +54,7 @@ def arg_types(tname: str) -> dict:
 # TMA tiles spill hundreds); the pointer variants also serve shapes whose rows TMA cannot address
 # (H or I not a multiple of 16 bytes) and the EP forward.
 def persistent_variants(cfg) -> list[tuple[bool, bool, bool, bool, bool]]:
-    """(is_bwd, gu, ep, tma, decode) for every persistent launch the config makes: forward and
+    """(is_bwd, gu, ep, tma, small_t) for every persistent launch the config makes: forward and
     backward with and without saved (gate, up), the pointer fallbacks where the weights go through
     TMA, the EP forward, and the forwards at T <= small_tokens where those get other pipeline stages."""
     tma = cfg.tma_weights
@@ -148,14 +148,14 @@ def check(overrides: dict | None = None, E: int = 128) -> list[dict]:
     for dtype, tname in dtypes:
         cfg = dataclasses.replace(fused.default_config(dtype, torch.device("cuda")), **(overrides or {}))
         data = arg_types(tname)
-        for is_bwd, gu, ep, tma, decode in persistent_variants(cfg):
+        for is_bwd, gu, ep, tma, small_t in persistent_variants(cfg):
             consts = fused.persistent_constexprs(cfg, is_bwd, dtype, E, gu=gu, ep=ep, tma_w=tma,
                                                  poll_ns=ep_fused.POLL_NS["cuda"] if ep else 0)
             types = {**data, **weight_arg_types(tname, consts, is_bwd, gu)}
             k = _compile(mk._moe_persistent_kernel, types, consts, ("H", "I", "E"), cfg.num_warps,
-                         fused.persistent_stages(cfg, is_bwd, cfg.small_tokens if decode else None))
+                         fused.persistent_stages(cfg, is_bwd, cfg.small_tokens if small_t else None))
             name = (("bwd" if is_bwd else "fwd") + (" gu" if gu else "") + (" ep" if ep else "")
-                    + (" tma" if tma else "") + (" decode" if decode else ""))
+                    + (" tma" if tma else "") + (" small-T" if small_t else ""))
             rows.append(dict(kernel="persistent " + name, dtype=tname,
                              shared=k.metadata.shared, async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
                              tma_loads=k.asm["ttgir"].count("async_tma_copy_global_to_local"),
