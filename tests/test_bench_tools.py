@@ -191,3 +191,7 @@ def test_bench_moe_graph_rows_on_cpu(monkeypatch):
     assert [ln.split("|")[0].split()[-1] for ln in lines] == ["fwd", "fb", "graph"]
     assert "megamoe    1.000 ms" in lines[2] and "reference      n/a" in lines[2] and "vs reference" not in lines[2]
     assert "2.000 ms" in lines[0] and "1.00x vs reference" in lines[0]
+    # at decode sizes the floor comparison reuses megamoe's graph time instead of timing it again
+    graphed.clear()
+    bm.bench_shape("tiny", 16, 1, ["megamoe"], 1e12, lines, records, rounds=1, graph=True)
+    assert len(graphed) == 1 and records[-1]["megamoe_graph_fwd_ms"] == records[-1]["megamoe_graph_ms"] == 1.0

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -582,8 +584,6 @@ print("fresh threads ok")
 
 @pytest.mark.gpu
 def test_gpu_launches_from_threads_without_a_cuda_context():
-    import subprocess
-    import sys
     r = subprocess.run([sys.executable, "-c", _FRESH_THREADS], capture_output=True, text=True, timeout=400,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 0 and "fresh threads ok" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
