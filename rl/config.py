@@ -81,6 +81,15 @@ class RolloutConfig:
     cpus_per_worker: float = field(1.0, "CPUs reserved per RolloutWorker in its placement-group bundle")
     gpus_per_worker: float = field(0.0, "GPUs reserved per RolloutWorker (0 on CPU machines)")
     max_restarts: int = field(3, "times a dead RolloutWorker is restarted (with the current weights) before the run fails")
+    weight_sync: Literal["auto", "ipc", "nccl", "files"] = field(
+        "auto", "how trainer weights reach the engines (rollout/sync.py): ipc (vLLM's CUDA IPC engine; trainer "
+                "rank and engine on one GPU), nccl (separate GPUs; not provided yet, refused), files "
+                "(safetensors buckets in /dev/shm; CPU); auto = ipc when colocated on CUDA, files on CPU")
+    ipc_bucket_bytes: int = field(1 << 30, "weight_sync=ipc: bytes of the one GPU buffer the trainer packs each "
+                                           "chunk into (vLLM's packed IPC transfer; its default, 1 GiB)")
+    sleep_level: int = field(0, "vLLM sleep mode while the trainer trains (CUDA): 0 = the engine stays awake; "
+                                "1 = KV cache freed, weights moved to host memory; 2 = both freed (the sync "
+                                "after the step delivers every weight again)")
     worker: str = field("rollout.worker:RolloutWorker", "the rollout actor's class (module:Class); another class with "
                                                         "RolloutWorker's interface (docs/HELPERS.md) may replace it")
     engine_kwargs: dict[str, Any] = field(doc="extra keyword arguments for RolloutWorker (passed through unchanged)",
@@ -98,6 +107,9 @@ class RolloutConfig:
         _check(self.cpus_per_worker >= 0, f"{at}.cpus_per_worker", "a float >= 0", self.cpus_per_worker)
         _check(self.gpus_per_worker >= 0, f"{at}.gpus_per_worker", "a float >= 0", self.gpus_per_worker)
         _check(self.max_restarts >= 0, f"{at}.max_restarts", "an int >= 0", self.max_restarts)
+        _check(self.ipc_bucket_bytes >= 1 << 20, f"{at}.ipc_bucket_bytes", "an int >= 1048576 (1 MiB)",
+               self.ipc_bucket_bytes)
+        _check(self.sleep_level in (0, 1, 2), f"{at}.sleep_level", "0, 1 or 2", self.sleep_level)
         _check(self.cpus_per_worker + self.gpus_per_worker > 0, f"{at}.cpus_per_worker/{at}.gpus_per_worker",
                "at least one of them > 0 (a placement-group bundle cannot be empty)",
                (self.cpus_per_worker, self.gpus_per_worker))
@@ -406,10 +418,35 @@ def validate(cfg: Config) -> Config:
         for name in ("layers", "hidden", "experts", "topk", "intermediate"):
             _check(getattr(m, name) >= 1, f"model.make.{name}", "an int >= 1", getattr(m, name))
         _check(m.topk <= m.experts, "model.make.topk", f"an int <= model.make.experts ({m.experts})", m.topk)
+    resolve_weight_sync(cfg)
+    if cfg.rollout.sleep_level and not _on_gpu(cfg):
+        raise ConfigError(f"rollout.sleep_level: expected 0 on CPU (vLLM's sleep mode needs CUDA: "
+                          f"rollout.gpus_per_worker and trainer.gpus_per_rank > 0), got {cfg.rollout.sleep_level}")
     if cfg.trainer.max_seq_len < cfg.rollout.max_tokens + 1:
         raise ConfigError(f"trainer.max_seq_len: expected an int > rollout.max_tokens ({cfg.rollout.max_tokens}), "
                           f"got {cfg.trainer.max_seq_len}")
     return cfg
+
+
+def _on_gpu(cfg: Config) -> bool:
+    return cfg.rollout.gpus_per_worker > 0 and cfg.trainer.gpus_per_rank > 0
+
+
+def resolve_weight_sync(cfg: Config) -> str:
+    """The transport rollout.weight_sync names for this placement ('auto' resolved); ConfigError
+    naming the key, the value and what would work when the placement cannot run it."""
+    from rollout.sync import resolve  # standard library only at import time
+
+    t, r = cfg.trainer, cfg.rollout
+    colocated = cfg.ray.placement == "colocated"
+    # Colocated bundles hold a trainer rank and the workers placed round robin on it; one GPU per
+    # bundle at most means they share it.
+    per_bundle = math.ceil(r.num_workers / t.world_size)
+    same_gpu = colocated and t.gpus_per_rank + per_bundle * r.gpus_per_worker <= 1
+    try:
+        return resolve(r.weight_sync, colocated=colocated, on_gpu=_on_gpu(cfg), same_gpu=same_gpu)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def from_dict(data: dict | None) -> Config:

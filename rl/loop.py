@@ -87,6 +87,15 @@ class WorkerHost:
 
         return [ray.put(getattr(self.worker, method)(*args, **kwargs))]
 
+    def run(self, fn: str, *args, **kwargs):
+        """`module:function(worker, *args, **kwargs)` in this actor's process: code of a layer above
+        the worker that needs the worker's objects where they live (rl.weight_sync's IPC sender
+        reads the trainer's GPU tensors, which cannot leave the process as tensors)."""
+        import importlib
+
+        module, _, name = fn.partition(":")
+        return getattr(importlib.import_module(module), name)(self.worker, *args, **kwargs)
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -290,6 +299,10 @@ class Loop:
             from transformers import AutoTokenizer
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.plan = plan_bundles(cfg)
+        from rl.config import resolve_weight_sync
+
+        self.weight_sync = resolve_weight_sync(cfg)
+        self.on_gpu = cfg.rollout.gpus_per_worker > 0
         self.placement: Placement | None = None
         self.trainers: list = []
         self.rollouts: list = []
@@ -331,7 +344,8 @@ class Loop:
         pl = self.placement
         host = self._host(r.cpus_per_worker, r.gpus_per_worker, pl.rollout_pg, pl.rollout_bundles[i])
         kwargs = dict(dtype=self.cfg.model.dtype, seed=self.cfg.run.seed + i, max_model_len=r.max_model_len,
-                      kv_cache_memory_bytes=r.kv_cache_bytes, **r.engine_kwargs)
+                      kv_cache_memory_bytes=r.kv_cache_bytes, weight_sync=self.weight_sync,
+                      sleep_mode=r.sleep_level > 0, **r.engine_kwargs)
         return host.remote(r.worker, (str(self.model_dir), r.moe_impl), kwargs)
 
     def start_rollouts(self) -> None:
@@ -376,33 +390,72 @@ class Loop:
         self.pids["rollout"][i] = ray.get(self.rollouts[i].pid.remote())
         self.write_pids()
         if self.weights_dirty:
-            named = self._trainer_call("export_weights", self._export_dtype(), put=True)[0]
-            ray.get(self.rollouts[i].call.remote("update_weights", named))
+            self.push_weights([i])
 
     def _export_dtype(self) -> str | None:
         """The sampler's dtype when it is a 16-bit one: the engine would round the fp32 master weights
         to it anyway (the same round-to-nearest-even as the trainer's cast), and half the bytes travel."""
         return self.cfg.model.dtype if self.cfg.model.dtype in ("bfloat16", "float16") else None
 
-    def push_weights(self) -> dict:
-        """Trainer weights into every rollout worker; {"total": s, "export": s, phases of worker 0's update}."""
+    def push_weights(self, indices: list[int] | None = None) -> dict:
+        """Trainer weights into the rollout workers (all, or `indices`) over rollout.weight_sync;
+        {"total": s, phases...}. A worker that dies meanwhile is restarted and gets the weights."""
         import ray
 
+        from rl import weight_sync
+
         t0 = time.perf_counter()
+        targets = list(range(len(self.rollouts))) if indices is None else list(indices)
+        times: dict[str, float] = {}
+        if self.weight_sync == "ipc":
+            try:
+                info = weight_sync.push_ipc(self.trainers, [self.rollouts[i] for i in targets],
+                                            dtype=self._export_dtype(), model_dir=str(self.model_dir),
+                                            bucket_bytes=self.cfg.rollout.ipc_bucket_bytes)
+            except ray.exceptions.RayActorError as e:
+                dead = self._dead_rollout(targets)
+                if dead is None:
+                    raise TrainerDied(f"a TrainerWorker died during the weight sync at step {self.step}: {e}") from e
+                self.restart_rollout(dead, e)  # the new worker gets the weights there
+                rest = [i for i in targets if i != dead]
+                return self.push_weights(rest) if rest else {"total": time.perf_counter() - t0}
+            times.update({k: v for k, v in info.items() if "bytes" not in k})
+            times["total"] = time.perf_counter() - t0
+            return times
         # A reference to rank 0's weights in the object store: the driver never holds them (fetching
         # them here and putting them back cost two more host copies of the whole model).
         named = self._trainer_call("export_weights", self._export_dtype(), put=True)[0]
-        times = {"export": time.perf_counter() - t0}
-        for i, w in enumerate(list(self.rollouts)):
+        times["export"] = time.perf_counter() - t0
+        for i in targets:
             try:
-                info = ray.get(w.call.remote("update_weights", named))
+                info = ray.get(self.rollouts[i].call.remote("update_weights", named))
             except ray.exceptions.RayActorError as e:
                 self.restart_rollout(i, e)  # the new worker gets these weights
                 continue
-            if i == 0 and isinstance(info, dict):
+            if i == targets[0] and isinstance(info, dict):
                 times.update({k[:-2]: v for k, v in info.items() if k.endswith("_s")})
         times["total"] = time.perf_counter() - t0
         return times
+
+    def _dead_rollout(self, targets: list[int]) -> int | None:
+        """The first of `targets` whose actor no longer answers."""
+        import ray
+
+        for i in targets:
+            try:
+                ray.get(self.rollouts[i].pid.remote(), timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                return i
+        return None
+
+    def gpu_memory_gib(self) -> float | None:
+        """GPU memory in use on rollout worker 0's device (every process on it), GiB; None on CPU."""
+        import ray
+
+        if not self.on_gpu:
+            return None
+        mem = ray.get(self.rollouts[0].call.remote("gpu_memory"))
+        return mem["device_used_bytes"] / 2**30 if mem else None
 
     def generate(self, prompts: list[str], sampling: dict) -> list[dict]:
         """G samples per prompt over all rollout workers, ordered prompt-major; retried on worker death."""
@@ -483,13 +536,27 @@ class Loop:
         train_batch = {"prompt_ids": [s["prompt_ids"] for s in samples],
                        "completion_ids": [s["completion_ids"] for s in samples],
                        "sampler_logprobs": [s["logprobs"] for s in samples], "advantages": adv}
+        memory = {}
+        if self.on_gpu:
+            memory["after_rollout"] = self.gpu_memory_gib()
+        t_sleep = 0.0
+        if cfg.rollout.sleep_level:
+            # The KV cache (and with level 2 the weights) make room for the trainer; the sync wakes
+            # the weights, the next generate the KV cache.
+            t0 = time.perf_counter()
+            ray.get([w.call.remote("sleep", cfg.rollout.sleep_level) for w in self.rollouts])
+            t_sleep = time.perf_counter() - t0
         t0 = time.perf_counter()
         train_metrics = self._trainer_call("train_step", ray.put(train_batch))
         t_train = time.perf_counter() - t0
+        if self.on_gpu:
+            memory["after_train"] = self.gpu_memory_gib()
         self.weights_dirty = True
         self.step += 1
 
         sync = self.push_weights()
+        if self.on_gpu:
+            memory["after_sync"] = self.gpu_memory_gib()
 
         comp_tokens = sum(len(s["completion_ids"]) for s in samples)
         all_tokens = comp_tokens + sum(len(s["prompt_ids"]) for s in samples)
@@ -511,8 +578,10 @@ class Loop:
         m["time/rollout_s"] = t_rollout
         m["time/reward_s"] = t_reward
         m["time/train_s"] = t_train
+        m["time/sleep_s"] = t_sleep
         m["time/weight_sync_s"] = sync.pop("total")
         m.update({f"time/weight_sync/{k}_s": v for k, v in sync.items()})
+        m.update({f"memory/gpu_used_gib/{k}": v for k, v in memory.items() if v is not None})
         m["rollout/restarts_total"] = self.restarts
         m["sample/completion"] = texts[0]
         m["time/step_s"] = time.perf_counter() - t_step
@@ -564,7 +633,8 @@ class Loop:
                         f"k3 {m.get('mismatch/k3_kl', float('nan')):.2e} "
                         f"|dlogp| {m.get('mismatch/abs_logp_diff_mean', float('nan')):.2e} "
                         f"rollout {m['throughput/rollout_tokens_per_s']:.0f} tok/s "
-                        f"train {m['throughput/train_tokens_per_s']:.0f} tok/s {m['time/step_s']:.1f} s")
+                        f"train {m['throughput/train_tokens_per_s']:.0f} tok/s sync {m['time/weight_sync_s']:.2f} s "
+                        f"{m['time/step_s']:.1f} s")
                 if bar is not None:
                     bar.set_postfix_str(line.split(" ", 2)[2], refresh=False)
                     bar.update(1)

@@ -311,13 +311,27 @@ def hooked_moe_layers(model: torch.nn.Module) -> dict[str, str]:
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineArgs)}
 
 
-def engine_kwargs(*, kv_cache_memory_bytes: int, tensor_parallel_size: int) -> dict:
-    """The engine arguments the rollout needs on this vLLM version."""
-    needed = ("logprobs_mode", "worker_extension_cls", "kv_cache_memory_bytes")
+def engine_kwargs(*, kv_cache_memory_bytes: int, tensor_parallel_size: int, weight_sync: str = "files",
+                  sleep_mode: bool = False) -> dict:
+    """The engine arguments the rollout needs on this vLLM version.
+
+    weight_sync "ipc" turns on vLLM's weight-transfer engine with its CUDA IPC backend; sleep_mode
+    builds the engine on vLLM's sleep-mode allocator, so that `LLM.sleep` can free its memory."""
+    needed = ["logprobs_mode", "worker_extension_cls", "kv_cache_memory_bytes"]
+    if weight_sync != "files":
+        needed.append("weight_transfer_config")
+    if sleep_mode:
+        needed.append("enable_sleep_mode")
     missing = [f for f in needed if f not in _ENGINE_FIELDS]
     if missing:
         raise NotImplementedError(f"vLLM {VLLM_VERSION}: EngineArgs lacks {missing}, which the rollout needs")
+    extra = {}
+    if weight_sync != "files":
+        extra["weight_transfer_config"] = {"backend": weight_sync}
+    if sleep_mode:
+        extra["enable_sleep_mode"] = True
     return {
+        **extra,
         # Log-probabilities after temperature / top-k / top-p: what the sampler sampled from, and
         # what the trainer's importance ratios must be computed against.
         "logprobs_mode": "processed_logprobs",
@@ -355,3 +369,69 @@ def load_weights_in_place(worker, named_tensors: list[tuple[str, torch.Tensor]])
     if reload is None or "weights_iterator" not in inspect.signature(worker.model_runner.reload_weights).parameters:
         raise NotImplementedError(f"vLLM {VLLM_VERSION}: the worker has no reload_weights(weights_iterator=...)")
     reload(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
+
+
+# -- weight transfer (vLLM's weight_transfer engines) ----------------------------------------------
+
+def _ipc_trainer_engine():
+    """vLLM >= 0.32: the trainer-side IPC engine class (client protocol + WeightSource); else None."""
+    try:
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerWeightTransferEngine
+    except ImportError:
+        return None
+    return IPCTrainerWeightTransferEngine
+
+
+def ipc_needs_init() -> bool:
+    """Whether the engine's IPC backend takes an init handshake (vLLM >= 0.32: the `packed` flag)."""
+    return _ipc_trainer_engine() is not None
+
+
+def trainer_send_ipc(named_tensors, client, *, bucket_bytes: int, rank: int) -> None:
+    """Send (on-disk name, GPU tensor) pairs through vLLM's IPC weight-transfer engine, packed into
+    one reusable buffer of `bucket_bytes`, driving start / update per chunk / finish on `client`
+    (rank 0; the other ranks only take part in the handle all-gather)."""
+    engine_cls = _ipc_trainer_engine()
+    if engine_cls is not None:  # vLLM >= 0.32
+        from vllm.distributed.weight_transfer.base import WeightSource
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        class _Once(WeightSource):
+            def __init__(self, it):
+                self._it = it
+
+            def metadata(self):  # not read by the IPC engine's send
+                raise NotImplementedError("the IPC sync plans the update from the trainer's metadata")
+
+            def __iter__(self):
+                return iter(self._it)
+
+        engine = engine_cls.trainer_init(
+            IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=bucket_bytes),
+            client=client, source=_Once(named_tensors))
+        engine.send_weights()
+        return
+    try:  # vLLM 0.26: a static sender with a callable transport; start / finish are the caller's
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerSendWeightsArgs, IPCWeightTransferEngine
+    except ImportError as e:
+        raise NotImplementedError(f"vLLM {VLLM_VERSION}: no CUDA IPC weight-transfer engine "
+                                  f"(vllm.distributed.weight_transfer.ipc_engine): {e}") from e
+    from dataclasses import asdict
+
+    if rank == 0:
+        client.start_weight_update()
+    IPCWeightTransferEngine.trainer_send_weights(
+        iter(named_tensors),
+        IPCTrainerSendWeightsArgs(send_mode=lambda info: client.update_weights(asdict(info)), packed=True,
+                                  packed_buffer_size_bytes=bucket_bytes))
+    if rank == 0:
+        client.finish_weight_update()
+
+
+def ipc_chunk_tensors(update_info: dict) -> list[tuple[str, list[int], str]]:
+    """(name, shape, dtype name) of one IPC update chunk, from its metadata (both vLLM versions)."""
+    names, shapes, dtypes = update_info.get("names"), update_info.get("shapes"), update_info.get("dtype_names")
+    if not (isinstance(names, list) and isinstance(shapes, list) and isinstance(dtypes, list)
+            and len(names) == len(shapes) == len(dtypes)):
+        raise ValueError("weight update chunk: expected equally long lists 'names', 'shapes', 'dtype_names'")
+    return [(n, list(s), d) for n, s, d in zip(names, shapes, dtypes)]

@@ -97,7 +97,10 @@ class MegaMoEWorkerExtension:
             if spec is None:
                 spec = weights.CheckpointSpec.from_dir(self.vllm_config.model_config.model)
                 self._megamoe_spec = spec
-            plan = weights.plan_update(spec, named)
+            # The values were checked by RolloutWorker.update_weights before these files were
+            # written from them; the engine re-checks names and shapes only (the value check was
+            # a second full pass over the model's bytes on the host).
+            plan = weights.plan_update(spec, named, check_values=False)
         except Exception as e:  # noqa: BLE001 - reported to the driver, which raises it
             return {"ok": False, "stage": "validate", "error": f"{type(e).__name__}: {e}"}
         t_validated = time.perf_counter()
@@ -110,6 +113,32 @@ class MegaMoEWorkerExtension:
             return {"ok": False, "stage": "apply", "error": f"{type(e).__name__}: {e}"}
         return {"ok": True, "stage": "done", "error": None, "tensors": len(plan),
                 "worker_validate_s": t_validated - t0, "worker_load_s": time.perf_counter() - t_validated}
+
+    def megamoe_receive_ipc_chunk(self, blob: bytes) -> None:
+        """One chunk of a CUDA IPC update into vLLM's weight-transfer engine (`Worker.update_weights`).
+
+        The chunk's update info (names, shapes, dtypes, the IPC handle's rebuild arguments) travels
+        pickled as bytes: collective_rpc's msgpack carries bytes, not the handle's Python types
+        (vLLM would need VLLM_ALLOW_INSECURE_SERIALIZATION=1 for the whole engine). The bytes come
+        from RolloutWorker.update_weight_chunk, in the process that started this engine."""
+        import pickle
+
+        self.update_weights(pickle.loads(blob))
+
+    def megamoe_gpu_memory(self, reset_peak: bool = False) -> dict:
+        """GPU memory seen from the engine's worker process: the device's used bytes (every process
+        on it) and what this process's torch allocator holds now and at its peak since the last
+        reset (vLLM's sleep-mode pool, which holds weights and KV cache with sleep mode on, is
+        outside the torch allocator)."""
+        if not torch.cuda.is_available():
+            return {}
+        free, total = torch.cuda.mem_get_info()
+        out = {"device_used_bytes": total - free, "device_total_bytes": total,
+               "torch_allocated_bytes": torch.cuda.memory_allocated(),
+               "torch_peak_allocated_bytes": torch.cuda.max_memory_allocated()}
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats()
+        return out
 
     # -- consistency probes (rl/consistency.py) --------------------------------------------------
 

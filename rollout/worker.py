@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import shutil
 import time
@@ -64,7 +65,7 @@ class RolloutWorker:
                  seed: int = 0, max_model_len: int = 512, kv_cache_memory_bytes: int = 256 << 20,
                  enforce_eager: bool | None = None, enable_prefix_caching: bool = False,
                  tensor_parallel_size: int = 1, bucket_bytes: int = weights.DEFAULT_BUCKET_BYTES,
-                 **engine_kwargs):
+                 weight_sync: str = "files", sleep_mode: bool = False, **engine_kwargs):
         """Start a vLLM engine on the local checkpoint `model_dir` with its MoE layers on `moe_impl`.
 
         enforce_eager: None means eager on CPU (no compile time for tiny test models) and for
@@ -76,6 +77,10 @@ class RolloutWorker:
         computed by a different kernel path than a fresh one, so its logprobs would depend on what the
         engine ran before (measured on CPU fp32: ~5e-7 differences for the same seed); a seeded
         generation is then bitwise reproducible. Turn it on for speed when that does not matter.
+        weight_sync: how `update_weights` / the chunked protocol receive weights (rollout/sync.py):
+        "files" (safetensors buckets in shared memory; any device) or "ipc" (vLLM's CUDA IPC
+        weight-transfer engine; the trainer on the same GPU). sleep_mode: build the engine so that
+        `sleep` can free its KV cache (and weights) while the trainer trains (CUDA only).
         engine_kwargs go to `vllm.LLM` unchanged.
 
         Sets MEGAMOE_MOE_IMPL in this process's environment (vLLM's processes inherit it), runs the
@@ -88,6 +93,18 @@ class RolloutWorker:
                              "grouped GEMMs synchronise with the host, which CUDA graphs cannot capture), got False")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed: expected a non-negative int, got {seed!r}")
+        if weight_sync not in ("files", "ipc"):
+            raise ValueError(f"weight_sync: expected 'files' or 'ipc' (rollout/sync.py), got {weight_sync!r}")
+        if (weight_sync == "ipc" or sleep_mode) and not torch.cuda.is_available():
+            what = "weight_sync='ipc'" if weight_sync == "ipc" else "sleep_mode=True"
+            raise ValueError(f"{what}: needs a CUDA GPU (torch.cuda.is_available() is False); "
+                             "use weight_sync='files', sleep_mode=False on CPU")
+        self.weight_sync = weight_sync
+        self.sleep_mode = bool(sleep_mode)
+        self._asleep: set[str] = set()  # vLLM memory tags ("weights", "kv_cache") now released
+        self._plan: dict[str, tuple] | None = None   # the streamed update being received
+        self._received: set[str] = set()
+        self._updating = False
         self.model_dir = str(os.fspath(model_dir))
         self.spec = weights.CheckpointSpec.from_dir(self.model_dir)
         self.seed = seed
@@ -114,7 +131,8 @@ class RolloutWorker:
                       max_model_len=max_model_len, enforce_eager=enforce_eager,
                       enable_prefix_caching=enable_prefix_caching,
                       **adapter.engine_kwargs(kv_cache_memory_bytes=kv_cache_memory_bytes,
-                                              tensor_parallel_size=tensor_parallel_size))
+                                              tensor_parallel_size=tensor_parallel_size,
+                                              weight_sync=weight_sync, sleep_mode=self.sleep_mode))
         kwargs.update(engine_kwargs)
         self.llm = LLM(**kwargs)
         try:
@@ -189,6 +207,7 @@ class RolloutWorker:
         """n samples per prompt, prompt-major; see the module docstring for the keys."""
         if self._weights_broken:
             raise RuntimeError(f"refusing to sample: {self._weights_broken}")
+        self._wake(None)
         if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
             raise TypeError("prompts: expected a list of str")
         params = self._sampling_params(n, sampling or {}, len(prompts))
@@ -215,6 +234,7 @@ class RolloutWorker:
 
         if self._weights_broken:
             raise RuntimeError(f"refusing to score: {self._weights_broken}")
+        self._wake(None)
 
         if len(prompt_ids) != len(completion_ids):
             raise ValueError(f"completion_ids: expected {len(prompt_ids)} lists (one per prompt), "
@@ -240,6 +260,7 @@ class RolloutWorker:
         t0 = time.perf_counter()
         plan = weights.plan_update(self.spec, named_tensors)
         t_plan = time.perf_counter()
+        self._wake(["weights"])
         nbytes = sum(t.numel() * t.element_size() for _, t in plan)
         folder = weights.bucket_folder(nbytes)
         try:
@@ -274,6 +295,115 @@ class RolloutWorker:
                 "seconds": t_end - t0, "plan_s": t_plan - t0, "pack_s": t_pack - t_plan,
                 "send_s": t_stage - t_pack, "commit_s": t_end - t_stage,
                 **{k: v for k, v in results[0].items() if k.startswith("worker_")}}
+
+    # -- streamed updates (weight_sync="ipc"; rollout/sync.py): plan, start, chunks, finish ---------
+
+    def _need_ipc(self, what: str) -> None:
+        if self.weight_sync != "ipc":
+            raise RuntimeError(f"{what}: this RolloutWorker was built with weight_sync={self.weight_sync!r}; "
+                               "the streamed protocol needs weight_sync='ipc'")
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        """vLLM's init handshake of the weight-transfer engine (the IPC backend's wire flags)."""
+        self._need_ipc("init_weight_transfer_engine")
+        self.llm.init_weight_transfer_engine({"init_info": dict(init_info)})
+
+    def plan_weight_update(self, metas: list) -> dict:
+        """Check a whole update, described as (name, shape, dtype name) per trainer tensor, against
+        the checkpoint before any byte moves; raises naming the first bad tensor, changes nothing."""
+        self._need_ipc("plan_weight_update")
+        if self._updating:
+            raise RuntimeError("plan_weight_update: an update is being received; finish it first")
+        plan = weights.plan_metadata(self.spec, metas)
+        self._plan = plan
+        nbytes = sum(math.prod(shape) * getattr(torch, dt).itemsize for shape, dt in plan.values())
+        return {"tensors": len(plan), "bytes": nbytes}
+
+    def start_weight_update(self) -> None:
+        self._need_ipc("start_weight_update")
+        if self._plan is None:
+            raise RuntimeError("start_weight_update: no planned update (call plan_weight_update first)")
+        self._wake(["weights"])
+        self.llm.start_weight_update()
+        self._updating, self._received = True, set()
+
+    def _fail_update(self, why: str) -> None:
+        """A chunk failed after others may have been applied: refuse to serve until a complete update."""
+        self._weights_broken = f"a streamed weight update failed after it had started ({why}); the model may " \
+                               "hold a mix of old and new weights until an update completes"
+        self._updating, self._plan = False, None
+        try:
+            self.llm.finish_weight_update()  # ends vLLM's update session so the next one can start
+        except Exception:  # noqa: BLE001 - vLLM may have ended it itself; the broken state stands
+            pass
+        raise RuntimeError(self._weights_broken)
+
+    def update_weight_chunk(self, update_info: dict) -> None:
+        """One chunk (vLLM's IPC update info: names, shapes, dtypes, handle): checked against the
+        plan (each planned tensor exactly once, its shape and dtype), then loaded by the engine."""
+        import pickle
+
+        from rollout import adapter
+
+        self._need_ipc("update_weight_chunk")
+        if not self._updating:
+            raise RuntimeError("update_weight_chunk: no update started (start_weight_update)")
+        try:
+            for name, shape, dtype in adapter.ipc_chunk_tensors(update_info):
+                want = self._plan.get(name)
+                if want is None:
+                    raise ValueError(f"tensor {name!r} is not in the planned update")
+                if name in self._received:
+                    raise ValueError(f"tensor {name!r} arrived twice")
+                if (tuple(shape), dtype) != want:
+                    raise ValueError(f"tensor {name!r}: planned {list(want[0])} {want[1]}, got {shape} {dtype}")
+                self._received.add(name)
+            self.llm.collective_rpc("megamoe_receive_ipc_chunk", args=(pickle.dumps(update_info),))
+        except Exception as e:  # noqa: BLE001 - reported with the broken state
+            self._fail_update(f"{type(e).__name__}: {e}")
+
+    def finish_weight_update(self) -> dict:
+        self._need_ipc("finish_weight_update")
+        if not self._updating:
+            raise RuntimeError("finish_weight_update: no update started (start_weight_update)")
+        missing = sorted(set(self._plan) - self._received)
+        if missing:
+            self._fail_update(f"{len(missing)} planned tensor(s) never arrived, e.g. {missing[0]!r}")
+        try:
+            self.llm.finish_weight_update()
+        except Exception as e:  # noqa: BLE001
+            self._fail_update(f"{type(e).__name__}: {e}")
+        n = len(self._received)
+        self._updating, self._plan, self._received = False, None, set()
+        self._weights_broken = None
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        return {"tensors": n}
+
+    # -- sleep mode (colocated: free the GPU memory the trainer needs) --------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep: level 1 frees the KV cache and moves the weights to host memory; level 2
+        frees both (the next update must then deliver every weight, which a sync does)."""
+        if not self.sleep_mode:
+            raise RuntimeError("sleep: this RolloutWorker was built with sleep_mode=False")
+        if level not in (1, 2):
+            raise ValueError(f"level: expected 1 or 2, got {level!r}")
+        if self._asleep:
+            return
+        self.llm.sleep(level=level)
+        self._asleep = {"weights", "kv_cache"}
+        if level == 2 and not self._weights_broken:
+            self._weights_broken = "the engine slept at level 2, which discards its weights; an update restores them"
+
+    def _wake(self, tags: list[str] | None) -> None:
+        todo = sorted(self._asleep if tags is None else self._asleep & set(tags))
+        if todo:
+            self.llm.wake_up(tags=todo)
+            self._asleep -= set(todo)
+
+    def gpu_memory(self, reset_peak: bool = False) -> dict:
+        """GPU memory from the engine's worker process (rollout.extension.megamoe_gpu_memory)."""
+        return self.llm.collective_rpc("megamoe_gpu_memory", args=(reset_peak,))[0]
 
     # -- lifetime ------------------------------------------------------------------------------
 

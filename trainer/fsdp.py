@@ -42,37 +42,74 @@ def apply_fsdp(model: nn.Module, mesh, compute_dtype: torch.dtype = torch.float3
     return model
 
 
-def iter_full_weights(model: nn.Module, *, dtype: torch.dtype | None = None, to_cpu: bool = True,
-                      rank: int = 0, dst: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) in state_dict order with transformers' names, one tensor at a time.
-
-    Every rank must iterate (each DTensor.full_tensor() is a collective); only rank `dst` yields,
-    so at most one unsharded tensor exists at once. Tied parameters are sent once, under the first
-    name. Names are the checkpoint's, because neither FSDP2 nor our experts rename parameters.
-    """
+def _unique_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """state_dict entries in order, tied parameters once (under the first name)."""
     seen: set[int] = set()
     for name, t in model.state_dict(keep_vars=True).items():
         if id(t) in seen:
             continue
         seen.add(id(t))
-        # What the consumer holds must never alias live weights (the next optimizer step changes them
-        # in place): a plain parameter is cloned, and so is a DTensor whose full_tensor() is its own
-        # local shard (a one-rank mesh gathers nothing).
-        if isinstance(t, DTensor):
-            full = t.full_tensor()
-            if full.untyped_storage().data_ptr() == t.to_local().untyped_storage().data_ptr():
-                full = full.clone()
-        else:
-            full = t.detach().clone()
-        if rank != dst:
+        yield name, t
+
+
+def iter_full_weights(model: nn.Module, *, dtype: torch.dtype | None = None, to_cpu: bool = True,
+                      rank: int = 0, dst: int | None = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) in state_dict order with transformers' names, one tensor at a time.
+
+    Every rank must iterate (each DTensor.full_tensor() is a collective); only rank `dst` yields
+    (dst=None: every rank yields, each its own full copy on its device, which is what a CUDA IPC
+    sync needs: each engine reads the copy on its own GPU), so at most one unsharded tensor exists
+    at once. Tied parameters are sent once, under the first name. Names are the checkpoint's,
+    because neither FSDP2 nor our experts rename parameters.
+    """
+    for name, t in _unique_state(model):
+        full = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+        if dst is not None and rank != dst:
             del full
             continue
         full = full.detach()
-        if dtype is not None:
-            full = full.to(dtype)
+        if dtype is not None and full.dtype != dtype:
+            full = full.to(dtype)  # a new tensor: aliases nothing
+        # What the consumer holds must never alias live weights (the next optimizer step changes
+        # them in place): a plain parameter, or a DTensor whose full_tensor() is its own local shard
+        # (a one-rank mesh gathers nothing), is cloned.
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+            full = full.clone()
         if to_cpu:
             full = full.cpu()
         yield name, full
+
+
+def weight_metadata(model: nn.Module, dtype: torch.dtype | None = None) -> list[tuple[str, list[int], str]]:
+    """(name, full shape, dtype name) of what `iter_full_weights` yields, without gathering anything."""
+    out = []
+    for name, t in _unique_state(model):
+        out.append((name, list(t.shape), str(dtype or t.dtype).removeprefix("torch.")))
+    return out
+
+
+def nonfinite_weights(model: nn.Module, dtype: torch.dtype | None = None) -> list[str]:
+    """Names of the weights with a NaN/Inf once cast to `dtype` (an fp32 value beyond the 16-bit
+    range becomes Inf), checked on each rank's local shard where it lives (no gather, no host copy
+    of the data), one flag per tensor all-reduced over the ranks; every rank must call it."""
+    import torch.distributed as dist
+
+    names, flags = [], []
+    for name, t in _unique_state(model):
+        local = (t.to_local() if isinstance(t, DTensor) else t).detach()
+        if dtype is not None and local.dtype != dtype:
+            local = local.to(dtype)
+        names.append(name)
+        flags.append(torch.isfinite(local).all() if local.numel() else torch.ones((), dtype=torch.bool,
+                                                                                  device=local.device))
+    if not flags:
+        return []
+    ok = torch.stack(flags).to(torch.int32)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    ok = ok.cpu()  # the one host read: a flag per tensor
+    return [n for n, good in zip(names, ok.tolist()) if not good]
 
 
 def buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -32,7 +32,7 @@ from trainer import checkpoint as ckpt
 from trainer.batch import BatchError, collate, micro_batches, shard_bounds, split_even, validate_batch
 from trainer.config import MOE_IMPLS, TrainerConfigError, TrainerWorkerConfig
 from trainer.experts import MOE_CALLS
-from trainer.fsdp import apply_fsdp, buckets, iter_full_weights
+from trainer.fsdp import apply_fsdp, buckets, iter_full_weights, nonfinite_weights, weight_metadata
 from trainer.loss import finish_stats, grpo_loss, token_logprobs
 from trainer.model import load_model
 
@@ -291,6 +291,23 @@ class TrainerWorker:
         """(name, full CPU tensor) one at a time on rank 0 (other ranks iterate, yielding nothing)."""
         name = dtype or self.cfg.export_dtype
         return iter_full_weights(self.model, dtype=_DTYPES[name] if name else None, rank=self.rank)
+
+    def iter_device_weights(self, dtype: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor on this rank's device), one at a time, on every rank (a CUDA IPC sync:
+        each rank's copy serves the engine on its GPU). Every rank must iterate it to the end."""
+        name = dtype or self.cfg.export_dtype
+        return iter_full_weights(self.model, dtype=_DTYPES[name] if name else None, to_cpu=False,
+                                 rank=self.rank, dst=None)
+
+    def weight_metadata(self, dtype: str | None = None) -> list[tuple[str, list[int], str]]:
+        """(name, shape, dtype name) of every tensor `iter_weights(dtype)` yields; no data moves."""
+        name = dtype or self.cfg.export_dtype
+        return weight_metadata(self.model, _DTYPES[name] if name else None)
+
+    def nonfinite_weights(self, dtype: str | None = None) -> list[str]:
+        """Names of weights that hold NaN/Inf once cast to `dtype`, checked on the device (every rank)."""
+        name = dtype or self.cfg.export_dtype
+        return nonfinite_weights(self.model, _DTYPES[name] if name else None)
 
     def export_weights(self, dtype: str | None = None) -> list[tuple[str, torch.Tensor]]:
         """All weights as (transformers state_dict name, full tensor), on rank 0; [] on other ranks.

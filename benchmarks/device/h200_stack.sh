@@ -3,7 +3,8 @@
 #   bash benchmarks/device/h200_stack.sh STAGE...     (from the project root; logs under $OUT or runs/h200)
 # The vLLM / Ray / RL stages need the bundles built here first (../shared/device): .gpu-vllm/ and
 # .gpu-ray/ (carry both); the kernel stages (kernel_tests, bench, tune) run without them.
-# Stages: versions | rollout (tests/test_rollout_gpu.py) | consistency_tests (gpu tests of the
+# Stages: versions | rollout (tests/test_rollout_gpu.py) | sync_tests (tests/test_rollout_sync_gpu.py: the CUDA IPC
+# weight sync) | bench_sync (benchmarks/bench_weight_sync.py; SYNC_ARGS overrides its arguments) | consistency_tests (gpu tests of the
 # consistency issue) | invariance | consistency (the CLI, 8 layers H=1024 E=64 k=8 bf16) | rl_megamoe |
 # rl_reference | kernel_tests (the op's bf16 GPU tests + the trainer's) | kernel_tests_fp32 (the op's fp32
 # and TMA-weight GPU tests) | gpu_tests (both of those and the trainer's, as 8 concurrent pytest processes) | bench (bench_moe.py; carry .whl with the
@@ -32,6 +33,10 @@ for stage in "$@"; do
   case "$stage" in
     versions) $PY -c "import torch, triton, vllm, ray, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"; rc=$? ;;
     rollout) timeout 420 $PY -m pytest -p no:cacheprovider -q -s -m gpu tests/test_rollout_gpu.py; rc=$? ;;
+    sync_tests) timeout 500 $PY -m pytest -p no:cacheprovider -q -s -rA -m gpu tests/test_rollout_sync_gpu.py \
+        > "$LOG/sync_tests.log" 2>&1; rc=$?; grep -E "^\[sync\]|^(PASSED|FAILED|ERROR)|passed|failed|Error" "$LOG/sync_tests.log" | tail -30 ;;
+    bench_sync) read -r -a SYNC <<< "${SYNC_ARGS:---models h200_rl qwen3_dims --reps 5}"
+      timeout 540 $PY benchmarks/bench_weight_sync.py "${SYNC[@]}" --out "$LOG/bench_weight_sync.md"; rc=$? ;;
     consistency_tests) timeout 420 $PY -m pytest -p no:cacheprovider -q -s -m gpu tests/test_consistency.py tests/test_consistency_invariance.py; rc=$? ;;
     invariance) timeout 300 $PY -m pytest -p no:cacheprovider -q -s -m gpu tests/test_consistency_invariance.py; rc=$? ;;
     consistency) timeout 480 $PY -m rl.cli consistency --config configs/tiny.yaml model.dtype=bfloat16 \

@@ -1,0 +1,71 @@
+"""The trainer -> rollout weight sync over Ray actors (the transports are in rollout/sync.py).
+
+    push(trainers, rollouts, mode="ipc", dtype="bfloat16", model_dir=..., bucket_bytes=1 << 30)
+
+ipc: (1) every trainer rank checks its shards for NaN/Inf in the sampler's dtype, on its GPU;
+(2) every engine checks the update's names, shapes and dtypes (from the trainer's metadata) against
+its checkpoint; (3) every trainer rank streams its full tensors through vLLM's IPC engine
+(`send_from_trainer`, run inside the trainer's actor), rank 0 driving the engines through
+`RayClient`. Nothing is applied before (1) and (2) passed for the whole update.
+files: rank 0's weights through Ray's object store into RolloutWorker.update_weights.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class RayClient:
+    """vLLM's trainer-side client protocol (init / start / update / finish) over RolloutWorker actors:
+    each call goes to every engine and returns when all of them are done (a chunk's buffer is
+    reused for the next chunk only after that)."""
+
+    def __init__(self, hosts: list):
+        self.hosts = list(hosts)
+
+    def _all(self, method: str, *args):
+        import ray
+
+        return ray.get([h.call.remote(method, *args) for h in self.hosts])
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._all("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self._all("start_weight_update")
+
+    def update_weights(self, update_info: dict) -> None:
+        self._all("update_weight_chunk", update_info)
+
+    def finish_weight_update(self) -> None:
+        self._all("finish_weight_update")
+
+
+def send_from_trainer(trainer, rollout_hosts: list, model_dir: str, bucket_bytes: int, dtype: str | None) -> dict:
+    """Runs in a TrainerWorker's actor (WorkerHost.run): its full GPU tensors into the engines."""
+    from rollout.sync import send_ipc
+
+    return send_ipc(trainer.iter_device_weights(dtype), model_dir, RayClient(rollout_hosts),
+                    bucket_bytes=bucket_bytes, rank=trainer.rank)
+
+
+def push_ipc(trainers: list, rollouts: list, *, dtype: str | None, model_dir: str, bucket_bytes: int) -> dict:
+    """One CUDA IPC sync into `rollouts`; {phase: seconds, "bytes": ...}. Raises ValueError before
+    anything is applied when a weight is non-finite or the update does not fit the checkpoint."""
+    import ray
+
+    t0 = time.perf_counter()
+    bad = ray.get([t.call.remote("nonfinite_weights", dtype) for t in trainers])[0]
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise ValueError(f"weight sync refused, nothing applied: tensor(s) {', '.join(map(repr, bad[:3]))}{more} "
+                         f"hold NaN/Inf in {dtype or 'their dtype'}")
+    t_check = time.perf_counter()
+    metas = ray.get(trainers[0].call.remote("weight_metadata", dtype))
+    plans = ray.get([r.call.remote("plan_weight_update", metas) for r in rollouts])
+    t_plan = time.perf_counter()
+    sent = ray.get([t.run.remote("rl.weight_sync:send_from_trainer", rollouts, model_dir, bucket_bytes, dtype)
+                    for t in trainers])[0]
+    t_end = time.perf_counter()
+    return {"check": t_check - t0, "plan": t_plan - t_check, "transfer": t_end - t_plan,
+            "bytes": plans[0]["bytes"], "sent_bytes": sent["bytes"]}

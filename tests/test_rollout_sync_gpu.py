@@ -1,0 +1,178 @@
+"""GPU: the CUDA IPC weight sync (rollout/sync.py) from an FSDP2 trainer into a vLLM engine on the
+same GPU, bf16, megamoe on both sides, the engine with CUDA graphs and sleep mode.
+
+    python -m pytest -q -s -m gpu tests/test_rollout_sync_gpu.py        # on the H200 machine
+
+One module fixture runs the scenario once; the tests read its record:
+- the trainer scales its experts x1.5 and syncs: the engine's logprobs (greedy decode and prefill
+  scores) move, and equal, bit for bit, those of a fresh engine loaded from the same weights saved
+  to disk;
+- the same sync after sleep level 1 and after level 2 gives the same bits;
+- a NaN in the last layer's experts is refused before anything is applied (bits unchanged);
+- a chunk that breaks the plan half-way leaves the engine refusing to sample, and the next complete
+  sync restores the same bits.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from rollout.testing import max_abs_diff
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = ["1 + 2 =", "What is 17 * 3?", "the cat sat on the", "Question: 120 - 45 = ? Answer:"]
+# Experts x1.5 moved logprobs by ~0.2 on a model of this size (test_rollout_gpu.py, H200); two
+# implementations on the same weights differ by <= 2.4e-2, so 0.1 separates "moved" from noise.
+MOVED_MIN = 0.1
+SMALL_BUCKET = 1 << 20  # many chunks (the model is ~10 MB in bf16), so a failure can fall mid-update
+
+
+def _observe(engine) -> dict:
+    samples = engine.generate(PROMPTS, 1, {"temperature": 0.0, "max_tokens": 16})
+    ids = ([s["prompt_ids"] for s in samples], [s["completion_ids"] for s in samples])
+    return {"tokens": ids[1], "decode": [s["logprobs"] for s in samples], "score": engine.score(*ids)}
+
+
+def _engine(model_dir):
+    from rollout.testing import gpu_engine_kwargs
+    from rollout.worker import RolloutWorker
+
+    return RolloutWorker(model_dir, "megamoe", dtype="bfloat16", seed=0, max_model_len=256,
+                         kv_cache_memory_bytes=1 << 30, enforce_eager=False, weight_sync="ipc",
+                         sleep_mode=True, **gpu_engine_kwargs())
+
+
+def _save(trainer, model_dir, out):
+    """The trainer's weights in bf16 as a checkpoint folder beside the original's config/tokenizer."""
+    from safetensors.torch import save_file
+
+    from rollout import weights
+
+    out.mkdir()
+    for f in model_dir.iterdir():
+        if not f.name.endswith(".safetensors") and f.is_file():
+            shutil.copy(f, out / f.name)
+    spec = weights.CheckpointSpec.from_dir(model_dir)
+    plan = weights.plan_update(spec, trainer.export_weights("bfloat16"))
+    save_file({n: t.contiguous().clone() for n, t in plan}, str(out / "model.safetensors"))
+    index = out / "model.safetensors.index.json"
+    if index.exists():
+        index.unlink()
+    return out
+
+
+class _BreakSecondChunk:
+    """A client that renames a tensor of the second chunk: the plan check fails half-way."""
+
+    def __init__(self, inner):
+        self.inner, self.chunks = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def update_weights(self, update_info):
+        self.chunks += 1
+        if self.chunks == 2:
+            update_info = {**update_info, "names": ["not.a.weight"] + list(update_info["names"][1:])}
+        self.inner.update_weights(update_info)
+
+
+@pytest.fixture(scope="module")
+def record(tmp_path_factory):
+    import torch
+
+    from rl.make_model import make_model
+    from rollout.sync import LocalClient, push_ipc_local
+    from trainer.testing import free_port
+    from trainer.worker import TrainerWorker
+
+    root = tmp_path_factory.mktemp("sync_gpu")
+    model_dir = make_model(root / "m", arch="qwen3_moe", layers=4, hidden=256, experts=16, topk=4,
+                           intermediate=128, seed=0)
+    trainer = TrainerWorker(0, 1, "127.0.0.1", free_port(), str(model_dir), "megamoe",
+                            {"dtype": "bfloat16", "device": "cuda"})
+    out = {}
+    engine = _engine(model_dir)
+    push = lambda **kw: push_ipc_local(trainer, [engine], model_dir=str(model_dir), dtype="bfloat16", **kw)  # noqa: E731
+    try:
+        out["base"] = _observe(engine)
+        with torch.no_grad():
+            for name, p in trainer.model.named_parameters():
+                if ".experts." in name:
+                    p.mul_(1.5)
+        out["info"] = push(bucket_bytes=SMALL_BUCKET)
+        out["synced"] = _observe(engine)
+        for level in (1, 2):
+            mem = {"awake": engine.gpu_memory()}
+            engine.sleep(level)
+            mem["asleep"] = engine.gpu_memory()
+            push()
+            mem["after_sync"] = engine.gpu_memory()
+            out[f"sleep{level}"] = _observe(engine)
+            out[f"memory{level}"] = mem
+        # a NaN in the last MoE layer's experts: refused before any byte moves
+        last = [p for n, p in trainer.model.named_parameters() if ".experts.down_proj" in n][-1]
+        with torch.no_grad():
+            local = last.to_local() if hasattr(last, "to_local") else last
+            keep = local.view(-1)[-1].clone()
+            local.view(-1)[-1] = float("nan")
+            try:
+                push()
+            except ValueError as e:
+                out["nan_error"] = str(e)
+            local.view(-1)[-1] = keep
+        out["after_nan"] = _observe(engine)
+        # a chunk that breaks the plan half-way: the engine refuses to sample until a complete sync
+        try:
+            push(bucket_bytes=SMALL_BUCKET, client=_BreakSecondChunk(LocalClient(engine)))
+        except RuntimeError as e:
+            out["mid_error"] = str(e)
+        try:
+            engine.generate(PROMPTS[:1], 1, {"temperature": 0.0, "max_tokens": 2})
+        except RuntimeError as e:
+            out["refused"] = str(e)
+        push()
+        out["after_recovery"] = _observe(engine)
+    finally:
+        engine.close()
+    fresh = _engine(_save(trainer, model_dir, root / "saved"))
+    try:
+        out["fresh"] = _observe(fresh)
+    finally:
+        fresh.close()
+    trainer.close()
+    print("[sync] " + json.dumps({k: out[k] for k in ("info", "memory1", "memory2")}))
+    return out
+
+
+def test_sync_moves_the_logprobs(record):
+    moved = max_abs_diff(record["synced"]["score"], record["base"]["score"])
+    print(f"[sync] experts x1.5: max |dlogp| {moved:.3e} vs before the sync")
+    assert moved > MOVED_MIN
+    assert record["info"]["sent_bytes"] == record["info"]["bytes"] > 0
+
+
+def test_synced_engine_equals_a_fresh_engine_bitwise(record):
+    assert record["synced"] == record["fresh"]
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sync_after_sleep_gives_the_same_bits(record, level):
+    assert record[f"sleep{level}"] == record["synced"]
+    mem = record[f"memory{level}"]
+    assert mem["asleep"]["device_used_bytes"] < mem["awake"]["device_used_bytes"], mem
+
+
+def test_nan_is_refused_before_anything_is_applied(record):
+    assert "NaN/Inf" in record.get("nan_error", "") and "down_proj" in record["nan_error"]
+    assert record["after_nan"] == record["synced"]
+
+
+def test_failure_mid_update_refuses_to_sample_until_a_complete_sync(record):
+    assert "not.a.weight" in record.get("mid_error", ""), record.get("mid_error")
+    assert "refusing to sample" in record.get("refused", "")
+    assert record["after_recovery"] == record["synced"]
