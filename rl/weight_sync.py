@@ -54,12 +54,10 @@ def push_ipc(trainers: list, rollouts: list, *, dtype: str | None, model_dir: st
     anything is applied when a weight is non-finite or the update does not fit the checkpoint."""
     import ray
 
+    from rollout.sync import refuse_nonfinite
+
     t0 = time.perf_counter()
-    bad = ray.get([t.call.remote("nonfinite_weights", dtype) for t in trainers])[0]
-    if bad:
-        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-        raise ValueError(f"weight sync refused, nothing applied: tensor(s) {', '.join(map(repr, bad[:3]))}{more} "
-                         f"hold NaN/Inf in {dtype or 'their dtype'}")
+    refuse_nonfinite(ray.get([t.call.remote("nonfinite_weights", dtype) for t in trainers])[0], dtype)
     t_check = time.perf_counter()
     metas = ray.get(trainers[0].call.remote("weight_metadata", dtype))
     plans = ray.get([r.call.remote("plan_weight_update", metas) for r in rollouts])

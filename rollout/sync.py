@@ -96,6 +96,14 @@ class LocalClient:
             w.finish_weight_update()
 
 
+def refuse_nonfinite(bad: list[str], dtype: str | None) -> None:
+    """The refusal of an update with NaN/Inf weights (the trainer's check), before anything moves."""
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise ValueError(f"weight sync refused, nothing applied: tensor(s) {', '.join(map(repr, bad[:3]))}{more} "
+                         f"hold NaN/Inf in {dtype or 'their dtype'}")
+
+
 def send_ipc(named_tensors: Iterable, model_dir: str, client, *, bucket_bytes: int = DEFAULT_IPC_BUCKET_BYTES,
              rank: int = 0) -> dict:
     """Stream the trainer's (name, GPU tensor) pairs into the engines behind `client` by CUDA IPC.
@@ -128,10 +136,7 @@ def push_ipc_local(trainer, workers: list, *, model_dir: str, dtype: str | None,
     trainer's GPU, the engines' plan of the whole update, then the stream. Raises ValueError before
     anything is applied when the first two fail. `client` replaces LocalClient(*workers)."""
     t0 = time.perf_counter()
-    bad = trainer.nonfinite_weights(dtype)
-    if bad:
-        raise ValueError(f"weight sync refused, nothing applied: tensor(s) {', '.join(map(repr, bad[:3]))} "
-                         f"hold NaN/Inf in {dtype or 'their dtype'}")
+    refuse_nonfinite(trainer.nonfinite_weights(dtype), dtype)
     t_check = time.perf_counter()
     metas = trainer.weight_metadata(dtype)
     plans = [w.plan_weight_update(metas) for w in workers]

@@ -37,7 +37,7 @@ def test_resolve_picks_the_transport(mode, colocated, on_gpu, same_gpu, want):
 def test_resolve_refuses_what_the_placement_cannot_run(mode, colocated, on_gpu, same_gpu, match):
     with pytest.raises(ValueError, match=match) as e:
         resolve(mode, colocated=colocated, on_gpu=on_gpu, same_gpu=same_gpu)
-    assert "rollout.weight_sync" in str(e.value) and repr(mode) in str(e.value) or mode == "shm"
+    assert "rollout.weight_sync" in str(e.value) and repr(mode) in str(e.value)
 
 
 @pytest.mark.parametrize("overrides, match", [
