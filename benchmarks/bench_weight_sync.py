@@ -8,8 +8,11 @@ E=64, k=8, I=512); qwen3_dims = 8 layers with Qwen3-30B-A3B's layer dims (H=2048
 k=8). The trainer is a one-rank FSDP2 TrainerWorker (fp32 master weights); the engine a
 RolloutWorker (megamoe, eager: the sync does not depend on CUDA graphs). Each mode is timed `reps`
 times after one warm-up (files: once, it is ~100x slower); GB/s = bytes on the wire / seconds.
-Peak extra memory: the trainer's torch peak over its resting allocation during an IPC sync, and the
-engine's torch peak (its weights and KV cache sit in vLLM's pool, outside torch's allocator).
+Two IPC layouts: `ipc` (the routed experts fused, in kernel format, copied into the engine's
+parameters; what moe_impl megamoe uses) and `ipc-per-expert` (every expert's tensors through vLLM's
+layer-wise reload, as moe_impl stock needs). Memory: the trainer's torch peak over its resting
+allocation during a sync (its IPC buffer is kept for the run: rollout/sync.py IPCBuffer), the
+engine's torch peak, and the device's used memory after each sync (flat when nothing leaks).
 """
 
 from __future__ import annotations
@@ -69,27 +72,35 @@ def bench_model(name: str, dims: dict, reps: int, bucket_bytes: int, root: Path)
     rows = []
     try:
         engine.generate(["warm up"], 1, {"temperature": 0.0, "max_tokens": 4})
-        push_ipc_local(trainer, [engine], model_dir=str(model_dir), dtype="bfloat16", bucket_bytes=bucket_bytes)
-        times, infos = [], []
-        rest = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        engine.gpu_memory(reset_peak=True)
-        for _ in range(reps):
-            info = push_ipc_local(trainer, [engine], model_dir=str(model_dir), dtype="bfloat16",
-                                  bucket_bytes=bucket_bytes)
-            times.append(info["seconds"])
-            infos.append(info)
-        trainer_extra = torch.cuda.max_memory_allocated() - rest
-        eng = engine.gpu_memory()
-        nbytes = infos[0]["bytes"]
-        med = statistics.median(times)
-        rows.append({"model": name, "mode": "ipc", "bytes": nbytes, "seconds": med, "min_s": min(times),
-                     "gb_per_s": nbytes / med / 1e9, "check_s": statistics.median(i["check_s"] for i in infos),
-                     "plan_s": statistics.median(i["plan_s"] for i in infos),
-                     "transfer_s": statistics.median(i["transfer_s"] for i in infos),
-                     "trainer_peak_extra_gib": trainer_extra / GiB,
-                     "engine_torch_peak_gib": eng["torch_peak_allocated_bytes"] / GiB,
-                     "device_used_gib": eng["device_used_bytes"] / GiB, "bucket_bytes": bucket_bytes})
+        for kernel in (True, False):  # experts fused in kernel format / per expert through vLLM's reload
+            engine.kernel_experts = kernel
+            push_ipc_local(trainer, [engine], model_dir=str(model_dir), dtype="bfloat16", bucket_bytes=bucket_bytes)
+            times, infos, used = [], [], []
+            rest = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            engine.gpu_memory(reset_peak=True)
+            for _ in range(reps):
+                info = push_ipc_local(trainer, [engine], model_dir=str(model_dir), dtype="bfloat16",
+                                      bucket_bytes=bucket_bytes)
+                times.append(info["seconds"])
+                infos.append(info)
+                # device memory after each sync (every process on the GPU): flat = nothing leaks per sync
+                used.append(round(engine.gpu_memory()["device_used_bytes"] / GiB, 3))
+            trainer_extra = torch.cuda.max_memory_allocated() - rest
+            eng = engine.gpu_memory()
+            nbytes = infos[0]["bytes"]
+            med = statistics.median(times)
+            rows.append({"model": name, "mode": "ipc" if kernel else "ipc-per-expert", "bytes": nbytes,
+                         "seconds": med, "min_s": min(times), "gb_per_s": nbytes / med / 1e9,
+                         "check_s": statistics.median(i["check_s"] for i in infos),
+                         "plan_s": statistics.median(i["plan_s"] for i in infos),
+                         "transfer_s": statistics.median(i["transfer_s"] for i in infos),
+                         "chunks": infos[0]["chunks"], "kernel_experts": infos[0]["kernel_experts"],
+                         "trainer_peak_extra_gib": trainer_extra / GiB,
+                         "trainer_reserved_gib": torch.cuda.memory_reserved() / GiB,
+                         "engine_torch_peak_gib": eng["torch_peak_allocated_bytes"] / GiB,
+                         "device_used_gib_per_sync": used, "bucket_bytes": bucket_bytes})
+        engine.kernel_experts = True
         t0 = time.perf_counter()
         named = trainer.export_weights("bfloat16")
         t_export = time.perf_counter() - t0
@@ -127,10 +138,12 @@ def main(argv=None) -> int:
     lines.append("model | mode | GB | s per sync | GB/s | vs files | notes")
     for r in rows:
         files = by.get((r["model"], "files"))
-        ratio = f"{files['seconds'] / r['seconds']:.0f}x" if files and r["mode"] == "ipc" else "-"
+        ipc = r["mode"].startswith("ipc")
+        ratio = f"{files['seconds'] / r['seconds']:.0f}x" if files and ipc else "-"
         notes = (f"check {r['check_s'] * 1e3:.1f} ms, plan {r['plan_s'] * 1e3:.1f} ms, transfer "
-                 f"{r['transfer_s'] * 1e3:.1f} ms; trainer +{r['trainer_peak_extra_gib']:.2f} GiB, engine torch peak "
-                 f"{r['engine_torch_peak_gib']:.2f} GiB" if r["mode"] == "ipc" else
+                 f"{r['transfer_s'] * 1e3:.1f} ms ({r['chunks']} chunks); trainer +{r['trainer_peak_extra_gib']:.2f} GiB"
+                 f", engine torch peak {r['engine_torch_peak_gib']:.2f} GiB; device used after each sync "
+                 f"{r['device_used_gib_per_sync']} GiB" if ipc else
                  ", ".join(f"{k} {v:.2f}" for k, v in r.items() if k.endswith("_s") and k not in ("min_s",)))
         lines.append(f"{r['model']} | {r['mode']} | {r['bytes'] / 1e9:.2f} | {r['seconds']:.3f} | "
                      f"{r['gb_per_s']:.1f} | {ratio} | {notes}")

@@ -24,6 +24,9 @@ Extension points used (no vLLM file is edited, nothing of vLLM is monkey-patched
 - `Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`: vLLM's in-place
   layer-wise reload, which re-runs each layer's `process_weights_after_loading` and copies the
   result into the tensors the model already uses (so CPU-prepacked linears stay correct).
+- `vllm.distributed.weight_transfer` (backend "ipc"): the engine's side of a CUDA IPC sync
+  (`LLM.start_weight_update` / `update_weights` / `finish_weight_update`); `ipc_update_info` writes
+  the packed update info each version parses (0.26: `packed` per update; >= 0.32: at init).
 """
 
 from __future__ import annotations
@@ -373,59 +376,40 @@ def load_weights_in_place(worker, named_tensors: list[tuple[str, torch.Tensor]])
 
 # -- weight transfer (vLLM's weight_transfer engines) ----------------------------------------------
 
-def _ipc_trainer_engine():
-    """vLLM >= 0.32: the trainer-side IPC engine class (client protocol + WeightSource); else None."""
-    try:
-        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerWeightTransferEngine
-    except ImportError:
-        return None
-    return IPCTrainerWeightTransferEngine
-
-
 def ipc_needs_init() -> bool:
-    """Whether the engine's IPC backend takes an init handshake (vLLM >= 0.32: the `packed` flag)."""
-    return _ipc_trainer_engine() is not None
+    """Whether the engine's IPC backend takes the packed flag at its init handshake (vLLM >= 0.32;
+    0.26 reads it from each update's info)."""
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo
+
+    return "packed" in {f.name for f in dataclasses.fields(IPCWeightTransferInitInfo)}
 
 
-def trainer_send_ipc(named_tensors, client, *, bucket_bytes: int, rank: int) -> None:
-    """Send (on-disk name, GPU tensor) pairs through vLLM's IPC weight-transfer engine, packed into
-    one reusable buffer of `bucket_bytes`, driving start / update per chunk / finish on `client`
-    (rank 0; the other ranks only take part in the handle all-gather)."""
-    engine_cls = _ipc_trainer_engine()
-    if engine_cls is not None:  # vLLM >= 0.32
-        from vllm.distributed.weight_transfer.base import WeightSource
-        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
-
-        class _Once(WeightSource):
-            def __init__(self, it):
-                self._it = it
-
-            def metadata(self):  # not read by the IPC engine's send
-                raise NotImplementedError("the IPC sync plans the update from the trainer's metadata")
-
-            def __iter__(self):
-                return iter(self._it)
-
-        engine = engine_cls.trainer_init(
-            IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=bucket_bytes),
-            client=client, source=_Once(named_tensors))
-        engine.send_weights()
-        return
-    try:  # vLLM 0.26: a static sender with a callable transport; start / finish are the caller's
-        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerSendWeightsArgs, IPCWeightTransferEngine
+def ipc_update_info(chunk: dict, handle: dict) -> dict:
+    """vLLM's packed IPC update info for one chunk ({names, shapes, dtype_names, tensor_sizes}) of
+    the buffer whose IPC handle is `handle` ({GPU uuid: rebuild args}), as this vLLM parses it."""
+    try:
+        from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
     except ImportError as e:
         raise NotImplementedError(f"vLLM {VLLM_VERSION}: no CUDA IPC weight-transfer engine "
                                   f"(vllm.distributed.weight_transfer.ipc_engine): {e}") from e
-    from dataclasses import asdict
+    fields = {f.name for f in dataclasses.fields(IPCWeightTransferUpdateInfo)}
+    info = {**chunk, "ipc_handles": handle}
+    if "packed" in fields:  # vLLM 0.26: per update; >= 0.32: at init (ipc_needs_init)
+        info["packed"] = True
+    return info
 
-    if rank == 0:
-        client.start_weight_update()
-    IPCWeightTransferEngine.trainer_send_weights(
-        iter(named_tensors),
-        IPCTrainerSendWeightsArgs(send_mode=lambda info: client.update_weights(asdict(info)), packed=True,
-                                  packed_buffer_size_bytes=bucket_bytes))
-    if rank == 0:
-        client.finish_weight_update()
+
+def rebuild_ipc_buffer(handle: dict, device_index: int) -> torch.Tensor:
+    """The packed buffer behind a chunk's IPC handle, mapped on `device_index` (the engine's side of
+    vLLM's packed transfer, as its IPC engine rebuilds it)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    uuid = str(torch.cuda.get_device_properties(device_index).uuid)
+    if uuid not in handle:
+        raise ValueError(f"IPC handle: no buffer for this GPU ({uuid}); the update carries {sorted(handle)}")
+    args = list(handle[uuid])
+    args[6] = device_index  # rebuild_cuda_tensor's device argument: this process's index of that GPU
+    return rebuild_cuda_tensor(*args)
 
 
 def ipc_chunk_tensors(update_info: dict) -> list[tuple[str, list[int], str]]:

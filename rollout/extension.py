@@ -125,6 +125,56 @@ class MegaMoEWorkerExtension:
 
         self.update_weights(pickle.loads(blob))
 
+    def megamoe_param_digests(self) -> dict[str, str]:
+        """{parameter name: SHA-1 of its bytes} of the whole model as the engine holds it (tests:
+        two engines hold the same weights exactly when these are equal)."""
+        import hashlib
+
+        out = {}
+        for name, p in adapter.worker_model(self).named_parameters():
+            data = p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy()
+            out[name] = hashlib.sha1(data.tobytes()).hexdigest()
+        return out
+
+    def megamoe_kernel_expert_params(self) -> dict:
+        """{vLLM parameter name: (shape, dtype name)} of the routed experts that a kernel-format
+        update may write (`w13_weight` / `w2_weight` of the MoE layers megamoe computes), or {}
+        when vLLM repacks them after loading (moe_impl stock), which only checkpoint format handles."""
+        model = adapter.worker_model(self)
+        out = {}
+        for name, impl in adapter.hooked_moe_layers(model).items():
+            if impl == "stock":
+                return {}
+            layer = model.get_submodule(name)
+            for attr in weights.KERNEL_EXPERT_SUFFIXES.values():
+                p = getattr(layer, attr)
+                out[f"{name}.{attr}"] = (tuple(p.shape), str(p.dtype).removeprefix("torch."))
+        return out
+
+    def megamoe_receive_kernel_chunk(self, blob: bytes) -> None:
+        """One chunk of kernel-format experts from the trainer's IPC buffer, copied straight into the
+        engine's `w13_weight` / `w2_weight` (what vLLM's reload_weights(is_checkpoint_format=False)
+        does per tensor, without its warning that lists every parameter a partial update leaves
+        alone). Runs before vLLM's update session of the same sync starts (its layer-wise reload
+        takes the MoE layers' parameters off the device until it finishes, then puts these back)."""
+        import pickle
+
+        info = pickle.loads(blob)
+        model = adapter.worker_model(self)
+        params = dict(model.named_parameters())
+        device_index = next(iter(params.values())).device.index
+        buf = adapter.rebuild_ipc_buffer(info["ipc_handles"], device_index)
+        offset = 0
+        with torch.no_grad():
+            for name, shape, dtype, size in zip(info["names"], info["shapes"], info["dtype_names"],
+                                                info["tensor_sizes"]):
+                src = buf[offset:offset + size].view(getattr(torch, dtype)).view(shape)
+                params[name].copy_(src)
+                offset += size
+        torch.cuda.current_stream().synchronize()  # the trainer overwrites the buffer once this returns
+        del buf
+        _quiet_moe_reload_warning(model)
+
     def megamoe_gpu_memory(self, reset_peak: bool = False) -> dict:
         """GPU memory seen from the engine's worker process: the device's used bytes (every process
         on it) and what this process's torch allocator holds now and at its peak since the last
@@ -147,3 +197,26 @@ class MegaMoEWorkerExtension:
         from rollout import probe
 
         return probe.probe_in_worker(self, blob)
+
+
+class _ExpectedMoEFallback:
+    """Drops vLLM's layer-wise reload warning "<class>: Failed to load weights" for the MoE layer
+    classes whose experts this engine receives in kernel format: the reload session of the same
+    sync carries no expert tensors by design and puts the freshly written ones back."""
+
+    def __init__(self, classes: set[str]):
+        self.classes = classes
+
+    def filter(self, record) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args
+                    and record.args[0] in self.classes)
+
+
+def _quiet_moe_reload_warning(model) -> None:
+    import logging
+
+    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if any(isinstance(f, _ExpectedMoEFallback) for f in log.filters):
+        return
+    classes = {type(model.get_submodule(n)).__name__ for n in adapter.hooked_moe_layers(model)}
+    log.addFilter(_ExpectedMoEFallback(classes))

@@ -1,15 +1,19 @@
 """Weight sync from the trainer to the rollout engines: one seam, three transports.
 
     mode = resolve("auto", colocated=True, on_gpu=True)            # -> "ipc"
-    send_ipc(trainer.iter_device_weights("bfloat16"), model_dir, LocalClient(rollout_worker),
-             bucket_bytes=1 << 30, rank=0)                          # in the trainer's process
+    push_ipc_local(trainer, [rollout_worker], model_dir=model_dir, dtype="bfloat16")  # one process
 
 Transports (`rollout.weight_sync`):
-- `ipc`: trainer rank and vLLM worker on the same GPU. vLLM's own CUDA IPC weight-transfer engine
-  (`vllm.distributed.weight_transfer`, backend "ipc"): the trainer packs tensors, already in the
-  sampler's dtype and the checkpoint's on-disk names, into one reusable GPU buffer and hands its
-  IPC handle to the engine, which reads the bytes in place and loads them through vLLM's
-  layer-wise reload; nothing leaves the GPU. The version-specific calls are in rollout/adapter.py.
+- `ipc`: trainer rank and vLLM worker on the same GPU, through vLLM's CUDA IPC weight-transfer
+  engine (`vllm.distributed.weight_transfer`, backend "ipc"). The trainer packs its tensors, cast to
+  the sampler's dtype in the copy, into one GPU buffer it exported once (`IPCBuffer`) and hands
+  vLLM's packed update info (names, shapes, dtypes, sizes, the buffer's IPC handle) to the engine,
+  which reads the bytes in place; nothing leaves the GPU. Two streams per sync when the engine
+  computes the experts with megamoe (moe_impl megamoe / reference, one GPU per engine): first the
+  routed experts in kernel format (whole `w13_weight` / `w2_weight` per layer, the layout megamoe
+  reads and the trainer holds, copied straight into the engine's parameters), then the rest in
+  checkpoint format through vLLM's update session (its layer-wise reload). Otherwise everything in
+  checkpoint format. The version-specific calls are in rollout/adapter.py.
 - `nccl`: trainer and sampler on different GPUs; vLLM's NCCL engine (not available in this
   release of the project: refused at config time, see `resolve`).
 - `files`: safetensors buckets in /dev/shm (rollout/weights.py): the CPU transport.
@@ -104,29 +108,159 @@ def refuse_nonfinite(bad: list[str], dtype: str | None) -> None:
                          f"hold NaN/Inf in {dtype or 'their dtype'}")
 
 
-def send_ipc(named_tensors: Iterable, model_dir: str, client, *, bucket_bytes: int = DEFAULT_IPC_BUCKET_BYTES,
-             rank: int = 0) -> dict:
-    """Stream the trainer's (name, GPU tensor) pairs into the engines behind `client` by CUDA IPC.
+class IPCBuffer:
+    """One GPU buffer of this trainer process, exported for CUDA IPC once and reused by every sync.
 
-    Runs in the trainer's process, on every trainer rank (each rank's tensors serve the engine on
-    its GPU; rank 0 drives the client). The engines must have been given the update's plan first
-    (`RolloutWorker.plan_weight_update`). Returns {"seconds", "bytes"} of this rank's stream.
+    Each chunk of a sync is packed into it (each tensor cast to the sampler's dtype in the copy,
+    on the GPU) and handed to the engines as vLLM's packed IPC update info; the engine reads it in
+    place. vLLM ships a producer (`packed_ipc_producer`) that allocates and exports a new buffer per
+    sync; vLLM 0.26's consumer then releases the mapping once per chunk, which drives torch's
+    cross-process reference count negative, so every dropped buffer stays allocated (vLLM 0.32
+    documents this in its PackedBufferImporter): on the H200 the RL run's GPU memory grew by the
+    bucket size, ~1 GiB, per sync (RESULTS.md). A buffer that is never dropped cannot leak, so the
+    trainer keeps this one for the run; its size is the bucket, or the whole update if smaller.
+
+    With several trainer ranks every rank packs its own full copy; the handles are gathered once,
+    so each engine finds the copy on its own GPU, and a barrier brackets each chunk.
     """
-    from rollout import adapter, weights
 
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes: expected a positive int, got {bucket_bytes!r}")
-    spec = weights.CheckpointSpec.from_dir(model_dir)
-    sent = {"bytes": 0}
+    def __init__(self, nbytes: int):
+        import torch
+        import torch.distributed as dist
+        from torch.multiprocessing.reductions import reduce_tensor
 
-    def counted():
-        for name, t in weights.to_checkpoint_names(spec, named_tensors):
-            sent["bytes"] += t.numel() * t.element_size()
-            yield name, t
+        self.nbytes = nbytes
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        _, args = reduce_tensor(self.tensor)
+        handle = {str(torch.cuda.get_device_properties(self.tensor.device).uuid): args}
+        self.multi_rank = dist.is_initialized() and dist.get_world_size() > 1
+        if self.multi_rank:
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, handle)
+            handle = {k: v for h in gathered for k, v in h.items()}
+        self.handle = handle
 
+    def barrier(self) -> None:
+        if self.multi_rank:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def chunks(self, named_tensors: Iterable, dtype, limit: int | None = None) -> Iterable[dict]:
+        """Pack (name, GPU tensor) pairs, cast to `dtype` (None: as they are), into chunks of at most
+        `limit` bytes (default: the buffer); each chunk is yielded as {names, shapes, dtype_names,
+        tensor_sizes} once its bytes are on the GPU. The consumer must be done with a chunk before
+        the generator is resumed."""
+        import torch
+
+        limit = self.nbytes if limit is None else limit
+        if not 0 < limit <= self.nbytes:
+            raise ValueError(f"limit: expected 0 < limit <= {self.nbytes} (the buffer), got {limit}")
+
+        chunk, used = _new_chunk(), 0
+        for name, t in named_tensors:
+            out_dtype = dtype or t.dtype
+            size = t.numel() * out_dtype.itemsize
+            if size > limit:
+                raise ValueError(f"tensor {name!r} is {size} bytes, more than an IPC chunk's {limit} "
+                                 f"(rollout.ipc_bucket_bytes); use at least {size}")
+            if used and used + size > limit:
+                torch.cuda.current_stream().synchronize()
+                yield chunk
+                chunk, used = _new_chunk(), 0
+            if used % out_dtype.itemsize:
+                raise ValueError(f"tensor {name!r} ({out_dtype}) would start at byte {used} of the IPC buffer, "
+                                 "which is not a multiple of its element size: one dtype per sync")
+            self.tensor[used:used + size].view(out_dtype).view(t.shape).copy_(t)
+            chunk["names"].append(name)
+            chunk["shapes"].append(list(t.shape))
+            chunk["dtype_names"].append(str(out_dtype).removeprefix("torch."))
+            chunk["tensor_sizes"].append(size)
+            used += size
+        if used:
+            torch.cuda.current_stream().synchronize()
+            yield chunk
+
+
+def _new_chunk() -> dict:
+    return {"names": [], "shapes": [], "dtype_names": [], "tensor_sizes": []}
+
+
+_BUFFERS: dict[int, IPCBuffer] = {}  # this process's buffer, by CUDA device index
+
+
+def ipc_buffer(nbytes: int) -> IPCBuffer:
+    """This process's IPC buffer on the current CUDA device, created at the first sync; a sync that
+    needs more (a bigger bucket) replaces it (the old one is then not reclaimed: see IPCBuffer)."""
+    import torch
+
+    device = torch.cuda.current_device()
+    buf = _BUFFERS.get(device)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _BUFFERS[device] = IPCBuffer(nbytes)
+    return buf
+
+
+def plan_buffer_bytes(metas: Iterable, bucket_bytes: int) -> int:
+    """The IPC buffer a sync of `metas` ((name, shape, dtype name)) needs: the bucket, or the whole
+    update if smaller. Raises ValueError naming rollout.ipc_bucket_bytes when one tensor is larger
+    than the bucket (before anything moves)."""
+    import math
+
+    import torch
+
+    total, largest = 0, ("", 0)
+    for name, shape, dtype in metas:
+        size = math.prod(shape) * getattr(torch, dtype).itemsize
+        total += size
+        largest = max(largest, (name, size), key=lambda x: x[1])
+    if largest[1] > bucket_bytes:
+        raise ValueError(f"rollout.ipc_bucket_bytes: tensor {largest[0]!r} is {largest[1]} bytes, more than the "
+                         f"bucket ({bucket_bytes}); use at least {largest[1]}")
+    return min(bucket_bytes, -(-total // (1 << 20)) * (1 << 20))
+
+
+def send_ipc(weights, model_dir: str, client, *, dtype: str | None, buffer_bytes: int,
+             kernel_experts: bool, rank: int = 0) -> dict:
+    """Stream a trainer's weights into the engines behind `client` by CUDA IPC; returns {"seconds",
+    "bytes", "chunks"} of this rank's stream.
+
+    Runs in the trainer's process, on every trainer rank (each rank's copy serves the engine on its
+    GPU; rank 0 drives the client). `weights(select)` yields (trainer name, full GPU tensor) for the
+    names `select` accepts, in the same order on every rank. The engines must have planned the
+    update first (`RolloutWorker.plan_weight_update`, whose "kernel_experts" is passed here): with
+    kernel_experts the routed experts go first, fused, in kernel format, then the rest in
+    checkpoint format through vLLM's reload; else everything in checkpoint format.
+    """
+    import torch
+
+    from rollout import adapter, weights as wts
+
+    spec = wts.CheckpointSpec.from_dir(model_dir)
+    out_dtype = getattr(torch, dtype) if dtype else None
+    buf = ipc_buffer(buffer_bytes)
+    if kernel_experts:
+        passes = [lambda n: wts.is_fused_experts(spec, n), lambda n: not wts.is_fused_experts(spec, n)]
+    else:
+        passes = [lambda n: True]
     t0 = time.perf_counter()
-    adapter.trainer_send_ipc(counted(), client, bucket_bytes=bucket_bytes, rank=rank)
-    return {"seconds": time.perf_counter() - t0, "bytes": sent["bytes"]}
+    sent = {"bytes": 0, "chunks": 0}
+    if rank == 0:
+        if adapter.ipc_needs_init():
+            client.init_weight_transfer_engine({"packed": True})
+        client.start_weight_update()
+    for select in passes:
+        stream = wts.to_checkpoint_names(spec, weights(select), kernel_experts=kernel_experts)
+        for chunk in buf.chunks(stream, out_dtype, buffer_bytes):
+            buf.barrier()  # every rank's copy of this chunk is on its GPU
+            if rank == 0:
+                client.update_weights(adapter.ipc_update_info(chunk, buf.handle))
+            buf.barrier()  # the engines are done with it: the buffer may be overwritten
+            sent["bytes"] += sum(chunk["tensor_sizes"])
+            sent["chunks"] += 1
+    if rank == 0:
+        client.finish_weight_update()
+    return {"seconds": time.perf_counter() - t0, **sent}
 
 
 def push_ipc_local(trainer, workers: list, *, model_dir: str, dtype: str | None,
@@ -136,13 +270,26 @@ def push_ipc_local(trainer, workers: list, *, model_dir: str, dtype: str | None,
     trainer's GPU, the engines' plan of the whole update, then the stream. Raises ValueError before
     anything is applied when the first two fail. `client` replaces LocalClient(*workers)."""
     t0 = time.perf_counter()
+    dtype = trainer.sync_dtype(dtype)
     refuse_nonfinite(trainer.nonfinite_weights(dtype), dtype)
     t_check = time.perf_counter()
     metas = trainer.weight_metadata(dtype)
+    buffer_bytes = plan_buffer_bytes(metas, bucket_bytes)
     plans = [w.plan_weight_update(metas) for w in workers]
+    kernel = agreed_kernel_experts(plans)
     t_plan = time.perf_counter()
-    sent = send_ipc(trainer.iter_device_weights(dtype), model_dir, client or LocalClient(*workers),
-                    bucket_bytes=bucket_bytes, rank=trainer.rank)
+    sent = send_ipc(trainer.iter_device_weights, model_dir, client or LocalClient(*workers), dtype=dtype,
+                    buffer_bytes=buffer_bytes, kernel_experts=kernel, rank=trainer.rank)
     t_end = time.perf_counter()
     return {"check_s": t_check - t0, "plan_s": t_plan - t_check, "transfer_s": t_end - t_plan,
-            "seconds": t_end - t0, "bytes": plans[0]["bytes"], "sent_bytes": sent["bytes"]}
+            "seconds": t_end - t0, "bytes": plans[0]["bytes"], "sent_bytes": sent["bytes"],
+            "chunks": sent["chunks"], "kernel_experts": kernel}
+
+
+def agreed_kernel_experts(plans: list[dict]) -> bool:
+    """Whether the engines' plans take the experts in kernel format; they must all agree (one stream)."""
+    kinds = {bool(p["kernel_experts"]) for p in plans}
+    if len(kinds) != 1:
+        raise ValueError("weight sync: the engines disagree on kernel-format experts (their moe_impl or "
+                         "tensor_parallel_size differ); one sync streams one layout")
+    return kinds.pop()

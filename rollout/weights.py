@@ -22,6 +22,12 @@ folder), collective_rpc carries only their paths, and `read_buckets` reads them 
 process. Sending the same bytes through collective_rpc was the slowest phase of a push (CPU, 0.83 GB
 bf16: 6.7 s of 10.5 s; benchmarks/bench_weight_push.py).
 
+Kernel format (the CUDA IPC sync, moe_impl megamoe / reference): the routed experts can also travel
+fused, under vLLM's parameter names `<on-disk experts prefix>.w13_weight [E,2I,H]` and `.w2_weight
+[E,H,I]` (`KERNEL_EXPERT_SUFFIXES`), the layout megamoe computes from and the trainer holds, so
+the engine copies them into its parameters whole instead of re-assembling 3E per-expert tensors
+(`to_checkpoint_names(..., kernel_experts=True)`, `plan_metadata(..., kernel_experts=True)`).
+
 Shape legend: E experts, I expert intermediate, H hidden.
 """
 
@@ -46,6 +52,8 @@ _PER_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>[A-Za-
 _FUSED = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
 
 DEFAULT_BUCKET_BYTES = 256 << 20
+# Trainer fused-expert kind -> the suffix of vLLM's FusedMoE parameter holding it (kernel format).
+KERNEL_EXPERT_SUFFIXES = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,8 +155,10 @@ def _check_tensor(name: str, t: object, check_values: bool = True) -> torch.Tens
     return t.detach()
 
 
-def _translate(spec: CheckpointSpec, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """On-disk (name, tensor) pairs that `name` provides; raises naming the tensor if none."""
+def _translate(spec: CheckpointSpec, name: str, t: torch.Tensor,
+               kernel_experts: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """On-disk (name, tensor) pairs that `name` provides; raises naming the tensor if none.
+    kernel_experts: a fused expert tensor stays whole, under its kernel-format name."""
     candidates = [name]
     for src, dst in _RENAMES.get(spec.architecture, ()):
         if src in name:
@@ -168,6 +178,8 @@ def _translate(spec: CheckpointSpec, name: str, t: torch.Tensor) -> list[tuple[s
                 if tuple(t.shape) != want:
                     raise ValueError(f"tensor {name!r}: expected shape [E={want[0]}, 2I={want[1]}, H={want[2]}] "
                                      f"(fused gate rows then up rows of {g.prefix}), got {list(t.shape)}")
+                if kernel_experts:
+                    return [(f"{g.prefix}.{KERNEL_EXPERT_SUFFIXES[m['kind']]}", t)]
                 out = []
                 for e in range(g.num_experts):
                     out.append((g.name(e, g.gate), t[e, : g.intermediate]))
@@ -177,6 +189,8 @@ def _translate(spec: CheckpointSpec, name: str, t: torch.Tensor) -> list[tuple[s
             if tuple(t.shape) != want:
                 raise ValueError(f"tensor {name!r}: expected shape [E={want[0]}, H={want[1]}, I={want[2]}] "
                                  f"(fused down projections of {g.prefix}), got {list(t.shape)}")
+            if kernel_experts:
+                return [(f"{g.prefix}.{KERNEL_EXPERT_SUFFIXES[m['kind']]}", t)]
             return [(g.name(e, g.down), t[e]) for e in range(g.num_experts)]
     raise ValueError(f"unexpected tensor {name!r}: the checkpoint at {spec.model_dir} ({spec.architecture}) has "
                      "no tensor of that name, neither on disk nor as transformers' fused experts")
@@ -239,12 +253,13 @@ def plan_update(spec: CheckpointSpec, named_tensors: Iterable[tuple[str, torch.T
     return [(n, provided[n][1]) for n in spec.shapes]
 
 
-def plan_metadata(spec: CheckpointSpec, metas: Iterable[tuple[str, Iterable[int], str]]) -> dict[str, tuple]:
+def plan_metadata(spec: CheckpointSpec, metas: Iterable[tuple[str, Iterable[int], str]], *,
+                  kernel_experts: bool = False) -> dict[str, tuple]:
     """Validate a complete update described as (name, shape, dtype name) before any byte of it moves.
 
     The same checks as `plan_update` (unknown, missing, duplicate names; shapes; floating dtypes),
-    on meta tensors. Returns {on-disk name: (shape, dtype name)}: what the chunks of a streamed
-    update must deliver, each name exactly once.
+    on meta tensors. Returns {name: (shape, dtype name)}: what the chunks of a streamed update
+    (`to_checkpoint_names` with the same `kernel_experts`) must deliver, each name exactly once.
     """
     named = []
     for name, shape, dtype in metas:
@@ -253,18 +268,35 @@ def plan_metadata(spec: CheckpointSpec, metas: Iterable[tuple[str, Iterable[int]
             raise TypeError(f"tensor {name!r}: expected a torch dtype name, got {dtype!r}")
         named.append((name, torch.empty(tuple(shape), dtype=dt, device="meta")))
     plan = plan_update(spec, named, check_values=False)
+    if kernel_experts:
+        plan = list(to_checkpoint_names(spec, named, kernel_experts=True))
     return {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in plan}
 
 
-def to_checkpoint_names(spec: CheckpointSpec, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                        ) -> Iterable[tuple[str, torch.Tensor]]:
+def to_checkpoint_names(spec: CheckpointSpec, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                        kernel_experts: bool = False) -> Iterable[tuple[str, torch.Tensor]]:
     """Stream (on-disk name, tensor) pairs for a stream of trainer tensors: fused experts become
-    per-expert views (no copies). Tensors go through one at a time; the whole update is checked
-    beforehand by `plan_metadata`, and the receiver checks that each planned name arrives once."""
+    per-expert views (no copies), or stay whole under their kernel-format names (kernel_experts).
+    Tensors go through one at a time; the whole update is checked beforehand by `plan_metadata`,
+    and the receiver checks that each planned name arrives once."""
     for name, t in named_tensors:
         if name == "lm_head.weight" and name not in spec.shapes and spec.tie_word_embeddings:
             continue  # stored once, under the embedding
-        yield from _translate(spec, name, t)
+        yield from _translate(spec, name, t, kernel_experts)
+
+
+def is_fused_experts(spec: CheckpointSpec, name: str) -> bool:
+    """Whether trainer tensor `name` is a layer's fused routed experts (gate_up_proj / down_proj)."""
+    for cand in [name] + [name.replace(a, b) for a, b in _RENAMES.get(spec.architecture, ()) if a in name]:
+        m = _FUSED.match(cand)
+        if m and m["prefix"] in spec.expert_groups:
+            return True
+    return False
+
+
+def is_kernel_expert_name(name: str) -> bool:
+    """Whether an update name is a kernel-format fused expert tensor (`...experts.w13_weight` / `.w2_weight`)."""
+    return name.endswith(tuple(f".experts.{s}" for s in KERNEL_EXPERT_SUFFIXES.values()))
 
 
 _FOLDER_PREFIX = "megamoe-weights-"

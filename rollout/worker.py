@@ -105,6 +105,14 @@ class RolloutWorker:
         self._plan: dict[str, tuple] | None = None   # the streamed update being received
         self._received: set[str] = set()
         self._updating = False
+        self._session = False  # vLLM's update session (the checkpoint-format stream) has started
+        self._kernel_params: dict[str, tuple] | None = None  # engine's kernel-format expert params
+        self._kernel_names: dict[str, str] = {}  # update name -> engine parameter (plan_weight_update)
+        self.tensor_parallel_size = tensor_parallel_size
+        # An IPC sync streams the routed experts fused, in kernel format, where megamoe computes them
+        # on one GPU (plan_weight_update); False streams them per expert through vLLM's reload (the
+        # only way for moe_impl="stock"; benchmarks/bench_weight_sync.py compares the two).
+        self.kernel_experts = self.moe_impl != "stock" and tensor_parallel_size == 1
         self.model_dir = str(os.fspath(model_dir))
         self.spec = weights.CheckpointSpec.from_dir(self.model_dir)
         self.seed = seed
@@ -310,37 +318,78 @@ class RolloutWorker:
 
     def plan_weight_update(self, metas: list) -> dict:
         """Check a whole update, described as (name, shape, dtype name) per trainer tensor, against
-        the checkpoint before any byte moves; raises naming the first bad tensor, changes nothing."""
+        the checkpoint before any byte moves; raises naming the first bad tensor, changes nothing.
+
+        Returns {"tensors", "bytes", "kernel_experts"}: kernel_experts says the routed experts are
+        to come fused in kernel format (rollout/sync.py), which this engine takes when megamoe
+        computes them on one GPU (moe_impl megamoe / reference, tensor_parallel_size 1); the fused
+        shapes and dtypes are checked against the engine's own parameters as well."""
         self._need_ipc("plan_weight_update")
         if self._updating:
             raise RuntimeError("plan_weight_update: an update is being received; finish it first")
-        plan = weights.plan_metadata(self.spec, metas)
+        kernel = self.kernel_experts
+        if kernel and (self.moe_impl == "stock" or self.tensor_parallel_size != 1):
+            raise ValueError("kernel_experts: expected False with moe_impl='stock' or tensor_parallel_size > 1 "
+                             "(vLLM repacks or shards the experts)")
+        plan = weights.plan_metadata(self.spec, metas, kernel_experts=kernel)
+        if kernel:
+            self._kernel_names = self._match_kernel_params(plan)
         self._plan = plan
         nbytes = sum(math.prod(shape) * getattr(torch, dt).itemsize for shape, dt in plan.values())
-        return {"tensors": len(plan), "bytes": nbytes}
+        return {"tensors": len(plan), "bytes": nbytes, "kernel_experts": kernel}
+
+    def _match_kernel_params(self, plan: dict) -> dict[str, str]:
+        """{update name `<experts prefix>.w13_weight`: the engine's parameter holding it}, checked in
+        shape and dtype. vLLM names the parameter after the checkpoint's experts module, possibly
+        below it (vLLM 0.26: `<experts prefix>.routed_experts.w13_weight`): the one engine parameter
+        with that suffix at or below the prefix."""
+        if self._kernel_params is None:
+            self._kernel_params = self.llm.collective_rpc("megamoe_kernel_expert_params")[0]
+        names = {}
+        for name, want in plan.items():
+            if not weights.is_kernel_expert_name(name):
+                continue
+            prefix, suffix = name.rsplit(".", 1)
+            found = [p for p in self._kernel_params
+                     if p.endswith("." + suffix) and (p == name or p.startswith(prefix + "."))]
+            if len(found) != 1:
+                raise ValueError(f"tensor {name!r}: expected one engine parameter for it at or below "
+                                 f"{prefix!r}, found {found or 'none'} (engine expert parameters: "
+                                 f"{sorted(self._kernel_params)[:4]}...); kernel_experts=False sends experts "
+                                 "through vLLM's reload instead")
+            have = self._kernel_params[found[0]]
+            if tuple(have[0]) != tuple(want[0]) or have[1] != want[1]:
+                raise ValueError(f"tensor {name!r}: the engine's {found[0]!r} is {list(have[0])} {have[1]}, "
+                                 f"the update brings {list(want[0])} {want[1]}")
+            names[name] = found[0]
+        return names
 
     def start_weight_update(self) -> None:
         self._need_ipc("start_weight_update")
         if self._plan is None:
             raise RuntimeError("start_weight_update: no planned update (call plan_weight_update first)")
         self._wake(["weights"])
-        self.llm.start_weight_update()
-        self._updating, self._received = True, set()
+        self._updating, self._received, self._session = True, set(), False
 
     def _fail_update(self, why: str) -> None:
         """A chunk failed after others may have been applied: refuse to serve until a complete update."""
         self._weights_broken = f"a streamed weight update failed after it had started ({why}); the model may " \
                                "hold a mix of old and new weights until an update completes"
         self._updating, self._plan = False, None
-        try:
-            self.llm.finish_weight_update()  # ends vLLM's update session so the next one can start
-        except Exception:  # noqa: BLE001 - vLLM may have ended it itself; the broken state stands
-            pass
+        if self._session:
+            self._session = False
+            try:
+                self.llm.finish_weight_update()  # ends vLLM's update session so the next one can start
+            except Exception:  # noqa: BLE001 - vLLM may have ended it itself; the broken state stands
+                pass
         raise RuntimeError(self._weights_broken)
 
     def update_weight_chunk(self, update_info: dict) -> None:
-        """One chunk (vLLM's IPC update info: names, shapes, dtypes, handle): checked against the
-        plan (each planned tensor exactly once, its shape and dtype), then loaded by the engine."""
+        """One chunk (vLLM's packed IPC update info: names, shapes, dtypes, sizes, handle), checked
+        against the plan (each planned tensor exactly once, its shape and dtype), then loaded: a
+        chunk of kernel-format experts straight into the engine's expert parameters, a chunk in
+        checkpoint format through vLLM's update session (started at the first such chunk; kernel
+        chunks must come before it, while the MoE layers hold their parameters)."""
         import pickle
 
         from rollout import adapter
@@ -349,6 +398,7 @@ class RolloutWorker:
         if not self._updating:
             raise RuntimeError("update_weight_chunk: no update started (start_weight_update)")
         try:
+            kinds = set()
             for name, shape, dtype in adapter.ipc_chunk_tensors(update_info):
                 want = self._plan.get(name)
                 if want is None:
@@ -358,6 +408,20 @@ class RolloutWorker:
                 if (tuple(shape), dtype) != want:
                     raise ValueError(f"tensor {name!r}: planned {list(want[0])} {want[1]}, got {shape} {dtype}")
                 self._received.add(name)
+                kinds.add(weights.is_kernel_expert_name(name))
+            if len(kinds) > 1:
+                raise ValueError("a chunk mixes kernel-format experts and checkpoint-format tensors; the "
+                                 "trainer streams them separately (rollout/sync.py)")
+            if kinds == {True}:
+                if self._session:
+                    raise ValueError("kernel-format experts arrived after checkpoint-format tensors; they "
+                                     "must come first (rollout/sync.py)")
+                info = {**update_info, "names": [self._kernel_names[n] for n in update_info["names"]]}
+                self.llm.collective_rpc("megamoe_receive_kernel_chunk", args=(pickle.dumps(info),))
+                return
+            if not self._session:
+                self.llm.start_weight_update()
+                self._session = True
             self.llm.collective_rpc("megamoe_receive_ipc_chunk", args=(pickle.dumps(update_info),))
         except Exception as e:  # noqa: BLE001 - reported with the broken state
             self._fail_update(f"{type(e).__name__}: {e}")
@@ -369,12 +433,13 @@ class RolloutWorker:
         missing = sorted(set(self._plan) - self._received)
         if missing:
             self._fail_update(f"{len(missing)} planned tensor(s) never arrived, e.g. {missing[0]!r}")
-        try:
-            self.llm.finish_weight_update()
-        except Exception as e:  # noqa: BLE001
-            self._fail_update(f"{type(e).__name__}: {e}")
+        if self._session:
+            try:
+                self.llm.finish_weight_update()
+            except Exception as e:  # noqa: BLE001
+                self._fail_update(f"{type(e).__name__}: {e}")
         n = len(self._received)
-        self._updating, self._plan, self._received = False, None, set()
+        self._updating, self._plan, self._received, self._session = False, None, set(), False
         self._weights_broken = None
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         return {"tensors": n}

@@ -112,3 +112,131 @@ def test_streamed_translation_equals_the_disk_tensors_as_views(ckpt):
         assert torch.equal(t, disk[name]), name
         if ".experts." in name and (name.endswith("gate_proj.weight") or name.endswith("up_proj.weight")):
             assert t.untyped_storage().data_ptr() in fused  # a view of the fused tensor, no copy
+
+
+def test_kernel_format_plan_keeps_each_layers_experts_whole(ckpt):
+    _, spec, state, disk = ckpt
+    plan = plan_metadata(spec, _metas(state), kernel_experts=True)
+    groups = spec.expert_groups
+    assert groups
+    for prefix, g in groups.items():
+        assert plan.pop(f"{prefix}.w13_weight") == ((g.num_experts, 2 * g.intermediate, g.hidden), "bfloat16")
+        assert plan.pop(f"{prefix}.w2_weight") == ((g.num_experts, g.hidden, g.intermediate), "bfloat16")
+    # everything else exactly as on disk, every expert tensor accounted for by the fused ones
+    assert plan == {n: (tuple(t.shape), "bfloat16") for n, t in disk.items() if ".experts." not in n}
+
+
+def test_kernel_format_stream_is_the_trainers_fused_tensors(ckpt):
+    from rollout.weights import is_fused_experts, is_kernel_expert_name
+
+    _, spec, state, disk = ckpt
+    out = dict(to_checkpoint_names(spec, state.items(), kernel_experts=True))
+    for prefix, g in spec.expert_groups.items():
+        w13, w2 = out[f"{prefix}.w13_weight"], out[f"{prefix}.w2_weight"]
+        assert w13.data_ptr() == state[f"{prefix}.gate_up_proj"].data_ptr()  # the tensor itself, no copy
+        for e in range(g.num_experts):  # gate rows then up rows, as vLLM's w13 and megamoe read them
+            assert torch.equal(w13[e, :g.intermediate], disk[g.name(e, g.gate)])
+            assert torch.equal(w13[e, g.intermediate:], disk[g.name(e, g.up)])
+            assert torch.equal(w2[e], disk[g.name(e, g.down)])
+    assert {n for n in out if is_kernel_expert_name(n)} == {f"{p}.{s}" for p in spec.expert_groups
+                                                           for s in ("w13_weight", "w2_weight")}
+    assert {n for n in state if is_fused_experts(spec, n)} == {f"{p}.{k}" for p in spec.expert_groups
+                                                              for k in ("gate_up_proj", "down_proj")}
+
+
+class _FakeLLM:
+    """vLLM's LLM as the streamed protocol sees it: records the calls, holds kernel parameters."""
+
+    def __init__(self, params):
+        self.params, self.calls = params, []
+
+    def collective_rpc(self, method, args=()):
+        self.calls.append(method)
+        return [self.params if method == "megamoe_kernel_expert_params" else None]
+
+    def start_weight_update(self):
+        self.calls.append("start")
+
+    def finish_weight_update(self):
+        self.calls.append("finish")
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset")
+
+
+def _protocol_worker(spec, engine_params):
+    """A RolloutWorker's streamed-update protocol over a fake engine (the real methods, no vLLM)."""
+    from rollout.worker import RolloutWorker
+
+    w = object.__new__(RolloutWorker)
+    w.__dict__.update(weight_sync="ipc", moe_impl="megamoe", tensor_parallel_size=1, kernel_experts=True,
+                      spec=spec, _plan=None, _received=set(), _updating=False, _session=False,
+                      _kernel_params=None, _kernel_names={}, _asleep=set(), sleep_mode=False,
+                      _weights_broken=None, llm=_FakeLLM(engine_params))
+    return w
+
+
+def _engine_params(spec, below="routed_experts"):
+    return {f"{p}.{below}.{s}": (shape, "bfloat16") for p, g in spec.expert_groups.items()
+            for s, shape in (("w13_weight", (g.num_experts, 2 * g.intermediate, g.hidden)),
+                             ("w2_weight", (g.num_experts, g.hidden, g.intermediate)))}
+
+
+def _chunk(names, plan):
+    return {"names": names, "shapes": [list(plan[n][0]) for n in names], "dtype_names": [plan[n][1] for n in names],
+            "tensor_sizes": [0] * len(names), "ipc_handles": {}}
+
+
+def test_streamed_update_sends_kernel_experts_first_to_the_engines_own_parameters(ckpt):
+    _, spec, state, _ = ckpt
+    w = _protocol_worker(spec, _engine_params(spec))
+    info = w.plan_weight_update(_metas(state))
+    assert info["kernel_experts"] and info["tensors"] == len(w._plan)
+    kernel = [n for n in w._plan if n.endswith(("w13_weight", "w2_weight"))]
+    rest = [n for n in w._plan if n not in kernel]
+    # plan names map to the engine's parameters below each experts module
+    assert all(w._kernel_names[n] == n.rsplit(".", 1)[0] + ".routed_experts." + n.rsplit(".", 1)[1] for n in kernel)
+    w.start_weight_update()
+    w.update_weight_chunk(_chunk(kernel, w._plan))
+    w.update_weight_chunk(_chunk(rest, w._plan))
+    assert w.finish_weight_update() == {"tensors": len(w._kernel_names) + len(rest)}
+    assert w.llm.calls == ["megamoe_kernel_expert_params", "megamoe_receive_kernel_chunk", "start",
+                           "megamoe_receive_ipc_chunk", "finish", "reset"]
+
+
+@pytest.mark.parametrize("order, match", [
+    ("mixed", "mixes kernel-format"),
+    ("kernel_last", "must come first"),
+    ("missing", "never arrived"),
+])
+def test_streamed_update_out_of_protocol_breaks_the_engine_until_a_complete_one(ckpt, order, match):
+    _, spec, state, _ = ckpt
+    w = _protocol_worker(spec, _engine_params(spec))
+    w.plan_weight_update(_metas(state))
+    kernel = [n for n in w._plan if n.endswith(("w13_weight", "w2_weight"))]
+    rest = [n for n in w._plan if n not in kernel]
+    w.start_weight_update()
+    with pytest.raises(RuntimeError, match=match):
+        if order == "mixed":
+            w.update_weight_chunk(_chunk(kernel[:1] + rest[:1], w._plan))
+        elif order == "kernel_last":
+            w.update_weight_chunk(_chunk(rest, w._plan))
+            w.update_weight_chunk(_chunk(kernel, w._plan))
+        else:
+            w.update_weight_chunk(_chunk(kernel, w._plan))
+            w.finish_weight_update()
+    assert w._weights_broken and not w._updating
+    assert w.llm.calls.count("start") == w.llm.calls.count("finish")  # vLLM's session never left open
+
+
+@pytest.mark.parametrize("engine, match", [
+    (lambda p: {}, "found none"),
+    (lambda p: {**p, **{k.replace("routed_experts", "other"): v for k, v in p.items()}}, "expected one"),
+    (lambda p: {k: ((1,) + v[0][1:], v[1]) for k, v in p.items()}, "the update brings"),
+])
+def test_kernel_plan_refuses_engine_parameters_that_do_not_fit(ckpt, engine, match):
+    _, spec, state, _ = ckpt
+    w = _protocol_worker(spec, engine(_engine_params(spec)))
+    with pytest.raises(ValueError, match=match):
+        w.plan_weight_update(_metas(state))
+    assert w._plan is None and w.llm.calls == ["megamoe_kernel_expert_params"]  # nothing else happened

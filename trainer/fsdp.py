@@ -53,7 +53,8 @@ def _unique_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def iter_full_weights(model: nn.Module, *, dtype: torch.dtype | None = None, to_cpu: bool = True,
-                      rank: int = 0, dst: int | None = 0) -> Iterator[tuple[str, torch.Tensor]]:
+                      rank: int = 0, dst: int | None = 0, select=None,
+                      may_alias: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) in state_dict order with transformers' names, one tensor at a time.
 
     Every rank must iterate (each DTensor.full_tensor() is a collective); only rank `dst` yields
@@ -61,8 +62,14 @@ def iter_full_weights(model: nn.Module, *, dtype: torch.dtype | None = None, to_
     sync needs: each engine reads the copy on its own GPU), so at most one unsharded tensor exists
     at once. Tied parameters are sent once, under the first name. Names are the checkpoint's,
     because neither FSDP2 nor our experts rename parameters.
+
+    select: a predicate on names (the same on every rank): only those tensors are gathered.
+    may_alias: the caller copies each tensor before the weights change (a CUDA IPC sync packs it
+    into its buffer at once), so a tensor that is the live parameter itself is not cloned.
     """
     for name, t in _unique_state(model):
+        if select is not None and not select(name):
+            continue
         full = t.full_tensor() if isinstance(t, DTensor) else t.detach()
         if dst is not None and rank != dst:
             del full
@@ -74,7 +81,7 @@ def iter_full_weights(model: nn.Module, *, dtype: torch.dtype | None = None, to_
         # them in place): a plain parameter, or a DTensor whose full_tensor() is its own local shard
         # (a one-rank mesh gathers nothing), is cloned.
         local = t.to_local() if isinstance(t, DTensor) else t
-        if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+        if not may_alias and full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
             full = full.clone()
         if to_cpu:
             full = full.cpu()

@@ -292,12 +292,18 @@ class TrainerWorker:
         name = dtype or self.cfg.export_dtype
         return iter_full_weights(self.model, dtype=_DTYPES[name] if name else None, rank=self.rank)
 
-    def iter_device_weights(self, dtype: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full tensor on this rank's device), one at a time, on every rank (a CUDA IPC sync:
-        each rank's copy serves the engine on its GPU). Every rank must iterate it to the end."""
-        name = dtype or self.cfg.export_dtype
-        return iter_full_weights(self.model, dtype=_DTYPES[name] if name else None, to_cpu=False,
-                                 rank=self.rank, dst=None)
+    def iter_device_weights(self, select=None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor on this rank's device, in the trainer's dtype), one at a time, on every
+        rank, for the names `select` accepts (all by default): a CUDA IPC sync, where each rank's copy
+        serves the engine on its GPU and is cast to the sampler's dtype as it is packed. A tensor may
+        be the live parameter: copy it before the next optimizer step. Every rank must iterate it
+        to the end."""
+        return iter_full_weights(self.model, to_cpu=False, rank=self.rank, dst=None, select=select,
+                                 may_alias=True)
+
+    def sync_dtype(self, dtype: str | None = None) -> str | None:
+        """The dtype name a weight sync sends in: `dtype`, else the trainer's export dtype (None: as held)."""
+        return dtype or self.cfg.export_dtype
 
     def weight_metadata(self, dtype: str | None = None) -> list[tuple[str, list[int], str]]:
         """(name, shape, dtype name) of every tensor `iter_weights(dtype)` yields; no data moves."""
