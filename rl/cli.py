@@ -31,6 +31,7 @@ SUBCOMMANDS: dict[str, str] = {
     "make-model": "rl.cli:add_make_model_parser",
     "train": "rl.train_cmd:add_train_parser",
     "consistency": "rl.consistency_cmd:add_consistency_parser",
+    "export": "rl.export_cmd:add_export_parser",
 }
 
 

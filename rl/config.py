@@ -248,6 +248,8 @@ class RunConfig:
     progress: bool = field(True, "show a live progress bar with the key metrics")
     tensorboard: bool = field(True, "also write TensorBoard events when `torch.utils.tensorboard` imports")
     plot: bool = field(True, "write plot.png (reward and mismatch over steps) at the end")
+    export_final: bool = field(True, "at the end, write the last step's policy to <out_dir>/final as a "
+                                     "Hugging Face checkpoint (what `megamoe-rl export` writes)")
 
     def validate(self, at: str) -> None:
         _check(self.steps >= 1, f"{at}.steps", "an int >= 1", self.steps)

@@ -15,7 +15,8 @@ Per step k (1-based; the prompts of step k are a pure function of the seed and k
 Run folder (run.out_dir): config.yaml (resolved), metrics.jsonl, train.log, actors.json (pids of
 the actors, for operators and the fault tests), model/ (when made by model.make), plot.png,
 checkpoints/step_NNNNNN/ (the trainer's atomic DCP checkpoint) and checkpoints/latest.json, the
-pointer to the newest complete one, replaced atomically after the checkpoint is complete.
+pointer to the newest complete one, replaced atomically after the checkpoint is complete, and
+final/ (the last step's policy as a Hugging Face checkpoint: run.export_final, rl/export.py).
 
 Faults: a RolloutWorker that dies (its process is gone: RayActorError) is replaced in its bundle by
 a new one that gets the trainer's current weights, and the step's generation is retried, up to
@@ -37,6 +38,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import socket
 import time
@@ -489,10 +491,12 @@ class Loop:
 
     # -- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self) -> float:
+        from trainer.checkpoint import step_dir
+
         t0 = time.perf_counter()
         root = checkpoints_dir(self.run_dir)
         root.mkdir(parents=True, exist_ok=True)
-        name = f"step_{self.step:06d}"
+        name = step_dir(root, self.step).name
         self._trainer_call("save_checkpoint", str(root / name))
         _write_atomic(root / "latest.json", json.dumps({"step": self.step, "path": name}) + "\n")
         keep = self.cfg.trainer.keep_checkpoints
@@ -738,4 +742,24 @@ def train(cfg: Config, *, resume: bool = False) -> int:
     if cfg.run.plot and (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").stat().st_size:
         from rl.plot import plot_run
         log.info("plot: %s", plot_run(run_dir))
+    if code == EXIT_OK and cfg.run.export_final:
+        log.info("final policy (Hugging Face checkpoint): %s", export_final(run_dir))
     return code
+
+
+def export_final(run_dir: Path) -> Path:
+    """The latest checkpoint's policy into run_dir/final (replacing an earlier export: a resumed run)."""
+    from rl.export import export_policy
+
+    final = run_dir / "final"
+    if not final.exists():
+        return export_policy(run_dir, final)
+    new, old = run_dir / ".final.new", run_dir / ".final.old"
+    for p in (new, old):
+        if p.exists():
+            shutil.rmtree(p)
+    export_policy(run_dir, new)
+    final.rename(old)
+    new.rename(final)
+    shutil.rmtree(old)
+    return final

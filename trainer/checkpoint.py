@@ -166,7 +166,8 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def step_dir(root: str | Path, step: int) -> Path:
-    return Path(root) / f"step_{step:08d}"
+    """The checkpoint folder of `step` under root (the RL loop's checkpoints/step_NNNNNN)."""
+    return Path(root) / f"step_{step:06d}"
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
