@@ -227,3 +227,29 @@ def test_exported_weights_give_the_trainers_logprobs(groups, model_dir):
     print(f"trainer vs sampler max |d logprob|: after the export {d_fresh:.2e}, before it {d_stale:.2e}")
     assert d_fresh <= EXPORT_LOGPROB_TOL
     assert d_stale > 100 * EXPORT_LOGPROB_TOL, "the trained weights barely differ from the checkpoint: the test proves nothing"
+
+
+def test_a_two_rank_checkpoint_exports_in_one_process(groups, model_dir, tmp_path):
+    """megamoe-rl export reads the DCP shards of a 2-rank run without a process group (rl/export.py)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from rl import config as C
+    from rl.export import export_policy
+    from rollout.weights import CheckpointSpec, plan_update
+
+    g = groups[2]
+    g.all("load_checkpoint", g.init_ckpt)
+    g.all("train_step", make_batch(8, seed=27))
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    cfg = C.load(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml",
+                 [f"run.out_dir={run}", "model.make=null", f"model.path={model_dir}"])
+    (run / "config.yaml").write_text(C.to_yaml(cfg))
+    g.all("save_checkpoint", str(run / "checkpoints" / "step_000001"))
+    (run / "checkpoints" / "latest.json").write_text(json.dumps({"step": 1, "path": "step_000001"}))
+    out = load_file(str(export_policy(run, tmp_path / "policy") / "model.safetensors"))
+    want = dict(plan_update(CheckpointSpec.from_dir(model_dir), g.call("export_weights")))
+    assert out.keys() == want.keys() and all(torch.equal(out[n], want[n]) for n in want)
