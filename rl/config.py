@@ -206,7 +206,8 @@ class RewardFnConfig:
     weight: float = field(1.0, "weight of this function in the summed reward")
     kwargs: dict[str, Any] = field(doc="extra keyword arguments for the function", factory=dict)
     style: Literal["auto", "batch", "per_sample"] = field(
-        "auto", "batch: f(prompts, completions, **columns) -> list[float]; per_sample: verl's "
+        "auto", "batch (TRL's, called by keyword): f(prompts=, completions=, completion_ids=, **columns) "
+                "-> list[float]; per_sample: verl's "
                 "compute_score(data_source, solution_str, ground_truth, extra_info) -> float; "
                 "auto: per_sample when the function has a `solution_str` parameter")
     name: str | None = field(None, "name in metrics (reward/<name>); null = the function's name")
@@ -390,6 +391,8 @@ def _coerce(value: Any, tp, key: str) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a float, got {value!r}")
+        if not math.isfinite(value):  # no setting of the tree means anything at inf or nan
+            raise ConfigError(f"{key}: expected a finite float, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

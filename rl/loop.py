@@ -532,7 +532,8 @@ class Loop:
         idx = [s["prompt_index"] for s in samples]
         texts = [s["text"] for s in samples]
         columns = {k: [v[i] for i in idx] for k, v in batch.columns.items()}
-        rewards = self.scorer([batch.prompts[i] for i in idx], texts, columns)
+        rewards = self.scorer([batch.prompts[i] for i in idx], texts, columns,
+                              completion_ids=[s["completion_ids"] for s in samples])
         adv = group_advantages(rewards.total, cfg.rollout.n, scale_by_std=cfg.reward.scale_by_std,
                                eps=cfg.reward.eps).tolist()
         t_reward = time.perf_counter() - t0
@@ -568,6 +569,7 @@ class Loop:
         m = {**summarize(rewards.total, "reward")}
         for name, vals in rewards.per_fn.items():
             m[f"reward/{name}/mean"] = sum(vals) / len(vals)
+            m[f"reward/{name}/errors"] = rewards.errors[name]
         m["reward/errors"] = sum(rewards.errors.values())
         m["reward/errors_total"] = sum(self.scorer.errors_total.values())
         m["reward/zero_std_groups_frac"] = sum(max(g) == min(g) for g in groups) / len(groups)

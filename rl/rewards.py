@@ -6,9 +6,12 @@
         - {fn: my_pkg.rewards:judge, weight: 0.5}
 
 Two calling styles are accepted:
-- batch (TRL's): `f(prompts, completions, **columns) -> list[float]`, sync or `async def`. The
-  dataset's columns arrive as keyword arguments, one list per column (`answer=[...]`); a function
-  receives only the columns it names, or all of them when it takes `**kwargs`.
+- batch (TRL's): called by keyword, as TRL calls reward functions:
+  `f(prompts=[...], completions=[...], completion_ids=[[...]], **columns) -> list[float]`, sync or
+  `async def`; so `f(completions, **kwargs)`, `f(prompts, completions, answer)` and
+  `f(completions, completion_ids, **kwargs)` all work. The dataset's columns arrive one list per
+  column (`answer=[...]`); a function receives the arguments it names, or all of them when it takes
+  `**kwargs`. It must name `completions` or take `**kwargs`.
 - per sample (verl's): `compute_score(data_source, solution_str, ground_truth, extra_info) -> float`
   (or a dict with a "score"), sync or async; `extra_info` holds the prompt and the other columns.
 
@@ -115,6 +118,7 @@ class RewardFn:
     style: str  # "batch" or "per_sample"
     key: str    # the config key it came from, for messages
     columns: tuple[str, ...] | None = None  # columns the function names; None = all (**kwargs)
+    accepts: tuple[str, ...] = ()  # which of BATCH_ARGS it takes
     is_async: bool = False
     logged: set = field(default_factory=set)
 
@@ -153,6 +157,8 @@ def resolve(spec: str, key: str) -> Callable:
 
 
 _PER_SAMPLE_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
+# What a batch reward is called with besides the dataset's columns (TRL's keyword names).
+BATCH_ARGS = ("prompts", "completions", "completion_ids")
 
 
 def load_reward(spec, index: int) -> RewardFn:
@@ -172,10 +178,13 @@ def load_reward(spec, index: int) -> RewardFn:
         if style == "per_sample":
             sig.bind_partial(**dict.fromkeys(_PER_SAMPLE_PARAMS), **spec.kwargs)
         else:
-            sig.bind_partial(None, None, **spec.kwargs)
+            if "completions" not in params and not has_var_kw:
+                raise TypeError("it takes neither `completions` nor **kwargs")
+            given = [n for n in BATCH_ARGS if n in params or has_var_kw]
+            sig.bind_partial(**dict.fromkeys(given), **spec.kwargs)
     except TypeError as e:
         expected = ("compute_score(data_source, solution_str, ground_truth, extra_info, ...)"
-                    if style == "per_sample" else "f(prompts, completions, **columns)")
+                    if style == "per_sample" else "f(prompts=, completions=, completion_ids=, **columns)")
         raise RewardLoadError(f"{key}: {spec.fn!r} does not fit the {style} style {expected} with "
                               f"kwargs {spec.kwargs!r}: {e}") from e
     if style == "batch":
@@ -186,11 +195,11 @@ def load_reward(spec, index: int) -> RewardFn:
         if fn in BUILTINS.values() and missing:
             raise RewardLoadError(f"{key}.kwargs: the built-in {spec.fn!r} needs {', '.join(missing)} "
                                   f"(e.g. kwargs: {{{missing[0]}: ...}})")
-    positional = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    columns = None if has_var_kw else tuple(n for n in params if n not in positional[:2])
+    columns = None if has_var_kw else tuple(n for n in params if n not in BATCH_ARGS)
+    accepts = BATCH_ARGS if has_var_kw else tuple(n for n in BATCH_ARGS if n in params)
     name = spec.name or (spec.fn if ":" not in spec.fn else getattr(fn, "__name__", spec.fn.split(":")[-1]))
     return RewardFn(name=name, weight=spec.weight, fn=fn, kwargs=dict(spec.kwargs), style=style, key=key,
-                    columns=columns, is_async=inspect.iscoroutinefunction(fn))
+                    columns=columns, accepts=accepts, is_async=inspect.iscoroutinefunction(fn))
 
 
 def load_rewards(reward_cfg) -> list[RewardFn]:
@@ -227,10 +236,15 @@ class RewardScorer:
 
     def __init__(self, fns: list[RewardFn]):
         self.fns = fns
+        self._ids: list[list[int]] | None = None  # the current call's completion_ids
         self.errors_total: dict[str, int] = {f.name: 0 for f in fns}
 
-    def __call__(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> RewardResult:
+    def __call__(self, prompts: list[str], completions: list[str], columns: dict[str, list],
+                 completion_ids: list[list[int]] | None = None) -> RewardResult:
         n = len(completions)
+        if completion_ids is not None and len(completion_ids) != n:
+            raise ValueError(f"rewards: completion_ids ({len(completion_ids)}) must have one entry per sample ({n})")
+        self._ids = completion_ids
         if len(prompts) != n or any(len(v) != n for v in columns.values()):
             raise ValueError(f"rewards: prompts ({len(prompts)}), completions ({n}) and columns "
                              f"({ {k: len(v) for k, v in columns.items()} }) must have one entry per sample")
@@ -287,10 +301,18 @@ class RewardScorer:
         # A configured kwarg wins over a dataset column of the same name (never both: TypeError).
         return {c: [columns[c][i] for i in idx] for c in names if c not in f.kwargs}
 
+    def _args(self, f: RewardFn, prompts, completions, idx) -> dict:
+        """The TRL keyword arguments `f` takes, for the samples `idx`."""
+        have = {"prompts": [prompts[i] for i in idx], "completions": [completions[i] for i in idx]}
+        if self._ids is not None:
+            have["completion_ids"] = [self._ids[i] for i in idx]
+        return {k: v for k, v in have.items() if k in f.accepts}
+
     def _batch(self, f, prompts, completions, columns) -> list:
         n = len(completions)
         try:
-            out = _run(f.fn(prompts, completions, **self._cols(f, columns, range(n)), **f.kwargs))
+            out = _run(f.fn(**self._args(f, prompts, completions, range(n)), **self._cols(f, columns, range(n)),
+                            **f.kwargs))
             out = list(out)
             if len(out) != n:
                 raise ValueError(f"returned {len(out)} values for {n} samples")
@@ -303,7 +325,8 @@ class RewardScorer:
         results = []
         for i in range(n):
             try:
-                one = list(_run(f.fn([prompts[i]], [completions[i]], **self._cols(f, columns, [i]), **f.kwargs)))
+                one = list(_run(f.fn(**self._args(f, prompts, completions, [i]), **self._cols(f, columns, [i]),
+                                     **f.kwargs)))
                 if len(one) != 1:
                     raise ValueError(f"returned {len(one)} values for 1 sample")
                 results.append(one[0])

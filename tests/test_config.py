@@ -66,6 +66,9 @@ def test_unknown_section_and_misplaced_key():
     pytest.param("trainer.is_correction=tis2", "trainer.is_correction: expected one of", id="choice"),
     pytest.param("reward.functions.5.fn=x", "reward.functions is a list of 2 item(s)", id="index"),
     pytest.param("run.steps", "expected key=value", id="no-equals"),
+    pytest.param("trainer.lr=inf", "trainer.lr: expected a finite float, got inf", id="inf"),
+    pytest.param("rollout.temperature=-inf", "rollout.temperature: expected a finite float", id="-inf"),
+    pytest.param("trainer.grad_clip=nan", "trainer.grad_clip: expected a finite float", id="nan"),
 ])
 def test_bad_overrides_name_the_key(override, fragment):
     with pytest.raises(C.ConfigError) as e:

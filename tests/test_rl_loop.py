@@ -158,6 +158,7 @@ def test_e2e_metrics_are_finite_every_step(e2e):
     for r in records:
         assert not numeric_finite(r, STEP_KEYS + ("reward/first_char_is_answer/mean",)), (r["step"], r)
         assert 0.0 <= r["reward/mean"] <= 1.0
+        assert r["reward/first_char_is_answer/errors"] == 0  # per-function failure count, every step
         assert r["mismatch/k3_kl"] >= 0.0
         # Both sides run megamoe in fp32: the sampler-trainer mismatch is tiny (ANCHORS: ~1e-6 in fp32).
         assert r["mismatch/abs_logp_diff_max"] < 1e-3, r["mismatch/abs_logp_diff_max"]

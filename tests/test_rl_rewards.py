@@ -292,3 +292,53 @@ def test_group_variance_exists_by_chance_for_the_digit_task():
     p_digit = 10 / 512
     hits = sum(rng.random() < p_digit for _ in range(64 * 30))
     assert 64 * p_digit > 1 and hits > 0 and math.isfinite(hits)
+
+
+TRL_STYLE = textwrap.dedent("""
+    def only_completions(completions, **kwargs):          # TRL's documented signature
+        return [float(len(c)) for c in completions]
+
+    def with_ids(prompts, completions, completion_ids, answer, **kwargs):
+        return [float(len(i)) + (a == c) for c, i, a in zip(completions, completion_ids, answer)]
+
+    def keyword_only(*, completions, answer):
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    def everything(**kwargs):
+        return [float(sorted(kwargs) == ["answer", "completion_ids", "completions", "prompts"])] * len(kwargs["prompts"])
+
+    def other_names(p, c):                                 # positional names TRL would not pass
+        return [0.0] * len(c)
+
+    def positional_only(prompts, completions, /):
+        return [0.0] * len(completions)
+""")
+
+
+@pytest.fixture
+def trl_module(tmp_path, monkeypatch):
+    (tmp_path / "trl_rewards.py").write_text(TRL_STYLE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "trl_rewards"
+
+
+@pytest.mark.parametrize("fn, want", [
+    ("only_completions", [2.0, 1.0]),
+    ("with_ids", [4.0, 1.0]),          # ids of lengths 3 and 1; the first completion equals its answer
+    ("keyword_only", [1.0, 0.0]),
+    ("everything", [1.0, 1.0]),
+])
+def test_trl_reward_signatures_are_called_by_keyword(trl_module, fn, want):
+    s = _scorer(_spec(f"{trl_module}:{fn}"))
+    res = s(["p1", "p2"], ["ab", "c"], {"answer": ["ab", "x"]}, completion_ids=[[5, 6, 7], [8]])
+    assert res.total == want and res.errors == {fn: 0}
+
+
+@pytest.mark.parametrize("fn, fragment", [
+    ("other_names", r"neither `completions` nor \*\*kwargs"),
+    ("positional_only", "positional only"),
+])
+def test_a_batch_reward_trl_could_not_call_is_refused_at_load(trl_module, fn, fragment):
+    with pytest.raises(R.RewardLoadError, match=fragment) as e:
+        R.load_rewards(C.RewardConfig(functions=[_spec(f"{trl_module}:{fn}")]))
+    assert "reward.functions.0" in str(e.value)
