@@ -182,6 +182,10 @@ class DataConfig:
     prompt_template: str = field("{prompt}", "format string applied to the prompt column ({prompt} is replaced)")
     chat_template: bool = field(False, "wrap each prompt as one user turn with the tokenizer's chat template")
     shuffle: bool = field(True, "shuffle each epoch (seeded by run.seed and the epoch)")
+    long_prompts: Literal["drop", "refuse"] = field(
+        "drop", "prompts longer than min(rollout.max_model_len, trainer.max_seq_len) - rollout.max_tokens "
+                "tokens, found when the run starts: drop them (counted in train.log and the metric "
+                "data/dropped_prompts) or refuse the run naming the first one")
 
     def validate(self, at: str) -> None:
         if (self.task is None) == (self.path is None):

@@ -81,7 +81,26 @@ class PromptSource:
         self.template = template
         self.seed = seed
         self.shuffle = shuffle
+        self.origin = origin
+        self._rows_used = list(range(self.n))  # row index of each position (all rows unless `keep`)
+        self.dropped = 0
         self._perm_cache: dict[int, list[int]] = {}
+
+    def prompt_texts(self) -> list[str]:
+        """Every row's prompt, formatted with the template (for the length check)."""
+        col = self.columns["prompt"]
+        values = self.rows[col] if hasattr(self.rows, "column_names") else [r[col] for r in self.rows]
+        return [self.template.format(prompt=p) for p in values]
+
+    def keep(self, rows: list[int]) -> None:
+        """Use only these rows (ascending row indices) from now on; the per-step batches stay a pure
+        function of (seed, step) over the kept rows."""
+        if not rows:
+            raise DataError(f"data: no prompt of the dataset ({self.origin}) is left to train on")
+        self.dropped = self.n - len(rows)
+        self._rows_used = list(rows)
+        self.n = len(rows)
+        self._perm_cache = {}
 
     @classmethod
     def from_config(cls, data_cfg, seed: int) -> "PromptSource":
@@ -114,7 +133,7 @@ class PromptSource:
         return out
 
     def batch(self, step: int, size: int) -> Batch:
-        idx = self.indices(step, size)
+        idx = [self._rows_used[i] for i in self.indices(step, size)]
         if hasattr(self.rows, "column_names"):
             raw = self.rows[idx]                       # datasets: a dict of lists
         else:
@@ -130,3 +149,24 @@ def apply_chat_template(tokenizer, prompts: list[str]) -> list[str]:
         raise DataError("data.chat_template: true, but the model's tokenizer has no chat template")
     return [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                           add_generation_prompt=True) for p in prompts]
+
+
+def check_prompt_lengths(source: PromptSource, tokenizer, limit: int, policy: str, *, chat: bool = False,
+                         why: str = "") -> list[int]:
+    """Token lengths of every prompt (as vLLM will tokenize it: the tokenizer's special tokens
+    included, after the chat template when `chat`); prompts longer than `limit` are dropped
+    (policy "drop": `source.keep` the rest) or refused (policy "refuse": DataError naming the first
+    such row). Returns the row indices dropped."""
+    texts = source.prompt_texts()
+    if chat:
+        texts = apply_chat_template(tokenizer, texts)
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=True)["input_ids"]]
+    long = [i for i, n in enumerate(lengths) if n > limit]
+    if long and policy == "refuse":
+        i = long[0]
+        raise DataError(f"data.long_prompts=refuse: row {i} of the dataset ({source.origin}) is a prompt of "
+                        f"{lengths[i]} tokens, more than the {limit} allowed{why}; {len(long)} row(s) are "
+                        f"that long (data.long_prompts=drop skips them)")
+    if long:
+        source.keep([i for i in range(len(lengths)) if lengths[i] <= limit])
+    return long

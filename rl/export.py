@@ -44,7 +44,7 @@ class ExportError(ValueError):
 
 def resolve_checkpoint(run_dir: Path, step: int | None) -> tuple[int, Path]:
     """(step, folder) of the run's checkpoint at `step`, or its latest (checkpoints/latest.json)."""
-    from trainer.checkpoint import is_complete, step_dir
+    from trainer.checkpoint import CheckpointDamaged, is_complete, step_dir, verify
 
     root = run_dir / "checkpoints"
     if step is None:
@@ -63,31 +63,11 @@ def resolve_checkpoint(run_dir: Path, step: int | None) -> tuple[int, Path]:
                 if root.is_dir() else []
             raise ExportError(f"--step: {run_dir} has no checkpoint of step {step} ({path}); complete "
                               f"checkpoints: steps {have or 'none'}")
-    if not is_complete(path):
-        raise ExportError(f"checkpoint {path}: incomplete (no meta.json: a save that did not finish)")
-    check_dcp_files(path)
-    return step, path
-
-
-def check_dcp_files(path: Path) -> None:
-    """Every file the DCP metadata of `path` lists is there and holds the bytes it points at."""
-    import torch.distributed.checkpoint as dcp
-
     try:
-        md = dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # noqa: BLE001 - any unreadable metadata is a damaged checkpoint
-        raise ExportError(f"checkpoint {path}: its DCP metadata ({path / '.metadata'}) is unreadable: "
-                          f"{type(e).__name__}: {e}") from e
-    need: dict[str, int] = {}
-    for info in (md.storage_data or {}).values():
-        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    for name, end in sorted(need.items()):
-        f = path / name
-        if not f.is_file():
-            raise ExportError(f"checkpoint {path}: {f} is missing (listed by its DCP metadata)")
-        if f.stat().st_size < end:
-            raise ExportError(f"checkpoint {path}: {f} is truncated ({f.stat().st_size} bytes, the metadata "
-                              f"points up to byte {end})")
+        verify(path)
+    except CheckpointDamaged as e:
+        raise ExportError(str(e)) from e
+    return step, path
 
 
 def checkpoint_model_metas(path: Path) -> list[tuple[str, list[int], str]]:

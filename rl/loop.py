@@ -22,7 +22,10 @@ Faults: a RolloutWorker that dies (its process is gone: RayActorError) is replac
 a new one that gets the trainer's current weights, and the step's generation is retried, up to
 rollout.max_restarts times per run. A TrainerWorker that dies ends the run (exit 1) with the last
 checkpoint intact; `--resume` continues from it, and metrics.jsonl drops the lines of steps after
-it, which the resumed run writes again. Ctrl-C once: the current step finishes, a checkpoint is
+it, which the resumed run writes again. `--resume` first verifies the latest checkpoint
+(trainer.checkpoint.verify: every file its metadata lists, whole) and falls back to the newest
+intact one with a warning naming both; older checkpoints are deleted (trainer.keep_checkpoints)
+only after a new one verifies. Ctrl-C once: the current step finishes, a checkpoint is
 written, every actor is stopped (exit 130); Ctrl-C twice: actors are stopped at once and the last
 checkpoint stands.
 
@@ -157,6 +160,35 @@ def prepare_run_dir(cfg: Config, resume: bool) -> tuple[Path, int]:
     if not path.is_dir():
         raise RunDirError(f"--resume: {checkpoints_dir(run_dir) / 'latest.json'} points at {path}, which is missing")
     return run_dir, step
+
+
+def resume_checkpoint(run_dir: Path) -> int:
+    """The step to resume from: latest.json's checkpoint when it verifies (trainer.checkpoint.verify),
+    else the newest older one that does, with a warning naming both; latest.json then points at it.
+    Raises RunDirError when no checkpoint of the run verifies."""
+    from trainer.checkpoint import CheckpointDamaged, step_of, verify
+
+    step, path = latest_checkpoint(run_dir)
+    try:
+        verify(path)
+        return step
+    except CheckpointDamaged as e:
+        damage = str(e)
+    older = sorted((p for p in checkpoints_dir(run_dir).glob("step_*")
+                    if p.is_dir() and (step_of(p) or 0) < step), key=step_of, reverse=True)
+    for p in older:
+        try:
+            verify(p)
+        except CheckpointDamaged as e:
+            log.warning("resume: the older checkpoint %s is damaged too (%s)", p, e)
+            continue
+        log.warning("resume: the latest checkpoint is damaged (%s); resuming from %s (step %d) instead",
+                    damage, p, step_of(p))
+        _write_atomic(checkpoints_dir(run_dir) / "latest.json",
+                      json.dumps({"step": step_of(p), "path": p.name}) + "\n")
+        return step_of(p)
+    raise RunDirError(f"--resume: the latest checkpoint is damaged ({damage}) and no older checkpoint of "
+                      f"{run_dir} is intact; start a fresh run without --resume")
 
 
 def remove_run(cfg: Config) -> None:
@@ -296,10 +328,11 @@ class Loop:
         self.model_dir = model_dir
         self.scorer = RewardScorer(load_rewards(cfg.reward))
         self.source = PromptSource.from_config(cfg.data, seed=cfg.run.seed)
-        self.tokenizer = None
-        if cfg.data.chat_template:
-            from transformers import AutoTokenizer
-            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = tokenizer if cfg.data.chat_template else None
+        self._check_prompt_lengths(tokenizer)
         self.plan = plan_bundles(cfg)
         from rl.config import resolve_weight_sync
 
@@ -489,15 +522,34 @@ class Loop:
             raise RuntimeError(f"RolloutWorker.generate returned {counts} samples per prompt, expected n={n} each")
         return samples
 
+    def _check_prompt_lengths(self, tokenizer) -> None:
+        """Every prompt must leave room for rollout.max_tokens in the engine and the trainer; the
+        longer ones are dropped or refused (data.long_prompts) here, before any actor starts."""
+        from rl.data import check_prompt_lengths
+
+        cfg = self.cfg
+        room = min(cfg.rollout.max_model_len, cfg.trainer.max_seq_len)
+        limit = room - cfg.rollout.max_tokens
+        why = (f" (min(rollout.max_model_len={cfg.rollout.max_model_len}, trainer.max_seq_len="
+               f"{cfg.trainer.max_seq_len}) - rollout.max_tokens={cfg.rollout.max_tokens})")
+        dropped = check_prompt_lengths(self.source, tokenizer, limit, cfg.data.long_prompts,
+                                       chat=cfg.data.chat_template, why=why)
+        if dropped:
+            log.warning("data: dropped %d of %d prompts longer than %d tokens%s, e.g. row %d "
+                        "(data.long_prompts=refuse stops the run instead)", len(dropped),
+                        len(dropped) + self.source.n, limit, why, dropped[0])
+
     # -- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self) -> float:
-        from trainer.checkpoint import step_dir
+        from trainer.checkpoint import step_dir, verify
 
         t0 = time.perf_counter()
         root = checkpoints_dir(self.run_dir)
         root.mkdir(parents=True, exist_ok=True)
         name = step_dir(root, self.step).name
         self._trainer_call("save_checkpoint", str(root / name))
+        # Older checkpoints go only once the new one reads back whole (run.keep_checkpoints).
+        verify(root / name)
         _write_atomic(root / "latest.json", json.dumps({"step": self.step, "path": name}) + "\n")
         keep = self.cfg.trainer.keep_checkpoints
         steps = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name != name)
@@ -572,6 +624,7 @@ class Loop:
             m[f"reward/{name}/errors"] = rewards.errors[name]
         m["reward/errors"] = sum(rewards.errors.values())
         m["reward/errors_total"] = sum(self.scorer.errors_total.values())
+        m["data/dropped_prompts"] = self.source.dropped
         m["reward/zero_std_groups_frac"] = sum(max(g) == min(g) for g in groups) / len(groups)
         lens = [len(s["completion_ids"]) for s in samples]
         m["completion/len_mean"] = sum(lens) / len(lens)
@@ -703,11 +756,12 @@ def train(cfg: Config, *, resume: bool = False) -> int:
     run_dir, start_step = prepare_run_dir(cfg, resume)
     _setup_logging(run_dir)
     if resume:
+        start_step = resume_checkpoint(run_dir)
+        if start_step >= cfg.run.steps:  # finished: say so, change nothing (not even config.yaml)
+            log.info("the run already has %d steps (run.steps=%d); nothing to do", start_step, cfg.run.steps)
+            return EXIT_OK
         _log_config_changes(run_dir, cfg)
     _write_atomic(run_dir / "config.yaml", to_yaml(cfg))
-    if start_step >= cfg.run.steps:
-        log.info("the run already has %d steps (run.steps=%d); nothing to do", start_step, cfg.run.steps)
-        return EXIT_OK
     model_dir = resolve_model(cfg, run_dir)
     loop = Loop(cfg, run_dir, start_step, model_dir)
 

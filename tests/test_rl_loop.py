@@ -214,3 +214,57 @@ def test_start_ray_joins_or_starts(monkeypatch, cfg_address, env_address, joins)
     assert seen["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "1"
     if joins is None:
         assert seen["num_cpus"] >= 2  # the tiny plan needs 2 CPUs (trainer + colocated rollout)
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    """A run folder with the trainer's checkpoints of steps 1 and 2 (latest.json -> step 2)."""
+    from rl.make_model import make_model
+    from trainer.testing import free_port, make_batch
+    from trainer.worker import TrainerWorker
+
+    root = tmp_path_factory.mktemp("resume")
+    model = make_model(root / "model", seed=4)
+    w = TrainerWorker(0, 1, "127.0.0.1", free_port(), str(model), "megamoe", {"dtype": "float32", "device": "cpu"})
+    try:
+        for step in (1, 2):
+            w.train_step(make_batch(8, seed=step))
+            w.save_checkpoint(str(root / "run" / "checkpoints" / f"step_{step:06d}"))
+    finally:
+        w.close()
+    return root / "run"
+
+
+def _damage(ckpt: Path, how: str) -> None:
+    if how == "truncated":
+        f = next(ckpt.glob("*.distcp"))
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    elif how == "no_metadata":
+        (ckpt / ".metadata").unlink()
+    elif how == "no_distcp":
+        next(ckpt.glob("*.distcp")).unlink()
+
+
+@pytest.mark.parametrize("how, what", [("truncated", "is truncated"), ("no_metadata", "unreadable"),
+                                       ("no_distcp", "is missing")])
+def test_resume_falls_back_to_the_newest_intact_checkpoint(two_checkpoints, tmp_path, caplog, how, what):
+    import logging
+    import shutil
+
+    from rl.loop import resume_checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(two_checkpoints, run)
+    pointer = run / "checkpoints" / "latest.json"
+    pointer.write_text(json.dumps({"step": 2, "path": "step_000002"}))
+    assert resume_checkpoint(run) == 2  # intact: the latest
+    _damage(run / "checkpoints" / "step_000002", how)
+    caplog.set_level(logging.WARNING, logger="megamoe")
+    assert resume_checkpoint(run) == 1
+    assert json.loads(pointer.read_text()) == {"step": 1, "path": "step_000001"}
+    msg = " ".join(r.getMessage() for r in caplog.records)
+    assert what in msg and "step_000002" in msg and "step_000001" in msg
+    _damage(run / "checkpoints" / "step_000001", how)
+    pointer.write_text(json.dumps({"step": 2, "path": "step_000002"}))
+    with pytest.raises(RunDirError, match="no older checkpoint .* is intact"):
+        resume_checkpoint(run)

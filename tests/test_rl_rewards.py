@@ -9,6 +9,7 @@ import logging
 import math
 import random
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -342,3 +343,50 @@ def test_a_batch_reward_trl_could_not_call_is_refused_at_load(trl_module, fn, fr
     with pytest.raises(R.RewardLoadError, match=fragment) as e:
         R.load_rewards(C.RewardConfig(functions=[_spec(f"{trl_module}:{fn}")]))
     assert "reward.functions.0" in str(e.value)
+
+
+# ---- over-long prompts (data.long_prompts) ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from rl.make_model import make_model
+
+    return AutoTokenizer.from_pretrained(make_model(tmp_path_factory.mktemp("tok") / "m", seed=0))
+
+
+def _long_rows():
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(8)]
+    rows[5]["prompt"] = "a much longer prompt " * 20
+    return rows
+
+
+def test_long_prompts_are_dropped_and_batches_stay_seeded(tiny_tokenizer):
+    from rl.data import check_prompt_lengths
+
+    src = PromptSource(_long_rows(), {"prompt": "prompt", "answer": "answer"}, seed=3)
+    limit = 40
+    assert len(tiny_tokenizer(src.prompt_texts()[5])["input_ids"]) > limit  # the case is real
+    assert check_prompt_lengths(src, tiny_tokenizer, limit, "drop") == [5]
+    assert src.dropped == 1 and src.n == 7
+    seen = [a for step in range(7) for a in src.batch(step, 1).columns["answer"]]
+    assert sorted(seen) == ["0", "1", "2", "3", "4", "6", "7"]  # one epoch: every kept row once, never row 5
+    again = PromptSource(_long_rows(), {"prompt": "prompt", "answer": "answer"}, seed=3)
+    check_prompt_lengths(again, tiny_tokenizer, limit, "drop")
+    assert [again.batch(s, 3).prompts for s in range(4)] == [src.batch(s, 3).prompts for s in range(4)]
+
+
+def test_long_prompts_refused_naming_the_row(tiny_tokenizer):
+    from rl.data import check_prompt_lengths
+
+    src = PromptSource(_long_rows(), {"prompt": "prompt", "answer": "answer"})
+    with pytest.raises(DataError, match=r"data.long_prompts=refuse: row 5 .* tokens, more than the 40 allowed"):
+        check_prompt_lengths(src, tiny_tokenizer, 40, "refuse")
+    with pytest.raises(DataError, match="no prompt of the dataset"):
+        check_prompt_lengths(src, tiny_tokenizer, 1, "drop")
+
+
+def test_long_prompts_policy_is_a_checked_setting():
+    with pytest.raises(C.ConfigError, match="data.long_prompts"):
+        C.load(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml", ["data.long_prompts=truncate"])

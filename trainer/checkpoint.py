@@ -119,6 +119,42 @@ def save(path: str | Path, model, optimizer, trainer_state: dict, rank_state: di
     return path
 
 
+class CheckpointDamaged(ValueError):
+    """A checkpoint folder whose files do not hold what its metadata says (the message names the file)."""
+
+
+def verify(path: str | Path) -> Path:
+    """Check that a checkpoint is complete and undamaged without loading it: meta.json, trainer.pt,
+    readable DCP metadata, and every file that metadata lists present and as long as it says.
+    Raises CheckpointDamaged naming the first bad file."""
+    path = Path(path)
+    if not is_complete(path):
+        raise CheckpointDamaged(f"checkpoint {path}: incomplete (no {META}: a save that did not finish)")
+    if not (path / "trainer.pt").is_file():
+        raise CheckpointDamaged(f"checkpoint {path}: {path / 'trainer.pt'} is missing")
+    try:
+        md = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - unreadable metadata of any kind is damage
+        raise CheckpointDamaged(f"checkpoint {path}: its DCP metadata ({path / '.metadata'}) is unreadable: "
+                                f"{type(e).__name__}: {e}") from e
+    need: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(need.items()):
+        f = path / name
+        if not f.is_file():
+            raise CheckpointDamaged(f"checkpoint {path}: {f} is missing (listed by its DCP metadata)")
+        if f.stat().st_size < end:
+            raise CheckpointDamaged(f"checkpoint {path}: {f} is truncated ({f.stat().st_size} bytes, the "
+                                    f"metadata points up to byte {end})")
+    return path
+
+
+def step_of(path: Path) -> int | None:
+    m = _STEP_DIR.match(Path(path).name)
+    return int(m[1]) if m else None
+
+
 def check_model_keys(path: Path, model_state: dict) -> None:
     """Compare the checkpoint's model tensors (names, global shapes) with the model's."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
