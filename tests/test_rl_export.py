@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from rl import config as C
 from rl.export import ExportError, export_policy
+from trainer.testing import damage_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 # fp32, the exported folder in transformers (eager experts) and in vLLM CPU (megamoe) against the
@@ -132,17 +133,6 @@ def test_export_in_bf16_and_in_shards(exported, tmp_path):
         (out / "config.json").read_text()).get("torch_dtype")) == "bfloat16"
 
 
-def _damage(run: Path, how: str) -> None:
-    ckpt = run / "checkpoints" / "step_000002"
-    if how == "truncated":
-        f = next(ckpt.glob("*.distcp"))
-        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-    elif how == "no_metadata":
-        (ckpt / ".metadata").unlink()
-    elif how == "unfinished":
-        (ckpt / "meta.json").unlink()
-
-
 @pytest.mark.parametrize("how, match", [
     ("truncated", "is truncated"),
     ("no_metadata", "unreadable"),
@@ -153,7 +143,7 @@ def test_a_damaged_checkpoint_is_refused_naming_it(exported, tmp_path, how, matc
 
     run = tmp_path / "run"
     shutil.copytree(exported["run"], run)
-    _damage(run, how)
+    damage_checkpoint(run / "checkpoints" / "step_000002", how)
     with pytest.raises(ExportError, match=match):
         export_policy(run, tmp_path / "out")
     assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir()] == ["run"]

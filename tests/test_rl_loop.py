@@ -235,16 +235,6 @@ def two_checkpoints(tmp_path_factory):
     return root / "run"
 
 
-def _damage(ckpt: Path, how: str) -> None:
-    if how == "truncated":
-        f = next(ckpt.glob("*.distcp"))
-        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-    elif how == "no_metadata":
-        (ckpt / ".metadata").unlink()
-    elif how == "no_distcp":
-        next(ckpt.glob("*.distcp")).unlink()
-
-
 @pytest.mark.parametrize("how, what", [("truncated", "is truncated"), ("no_metadata", "unreadable"),
                                        ("no_distcp", "is missing")])
 def test_resume_falls_back_to_the_newest_intact_checkpoint(two_checkpoints, tmp_path, caplog, how, what):
@@ -252,19 +242,20 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(two_checkpoints, tmp_
     import shutil
 
     from rl.loop import resume_checkpoint
+    from trainer.testing import damage_checkpoint
 
     run = tmp_path / "run"
     shutil.copytree(two_checkpoints, run)
     pointer = run / "checkpoints" / "latest.json"
     pointer.write_text(json.dumps({"step": 2, "path": "step_000002"}))
     assert resume_checkpoint(run) == 2  # intact: the latest
-    _damage(run / "checkpoints" / "step_000002", how)
+    damage_checkpoint(run / "checkpoints" / "step_000002", how)
     caplog.set_level(logging.WARNING, logger="megamoe")
     assert resume_checkpoint(run) == 1
     assert json.loads(pointer.read_text()) == {"step": 1, "path": "step_000001"}
     msg = " ".join(r.getMessage() for r in caplog.records)
     assert what in msg and "step_000002" in msg and "step_000001" in msg
-    _damage(run / "checkpoints" / "step_000001", how)
+    damage_checkpoint(run / "checkpoints" / "step_000001", how)
     pointer.write_text(json.dumps({"step": 2, "path": "step_000002"}))
     with pytest.raises(RunDirError, match="no older checkpoint .* is intact"):
         resume_checkpoint(run)

@@ -59,3 +59,23 @@ def assert_same_weights(a, b) -> None:
         if not torch.equal(a[k], b[k]):
             diff = float((a[k].double() - b[k].double()).abs().max())
             raise AssertionError(f"{k}: not bitwise equal (max abs diff {diff:.3e})")
+
+
+def damage_checkpoint(ckpt, how: str) -> None:
+    """Damage a checkpoint folder the ways a disk or a killed save does (tests of verify / resume /
+    export): "truncated" halves a .distcp file, "no_metadata" / "no_distcp" delete one, "unfinished"
+    deletes meta.json (the completion marker)."""
+    from pathlib import Path
+
+    ckpt = Path(ckpt)
+    if how == "truncated":
+        f = next(ckpt.glob("*.distcp"))
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    elif how == "no_metadata":
+        (ckpt / ".metadata").unlink()
+    elif how == "no_distcp":
+        next(ckpt.glob("*.distcp")).unlink()
+    elif how == "unfinished":
+        (ckpt / "meta.json").unlink()
+    else:
+        raise ValueError(f"how: expected truncated, no_metadata, no_distcp or unfinished, got {how!r}")
