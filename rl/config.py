@@ -251,7 +251,7 @@ class RunConfig:
     seed: int = field(0, "seed of data order, sampling and initialisation")
     prompts_per_step: int = field(8, "prompts per step; each gets rollout.n samples")
     progress: bool = field(True, "show a live progress bar with the key metrics")
-    tensorboard: bool = field(True, "also write TensorBoard events when `torch.utils.tensorboard` imports")
+    tensorboard: bool = field(True, "also write TensorBoard events to <out_dir>/tensorboard")
     plot: bool = field(True, "write plot.png (reward and mismatch over steps) at the end")
     export_final: bool = field(True, "at the end, write the last step's policy to <out_dir>/final as a "
                                      "Hugging Face checkpoint (what `megamoe-rl export` writes)")

@@ -327,6 +327,10 @@ class Loop:
         self.step = start_step
         self.model_dir = model_dir
         self.scorer = RewardScorer(load_rewards(cfg.reward))
+        if cfg.run.tensorboard:
+            from rl.metrics import check_tensorboard
+
+            check_tensorboard()  # before anything starts
         self.source = PromptSource.from_config(cfg.data, seed=cfg.run.seed)
         from transformers import AutoTokenizer
 

@@ -144,21 +144,33 @@ def _json_value(v):
     return v
 
 
+def check_tensorboard() -> None:
+    """run.tensorboard needs the tensorboard package (a dependency of the project); raises
+    ConfigError naming the key when it does not import."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is None:
+        from rl.config import ConfigError
+
+        raise ConfigError("run.tensorboard: true, but the tensorboard package is not installed (pip install "
+                          "tensorboard, a dependency of megamoe-rl); or set run.tensorboard=false")
+
+
 class MetricsLogger:
-    """Appends one JSON line per step to <run_dir>/metrics.jsonl; mirrors to TensorBoard when it imports."""
+    """Appends one JSON line per step to <run_dir>/metrics.jsonl; mirrors to TensorBoard (<run_dir>/tensorboard)
+    when `tensorboard`."""
 
     def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool = True):
+        if tensorboard:
+            check_tensorboard()
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(self.path, "a", buffering=1)
         self._tb = None
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                log.info("TensorBoard is not installed (%s); metrics go to %s only", e, self.path)
-            else:
-                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: _json_value(v) for k, v in metrics.items()}}

@@ -72,5 +72,5 @@ def run_train(args: argparse.Namespace) -> int:
                 args.parser.error("--overwrite and --resume: choose one")
             remove_run(cfg)
         return train(cfg, resume=args.resume)
-    except (RunDirError, DataError) as e:
+    except (RunDirError, DataError, C.ConfigError) as e:
         args.parser.error(str(e))

@@ -184,6 +184,8 @@ def test_e2e_run_folder_holds_config_plot_and_checkpoint(e2e):
     assert json.loads((run_dir / "checkpoints" / "latest.json").read_text()) == {"step": 4, "path": "step_000004"}
     assert (run_dir / "checkpoints" / "step_000004" / "meta.json").is_file()
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_000002", "step_000004"]
+    # run.tensorboard (default): the same metrics as TensorBoard events
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*")), explain(proc)
     # run.export_final: the last step's policy as a Hugging Face folder (tests/test_rl_export.py checks one)
     assert json.loads((run_dir / "final" / "megamoe_export.json").read_text())["step"] == 4
     assert (run_dir / "final" / "model.safetensors").is_file() and (run_dir / "final" / "config.json").is_file()

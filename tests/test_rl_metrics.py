@@ -74,30 +74,27 @@ def test_plot_refuses_an_empty_run(tmp_path):
         plot_run(tmp_path)
 
 
-def test_tensorboard_mirror_when_importable(tmp_path, monkeypatch):
-    """TensorBoard is optional (not in the pinned stack); when `torch.utils.tensorboard` imports,
-    every numeric metric is mirrored to it and strings are left out."""
-    import sys
-    import types
+def test_tensorboard_mirror_writes_every_numeric_metric(tmp_path):
+    """run.tensorboard: every numeric metric lands in <run>/tensorboard as a scalar (read back with
+    TensorBoard's own reader); strings and booleans are left out."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    calls = []
-
-    class FakeWriter:
-        def __init__(self, log_dir):
-            calls.append(("init", log_dir))
-
-        def add_scalar(self, key, value, step):
-            calls.append((key, value, step))
-
-        def flush(self):
-            pass
-
-        def close(self):
-            calls.append(("close",))
-
-    fake = types.ModuleType("torch.utils.tensorboard")
-    fake.SummaryWriter = FakeWriter
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
     with MetricsLogger(tmp_path, tensorboard=True) as sink:
         sink.log(3, {"reward/mean": 0.5, "sample/completion": "7", "flag": True})
-    assert calls == [("init", str(tmp_path / "tensorboard")), ("reward/mean", 0.5, 3), ("close",)]
+        sink.log(4, {"reward/mean": 0.75})
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert acc.Tags()["scalars"] == ["reward/mean"]
+    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(3, 0.5), (4, 0.75)]
+
+
+def test_tensorboard_missing_is_refused_naming_the_key(tmp_path, monkeypatch):
+    import importlib.util
+
+    from rl.config import ConfigError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(ConfigError, match="run.tensorboard: true, but the tensorboard package is not installed"):
+        MetricsLogger(tmp_path, tensorboard=True)
+    assert not (tmp_path / "metrics.jsonl").exists()  # refused before anything is written
