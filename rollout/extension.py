@@ -124,6 +124,9 @@ class MegaMoEWorkerExtension:
         import pickle
 
         self.update_weights(pickle.loads(blob))
+        # vLLM's consumer copies the chunk out of the trainer's buffer on this process's stream; the
+        # trainer overwrites the buffer with the next chunk as soon as this call returns.
+        torch.cuda.current_stream().synchronize()
 
     def megamoe_param_digests(self) -> dict[str, str]:
         """{parameter name: SHA-1 of its bytes} of the whole model as the engine holds it (tests:
