@@ -44,23 +44,22 @@ class ExportError(ValueError):
 
 def resolve_checkpoint(run_dir: Path, step: int | None) -> tuple[int, Path]:
     """(step, folder) of the run's checkpoint at `step`, or its latest (checkpoints/latest.json)."""
-    from trainer.checkpoint import CheckpointDamaged, is_complete, step_dir, verify
+    from rl.loop import checkpoints_dir, latest_checkpoint
+    from trainer.checkpoint import CheckpointDamaged, is_complete, step_dir, step_of, verify
 
-    root = run_dir / "checkpoints"
+    root = checkpoints_dir(run_dir)
     if step is None:
-        pointer = root / "latest.json"
-        if not pointer.is_file():
-            raise ExportError(f"--run: {run_dir} has no checkpoint ({pointer} is missing); the run must have "
-                              "checkpointed a step (trainer.checkpoint_every, and at the end)")
-        info = json.loads(pointer.read_text())
-        step, path = int(info["step"]), root / info["path"]
+        latest = latest_checkpoint(run_dir)
+        if latest is None:
+            raise ExportError(f"--run: {run_dir} has no checkpoint ({root / 'latest.json'} is missing); the run "
+                              "must have checkpointed a step (trainer.checkpoint_every, and at the end)")
+        step, path = latest
     else:
         if isinstance(step, bool) or not isinstance(step, int) or step < 1:
             raise ExportError(f"--step: expected a step number >= 1, got {step!r}")
         path = step_dir(root, step)
         if not path.is_dir():
-            have = sorted(int(p.name.split("_")[1]) for p in root.glob("step_*") if is_complete(p)) \
-                if root.is_dir() else []
+            have = sorted(step_of(p) for p in root.glob("step_*") if is_complete(p)) if root.is_dir() else []
             raise ExportError(f"--step: {run_dir} has no checkpoint of step {step} ({path}); complete "
                               f"checkpoints: steps {have or 'none'}")
     try:
@@ -83,13 +82,13 @@ def checkpoint_model_metas(path: Path) -> list[tuple[str, list[int], str]]:
 def base_model_dir(run_dir: Path) -> Path:
     """The run's base checkpoint: model.path of its config.yaml, else the model it made (run/model)."""
     from rl import config as C
+    from rl.loop import base_model_dir as run_base_model
 
     cfg_path = run_dir / "config.yaml"
     if not cfg_path.is_file():
         raise ExportError(f"--run: expected a run folder with config.yaml (written by megamoe-rl train), "
                           f"got {str(run_dir)!r}")
-    cfg = C.load(cfg_path)
-    path = Path(cfg.model.path).absolute() if cfg.model.path is not None else run_dir / "model"
+    path = run_base_model(C.load(cfg_path), run_dir)
     if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
         raise ExportError(f"the run's base model {path} (model.path, or the run's model/) is not a "
                           "Hugging Face folder with config.json and *.safetensors")
@@ -132,6 +131,7 @@ def export_policy(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: i
 
     from rl.make_model import MARKER_FILE  # make-model's mark: the export is not its output
     from rollout import weights
+    from trainer.checkpoint import fsync_tree
 
     run_dir, out = Path(run_dir).absolute(), Path(out).absolute()
     if dtype is not None and dtype not in DTYPES:
@@ -193,9 +193,7 @@ def export_policy(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: i
             "config_sha256": hashlib.sha256((run_dir / "config.yaml").read_bytes()).hexdigest(),
             "base_model": str(base), "dtype": dtype, "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }, indent=2) + "\n")
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+        fsync_tree(tmp)
         if out.exists():
             out.rmdir()  # empty (checked above)
         tmp.rename(out)

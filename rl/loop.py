@@ -724,13 +724,17 @@ class Loop:
                     pass
 
 
+def base_model_dir(cfg: Config, run_dir: Path) -> Path:
+    """Where a run's base model lives: model.path, else the run's model/ (made by model.make)."""
+    return Path(cfg.model.path).absolute() if cfg.model.path is not None else run_dir / "model"
+
+
 def resolve_model(cfg: Config, run_dir: Path) -> Path:
+    path = base_model_dir(cfg, run_dir)
     if cfg.model.path is not None:
-        path = Path(cfg.model.path).absolute()
         if not (path / "config.json").is_file():
             raise ValueError(f"model.path: expected a HF checkpoint folder with config.json, got {str(path)!r}")
         return path
-    path = run_dir / "model"
     if not (path / "config.json").is_file():
         from rl.make_model import make_model
         make_model(path, **dataclasses.asdict(cfg.model.make))

@@ -155,15 +155,16 @@ def _check_tensor(name: str, t: object, check_values: bool = True) -> torch.Tens
     return t.detach()
 
 
+def _disk_candidates(spec: CheckpointSpec, name: str) -> list[str]:
+    """`name`, and its on-disk spelling for this architecture (Mixtral's `.block_sparse_moe.`)."""
+    return [name] + [name.replace(src, dst) for src, dst in _RENAMES.get(spec.architecture, ()) if src in name]
+
+
 def _translate(spec: CheckpointSpec, name: str, t: torch.Tensor,
                kernel_experts: bool = False) -> list[tuple[str, torch.Tensor]]:
     """On-disk (name, tensor) pairs that `name` provides; raises naming the tensor if none.
     kernel_experts: a fused expert tensor stays whole, under its kernel-format name."""
-    candidates = [name]
-    for src, dst in _RENAMES.get(spec.architecture, ()):
-        if src in name:
-            candidates.append(name.replace(src, dst))
-    for cand in candidates:
+    for cand in _disk_candidates(spec, name):
         if cand in spec.shapes:
             want = spec.shapes[cand]
             if tuple(t.shape) != want:
@@ -287,7 +288,7 @@ def to_checkpoint_names(spec: CheckpointSpec, named_tensors: Iterable[tuple[str,
 
 def is_fused_experts(spec: CheckpointSpec, name: str) -> bool:
     """Whether trainer tensor `name` is a layer's fused routed experts (gate_up_proj / down_proj)."""
-    for cand in [name] + [name.replace(a, b) for a, b in _RENAMES.get(spec.architecture, ()) if a in name]:
+    for cand in _disk_candidates(spec, name):
         m = _FUSED.match(cand)
         if m and m["prefix"] in spec.expert_groups:
             return True

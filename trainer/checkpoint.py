@@ -58,7 +58,8 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_tree(path: Path) -> None:
+def fsync_tree(path: Path) -> None:
+    """fsync every file of a folder, then the folder."""
     for p in path.iterdir():
         if p.is_file():
             with open(p, "rb") as f:
@@ -105,7 +106,7 @@ def save(path: str | Path, model, optimizer, trainer_state: dict, rank_state: di
                 "world_size": dist.get_world_size() if _dist() else 1,
                 **{k: v for k, v in trainer_state.items() if isinstance(v, (int, float, str, bool))}}
         (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         old = path.with_name(f".{path.name}.old")
         if old.exists():
             shutil.rmtree(old)
