@@ -52,13 +52,33 @@ def _make_run(root: Path, arch: str) -> dict:
             "trainer_logprobs": trainer.logprobs(probe), "trainer_weights": dict(trainer.export_weights())}
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
-def exported(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(f"export_{request.param}")
-    r = _make_run(root, request.param)
-    r["out"] = export_policy(r["run"], root / "policy")
-    yield r
-    r["trainer"].close()
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One exported run per architecture, made when first asked for, shared by the module."""
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            root = tmp_path_factory.mktemp(f"export_{arch}")
+            made[arch] = _make_run(root, arch)
+            made[arch]["out"] = export_policy(made[arch]["run"], root / "policy")
+        return made[arch]
+
+    yield get
+    for r in made.values():
+        r["trainer"].close()
+
+
+@pytest.fixture(params=["qwen3_moe", "mixtral"])
+def exported(request, runs):
+    """Both architectures: what the export must hold and how it must load."""
+    return runs(request.param)
+
+
+@pytest.fixture
+def exported_one(runs):
+    """One architecture: the export's options and refusals, which do not depend on it."""
+    return runs("qwen3_moe")
 
 
 def test_export_holds_the_trainers_weights_in_the_base_layout(exported):
@@ -118,15 +138,15 @@ def test_export_serves_in_vllm(exported):
     assert err <= FP32_LOGPROB_TOL and len(samples[0]["completion_ids"]) == 4
 
 
-def test_export_in_bf16_and_in_shards(exported, tmp_path):
-    out = export_policy(exported["run"], tmp_path / "bf16", dtype="bfloat16", shard_bytes=1 << 16)
+def test_export_in_bf16_and_in_shards(exported_one, tmp_path):
+    out = export_policy(exported_one["run"], tmp_path / "bf16", dtype="bfloat16", shard_bytes=1 << 16)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(p.name for p in out.glob("model-*.safetensors"))
     assert len(shards) > 1 and sorted(set(index["weight_map"].values())) == shards
     tensors = {}
     for s in shards:
         tensors.update(load_file(str(out / s)))
-    full = load_file(str(exported["out"] / "model.safetensors"))
+    full = load_file(str(exported_one["out"] / "model.safetensors"))
     assert tensors.keys() == full.keys() and all(tensors[n].dtype == torch.bfloat16 for n in tensors)
     assert all(torch.equal(tensors[n], full[n].to(torch.bfloat16)) for n in full)
     assert json.loads((out / "config.json").read_text()).get("dtype", json.loads(
@@ -138,25 +158,25 @@ def test_export_in_bf16_and_in_shards(exported, tmp_path):
     ("no_metadata", "unreadable"),
     ("unfinished", "incomplete"),
 ])
-def test_a_damaged_checkpoint_is_refused_naming_it(exported, tmp_path, how, match):
+def test_a_damaged_checkpoint_is_refused_naming_it(exported_one, tmp_path, how, match):
     import shutil
 
     run = tmp_path / "run"
-    shutil.copytree(exported["run"], run)
+    shutil.copytree(exported_one["run"], run)
     damage_checkpoint(run / "checkpoints" / "step_000002", how)
     with pytest.raises(ExportError, match=match):
         export_policy(run, tmp_path / "out")
     assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir()] == ["run"]
 
 
-def test_bad_arguments_are_refused_before_any_work(exported, tmp_path):
+def test_bad_arguments_are_refused_before_any_work(exported_one, tmp_path):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     cases = [
         (dict(run=tmp_path, out=tmp_path / "o"), "config.yaml"),
-        (dict(run=exported["run"], out=tmp_path / "full"), "not an empty folder"),
-        (dict(run=exported["run"], out=tmp_path / "o", step=7), r"no checkpoint of step 7.*steps \[2\]"),
-        (dict(run=exported["run"], out=tmp_path / "o", dtype="int8"), "--dtype"),
+        (dict(run=exported_one["run"], out=tmp_path / "full"), "not an empty folder"),
+        (dict(run=exported_one["run"], out=tmp_path / "o", step=7), r"no checkpoint of step 7.*steps \[2\]"),
+        (dict(run=exported_one["run"], out=tmp_path / "o", dtype="int8"), "--dtype"),
     ]
     for kwargs, match in cases:
         with pytest.raises(ExportError, match=match):
@@ -164,8 +184,8 @@ def test_bad_arguments_are_refused_before_any_work(exported, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full"]
 
 
-def test_cli_exports_and_refuses_with_status_2(exported, tmp_path):
-    cli = [sys.executable, "-m", "rl.cli", "export", "--run", str(exported["run"])]
+def test_cli_exports_and_refuses_with_status_2(exported_one, tmp_path):
+    cli = [sys.executable, "-m", "rl.cli", "export", "--run", str(exported_one["run"])]
     ok = subprocess.run(cli + ["--step", "2", "--out", str(tmp_path / "p")], capture_output=True, text=True,
                         cwd=ROOT, timeout=300)
     assert ok.returncode == 0, ok.stderr
