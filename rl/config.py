@@ -91,7 +91,7 @@ class RolloutConfig:
                                 "1 = KV cache freed, weights moved to host memory; 2 = both freed (the sync "
                                 "after the step delivers every weight again)")
     worker: str = field("rollout.worker:RolloutWorker", "the rollout actor's class (module:Class); another class with "
-                                                        "RolloutWorker's interface (docs/HELPERS.md) may replace it")
+                                                        "RolloutWorker's interface (docs/CONTRIBUTING.md) may replace it")
     engine_kwargs: dict[str, Any] = field(doc="extra keyword arguments for RolloutWorker (passed through unchanged)",
                                           factory=dict)
 

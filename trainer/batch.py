@@ -1,6 +1,6 @@
 """Batches: validation (with optional truncation), sharding across ranks, micro-batch tensors.
 
-A batch is a dict of lists, one entry per sequence (HELPERS.md):
+A batch is a dict of lists, one entry per sequence (docs/CONTRIBUTING.md):
     prompt_ids        list[list[int]]
     completion_ids    list[list[int]]    non-empty
     sampler_logprobs  list[list[float]]  one per completion token (train_step only)

@@ -10,7 +10,7 @@
 # and TMA-weight GPU tests) | gpu_tests (both of those and the trainer's, as 8 concurrent pytest processes) | bench (bench_moe.py; carry .whl with the
 # Liger wheel; BENCH_ARGS overrides its shapes/tokens) | tune (tune_moe.py: stage split, tile
 # variants) | profile (one training step under torch.profiler: kernels and gaps) | host (host_path.py: host time per layer, one-call latency vs a CUDA graph) | probe (the Gluon
-# GEMM1 prototype's check and timing, the backward's per-item timeline, the E=256 GPU tests) | ep (multigpu EP tests + bench_ep.py; needs 2 GPUs). docs/GPU_MACHINE.md: costs.
+# GEMM1 prototype's check and timing, the backward's per-item timeline, the E=256 GPU tests) | ep (multigpu EP tests + bench_ep.py; needs 2 GPUs). docs/CONTRIBUTING.md: costs.
 set -u
 cd "$(dirname "$0")/../.."
 RUNS=runs/h200; LOG="${OUT:-$RUNS}"; mkdir -p "$RUNS" "$LOG"
@@ -50,7 +50,7 @@ for stage in "$@"; do
     rl_reference) timeout 330 $PY -m rl.cli train --config configs/h200_rl.yaml "${RL_ARGS[@]}" rollout.moe_impl=reference \
         trainer.moe_impl=reference run.out_dir="$RUNS/rl-reference" run.progress=false --overwrite; rc=$?
       cp "$RUNS/rl-reference/metrics.jsonl" "$LOG/rl-reference-metrics.jsonl" ;;
-    # the op's GPU tests outlast one call together: two stages, one per call (docs/GPU_MACHINE.md)
+    # the op's GPU tests outlast one call together: two stages, one per call (docs/CONTRIBUTING.md)
     kernel_tests) timeout 540 $PY -m pytest -p no:cacheprovider -q -rA -m gpu tests/test_fused.py tests/test_trainer_gpu.py \
         -k "bf16 or opcheck or graph or repeated or nan or dw_tma or trainer" > "$LOG/kernel_tests.log" 2>&1; rc=$?
       grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$LOG/kernel_tests.log" ;;
