@@ -11,7 +11,7 @@ Extension points used (no vLLM file is edited, nothing of vLLM is monkey-patched
   precomputed routing (`topk_weights`, `topk_ids`) and the layer's `w13_weight [E,2I,H]`,
   `w2_weight [E,H,I]`.
 - `PluggableLayer.register_oot(name="GateLinear")` (moe_impl megamoe / reference only): the MoE
-  gate of Qwen3-MoE and Mixtral is built as `MegaMoEGate`, which keeps its weight unpacked and
+  gate of Qwen3-MoE, Mixtral and OLMoE is built as `MegaMoEGate`, which keeps its weight unpacked and
   computes the router logits with `megamoe.router.router_logits` (fp32, batch invariant): the
   function the trainer's Fp32Router calls. `MegaMoEMethod` then routes itself from those logits
   with `megamoe.route` (vLLM's monolithic-method path), so sampler and trainer choose the same
@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-from collections.abc import Iterable
 
 import torch
 import vllm
@@ -56,29 +55,16 @@ from rollout import moe_method, plugin
 VLLM_VERSION = vllm.__version__
 logger = logging.getLogger(__name__)
 
-# Architectures whose MoE blocks are SwiGLU experts routed by vLLM's router, with gate rows first
-# in w13 (vLLM's layout for all of them). Shared experts (DeepSeek) run in vLLM's MoE runner.
-SUPPORTED_ARCHITECTURES = (
-    "Qwen3MoeForCausalLM",
-    "MixtralForCausalLM",
-    "OlmoeForCausalLM",
-    "DeepseekV2ForCausalLM",
-    "DeepseekV3ForCausalLM",
-)
+# The architectures the hook serves and the refusal of checkpoints it cannot serve live in
+# rollout.plugin (no vLLM import there); re-exported here, where vLLM-side code looks for them.
+SUPPORTED_ARCHITECTURES = plugin.SUPPORTED_ARCHITECTURES
+check_architectures = plugin.check_architectures
+check_model_config = plugin.check_model_config
 
 _OOT_NAME = "UnquantizedFusedMoEMethod"
 _GATE_OOT_NAME = "GateLinear"
 # Models whose gate vLLM 0.26 builds as a plain ReplicatedLinear; re-registered from rollout/models.py.
 PLAIN_GATE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM")
-
-
-def check_architectures(architectures: Iterable[str] | None, where: str) -> str:
-    archs = list(architectures or [])
-    supported = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
-    if not supported:
-        raise ValueError(f"{where}: architecture {archs} is not supported by the megamoe rollout hook; "
-                         f"supported: {SUPPORTED_ARCHITECTURES}")
-    return supported[0]
 
 
 def trainer_routing() -> bool:
@@ -116,8 +102,8 @@ class MegaMoEMethod(UnquantizedFusedMoEMethod):
                                "set it in every vLLM process (rollout.worker.RolloutWorker does)")
         from vllm.config import get_current_vllm_config
 
-        check_architectures(get_current_vllm_config().model_config.architectures,
-                            where="vLLM model (megamoe plugin)")
+        # While vLLM builds the model: before any weight is loaded.
+        check_model_config(get_current_vllm_config().model_config.hf_config, where="vLLM model (megamoe plugin)")
         self.megamoe_impl = impl
         if impl == "stock":
             super().__init__(moe)
@@ -167,7 +153,8 @@ class MegaMoEMethod(UnquantizedFusedMoEMethod):
 
     @staticmethod
     def _plain_softmax_topk(layer) -> bool:
-        """The routing megamoe.route reproduces (Qwen3-MoE, Mixtral): softmax, top-k, optional renormalisation."""
+        """The routing megamoe.route reproduces (Qwen3-MoE, Mixtral, OLMoE): softmax, top-k, and
+        renormalisation as the layer's `renormalize` says (vLLM builds OLMoE's with False)."""
         return (getattr(layer, "scoring_func", "softmax") == "softmax"
                 and not getattr(layer, "use_grouped_topk", False)
                 and getattr(layer, "custom_routing_function", None) is None
