@@ -1,6 +1,6 @@
 """megamoe inside transformers MoE models: an experts implementation and an fp32 router.
 
-Experts. transformers 5 decorates its MoE expert modules (Qwen3MoeExperts, MixtralExperts, ...) with
+Experts. transformers 5 decorates its MoE expert modules (Qwen3MoeExperts, MixtralExperts, OlmoeExperts) with
 `use_experts_implementation`; their forward looks up `config._experts_implementation` in the
 registry `transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS` and calls
 `fn(experts_module, hidden_states[T,H], top_k_index[T,k], top_k_weights[T,k])`. We register
@@ -119,14 +119,22 @@ class Fp32Router(nn.Module):
         return f"experts={self.num_experts}, top_k={self.top_k}, renormalize={self.renormalize}, fp32 logits"
 
 
+# transformers' softmax top-k routers whose semantics Fp32Router reproduces, and whether each one
+# renormalises its top-k weights to sum 1 (Mixtral always; Qwen3-MoE and OLMoE as norm_topk_prob says,
+# which OLMoE-1B-7B leaves False).
+ROUTER_RENORMALIZE = {
+    "MixtralTopKRouter": lambda gate: True,
+    "Qwen3MoeTopKRouter": lambda gate: bool(gate.norm_topk_prob),
+    "OlmoeTopKRouter": lambda gate: bool(gate.norm_topk_prob),
+}
+
+
 def _router_renormalize(gate: nn.Module) -> bool:
     kind = type(gate).__name__
-    if kind == "MixtralTopKRouter":
-        return True  # Mixtral always renormalises its top-k
-    if kind == "Qwen3MoeTopKRouter":
-        return bool(gate.norm_topk_prob)
-    raise ValueError(f"router {kind}: expected MixtralTopKRouter or Qwen3MoeTopKRouter (the softmax top-k "
-                     "routers whose semantics Fp32Router reproduces)")
+    if kind not in ROUTER_RENORMALIZE:
+        raise ValueError(f"router {kind}: expected one of {tuple(ROUTER_RENORMALIZE)} (the softmax top-k "
+                         "routers whose semantics Fp32Router reproduces)")
+    return ROUTER_RENORMALIZE[kind](gate)
 
 
 def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -134,6 +142,20 @@ def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules()
             if isinstance(getattr(m, "experts", None), nn.Module) and hasattr(m.experts, "gate_up_proj")
             and isinstance(getattr(m, "gate", None), nn.Module)]
+
+
+def check_megamoe_eligible(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every MoE block's experts and router can run on megamoe (else a ValueError naming the module,
+    its class and what it needs); returns the blocks. Reads only module attributes and the config,
+    so a model built on the meta device is checked before any weight is loaded (trainer.model)."""
+    blocks = moe_blocks(model)
+    if not blocks:
+        raise ValueError(f"{type(model).__name__}: no MoE block (a module with `gate` and `experts.gate_up_proj`) found")
+    for name, block in blocks:
+        check_experts_eligible(block.experts, f"{name}.experts")
+        if not isinstance(block.gate, Fp32Router):
+            _router_renormalize(block.gate)  # an unknown router raises, naming its class
+    return blocks
 
 
 def install_megamoe(model: nn.Module, moe_impl: str) -> int:
@@ -146,11 +168,8 @@ def install_megamoe(model: nn.Module, moe_impl: str) -> int:
     if have != want:
         raise ValueError(f"model.config._experts_implementation: expected {want!r} for moe_impl={moe_impl!r}, "
                          f"got {have!r}")
-    blocks = moe_blocks(model)
-    if not blocks:
-        raise ValueError(f"{type(model).__name__}: no MoE block (a module with `gate` and `experts.gate_up_proj`) found")
+    blocks = check_megamoe_eligible(model)
     for name, block in blocks:
-        check_experts_eligible(block.experts, f"{name}.experts")
         gate = block.gate
         if not isinstance(gate, Fp32Router):
             block.gate = Fp32Router(gate.weight, gate.top_k, _router_renormalize(gate))

@@ -9,8 +9,11 @@ moe_impl (the rollout's names):
 
 Before anything is loaded, the checkpoint's tensor names and shapes (safetensors headers only) are
 checked against the model its config.json describes; missing keys, extra keys and mismatched
-shapes are reported together, by name, in one error. transformers alone would silently
-re-initialise a missing tensor, and its shape errors do not name the tensor.
+shapes are reported together, by name, in one error (transformers alone would silently
+re-initialise a missing tensor, and its shape errors do not name the tensor). For megamoe /
+reference, every MoE block of that model, built on the meta device, must be one megamoe computes
+(trainer.experts.check_megamoe_eligible): another activation or expert biases fail before any
+weight is read.
 """
 
 from __future__ import annotations
@@ -22,18 +25,22 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainer.experts import EXPERTS_IMPLEMENTATION, install_megamoe, register_experts_implementations
-
-SUPPORTED_ARCHS = ("qwen3_moe", "mixtral")
+from trainer.experts import (EXPERTS_IMPLEMENTATION, check_megamoe_eligible, install_megamoe,
+                             register_experts_implementations)
 
 # On-disk per-expert names -> the fused in-memory tensors of transformers 5 (gate/up rows are
-# concatenated into gate_up_proj [E, 2I, H]; down_proj is [E, H, I]).
+# concatenated into gate_up_proj [E, 2I, H]; down_proj is [E, H, I]). OLMoE's checkpoints name their
+# experts as Qwen3-MoE's do (transformers converts both with the qwen2_moe mapping).
+_QWEN_EXPERTS = (re.compile(r"^(?P<prefix>.+\.mlp)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"),
+                 {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"})
 _PER_EXPERT = {
-    "qwen3_moe": (re.compile(r"^(?P<prefix>.+\.mlp)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"),
-                  {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}),
+    "qwen3_moe": _QWEN_EXPERTS,
     "mixtral": (re.compile(r"^(?P<prefix>.+)\.block_sparse_moe\.experts\.(?P<e>\d+)\.(?P<proj>w1|w2|w3)\.weight$"),
                 {"w1": "gate", "w3": "up", "w2": "down"}),
+    "olmoe": _QWEN_EXPERTS,
 }
+SUPPORTED_ARCHS = tuple(_PER_EXPERT)
+"""transformers model_type of every architecture the trainer loads (the authoritative list)."""
 # Other on-disk renames (Mixtral's legacy module name).
 _RENAMES = {"mixtral": ((".block_sparse_moe.", ".mlp."),)}
 
@@ -158,6 +165,11 @@ def load_model(model_dir: str | Path, moe_impl: str, *, dtype: torch.dtype = tor
     if config.model_type not in SUPPORTED_ARCHS:
         raise ValueError(f"{model_dir}/config.json model_type: expected one of {SUPPORTED_ARCHS}, got {config.model_type!r}")
     check_checkpoint(model_dir, config)
+    if moe_impl != "stock":
+        # Experts or a router megamoe does not compute (another activation, biases, ...) are refused
+        # here, on a meta-device model, before any weight is read.
+        with torch.device("meta"):
+            check_megamoe_eligible(AutoModelForCausalLM.from_config(config))
 
     register_experts_implementations()
     kwargs = {}
