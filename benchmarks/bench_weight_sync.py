@@ -82,7 +82,7 @@ def bench_model(name: str, dims: dict, reps: int, bucket_bytes: int, root: Path)
             for _ in range(reps):
                 info = push_ipc_local(trainer, [engine], model_dir=str(model_dir), dtype="bfloat16",
                                       bucket_bytes=bucket_bytes)
-                times.append(info["seconds"])
+                times.append(info["seconds"]["total"])
                 infos.append(info)
                 # device memory after each sync (every process on the GPU): flat = nothing leaks per sync
                 used.append(round(engine.gpu_memory()["device_used_bytes"] / GiB, 3))
@@ -92,9 +92,9 @@ def bench_model(name: str, dims: dict, reps: int, bucket_bytes: int, root: Path)
             med = statistics.median(times)
             rows.append({"model": name, "mode": "ipc" if kernel else "ipc-per-expert", "bytes": nbytes,
                          "seconds": med, "min_s": min(times), "gb_per_s": nbytes / med / 1e9,
-                         "check_s": statistics.median(i["check_s"] for i in infos),
-                         "plan_s": statistics.median(i["plan_s"] for i in infos),
-                         "transfer_s": statistics.median(i["transfer_s"] for i in infos),
+                         # rollout.sync.send_ipc's phases, each the median over the syncs
+                         "phases_ms": {k: 1e3 * statistics.median(i["seconds"][k] for i in infos)
+                                       for k in infos[0]["seconds"] if k != "total"},
                          "chunks": infos[0]["chunks"], "kernel_experts": infos[0]["kernel_experts"],
                          "trainer_peak_extra_gib": trainer_extra / GiB,
                          "trainer_reserved_gib": torch.cuda.memory_reserved() / GiB,
@@ -140,8 +140,8 @@ def main(argv=None) -> int:
         files = by.get((r["model"], "files"))
         ipc = r["mode"].startswith("ipc")
         ratio = f"{files['seconds'] / r['seconds']:.0f}x" if files and ipc else "-"
-        notes = (f"check {r['check_s'] * 1e3:.1f} ms, plan {r['plan_s'] * 1e3:.1f} ms, transfer "
-                 f"{r['transfer_s'] * 1e3:.1f} ms ({r['chunks']} chunks); trainer +{r['trainer_peak_extra_gib']:.2f} GiB"
+        notes = (", ".join(f"{k} {v:.1f}" for k, v in r.get("phases_ms", {}).items()) +
+                 f" ms ({r['chunks']} chunks); trainer +{r['trainer_peak_extra_gib']:.2f} GiB"
                  f", engine torch peak {r['engine_torch_peak_gib']:.2f} GiB; device used after each sync "
                  f"{r['device_used_gib_per_sync']} GiB" if ipc else
                  ", ".join(f"{k} {v:.2f}" for k, v in r.items() if k.endswith("_s") and k not in ("min_s",)))

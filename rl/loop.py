@@ -458,7 +458,7 @@ class Loop:
                 self.restart_rollout(dead, e)  # the new worker gets the weights there
                 rest = [i for i in targets if i != dead]
                 return self.push_weights(rest) if rest else {"total": time.perf_counter() - t0}
-            times.update({k: info[k] for k in ("check", "plan", "transfer")})
+            times.update({k: v for k, v in info["seconds"].items() if k != "total"})  # rollout.sync.send_ipc's phases
             times["total"] = time.perf_counter() - t0
             return times
         # A reference to rank 0's weights in the object store: the driver never holds them (fetching

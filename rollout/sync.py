@@ -25,14 +25,16 @@ plan on arrival. A failure *while* chunks are being applied (a process dying, a 
 be undone without a second copy of the weights: the engine then refuses to sample until a later
 update completes (RolloutWorker's broken state), rather than serve a mix of old and new weights.
 
-A client is vLLM's `VLLMWeightSyncClient` shape (init / start / update / finish); `LocalClient`
-drives a RolloutWorker object in this process, rl/ has the Ray one.
+A client is vLLM's `VLLMWeightSyncClient` shape (init / start / update / finish) plus
+`plan_weight_update`, the check of the whole update before it starts; `LocalClient` drives
+RolloutWorker objects in this process, rl/weight_sync.py has the Ray one.
 
 This module imports nothing heavy at import time, so the config loader can call `resolve`.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterable
 
@@ -83,6 +85,9 @@ class LocalClient:
     def __init__(self, *workers):
         self.workers = workers
 
+    def plan_weight_update(self, metas: list) -> list[dict]:
+        return [w.plan_weight_update(metas) for w in self.workers]
+
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         for w in self.workers:
             w.init_weight_transfer_engine(init_info)
@@ -95,9 +100,8 @@ class LocalClient:
         for w in self.workers:
             w.update_weight_chunk(update_info)
 
-    def finish_weight_update(self) -> None:
-        for w in self.workers:
-            w.finish_weight_update()
+    def finish_weight_update(self) -> dict:
+        return [w.finish_weight_update() for w in self.workers][0]
 
 
 def refuse_nonfinite(bad: list[str], dtype: str | None) -> None:
@@ -220,70 +224,129 @@ def plan_buffer_bytes(metas: Iterable, bucket_bytes: int) -> int:
     return min(bucket_bytes, -(-total // (1 << 20)) * (1 << 20))
 
 
-def send_ipc(weights, model_dir: str, client, *, dtype: str | None, buffer_bytes: int,
-             kernel_experts: bool, rank: int = 0) -> dict:
-    """Stream a trainer's weights into the engines behind `client` by CUDA IPC; returns {"seconds",
-    "bytes", "chunks"} of this rank's stream.
+def send_ipc(trainer, client, *, model_dir: str, dtype: str | None,
+             bucket_bytes: int = DEFAULT_IPC_BUCKET_BYTES) -> dict:
+    """One CUDA IPC sync of `trainer`'s weights into the engines behind `client`, run in the
+    trainer's process on every trainer rank (each rank's copy serves the engine on its GPU; rank 0
+    drives the client). Returns {"seconds": {phase: s}, "bytes", "sent_bytes", "chunks",
+    "kernel_experts"}.
 
-    Runs in the trainer's process, on every trainer rank (each rank's copy serves the engine on its
-    GPU; rank 0 drives the client). `weights(select)` yields (trainer name, full GPU tensor) for the
-    names `select` accepts, in the same order on every rank. The engines must have planned the
-    update first (`RolloutWorker.plan_weight_update`, whose "kernel_experts" is passed here): with
-    kernel_experts the routed experts go first, fused, in kernel format, then the rest in
-    checkpoint format through vLLM's reload; else everything in checkpoint format.
+    Nothing is applied before the whole update passed two checks: NaN/Inf in the sampler's dtype
+    on every rank's GPU (`TrainerWorker.nonfinite_weights`, all-reduced), and the engines' plan of
+    the update's names, shapes and dtypes (`RolloutWorker.plan_weight_update`, from metadata
+    alone); either raises ValueError, on every rank. Then the stream: with kernel-format experts
+    (the engines' plan says so) the routed experts first, fused, then the rest in checkpoint format
+    through vLLM's reload; else everything in checkpoint format.
+
+    Phases (seconds): check, plan, start, pack (gathering and casting into the buffer, on this
+    rank), send (the engines' chunk calls, as this rank sees them), finish; and the engines' own
+    time per phase as engine_* (RolloutWorker.finish_weight_update), so that send minus
+    engine_kernel and engine_reload is the transport's overhead.
     """
     import torch
 
     from rollout import adapter, weights as wts
 
-    spec = wts.CheckpointSpec.from_dir(model_dir)
+    rank = trainer.rank
+    clock = _Clock()
+    dtype = trainer.sync_dtype(dtype)
+    refuse_nonfinite(trainer.nonfinite_weights(dtype), dtype)
+    clock.lap("check")
+    metas = trainer.weight_metadata(dtype)
+    decision, failure = None, None
+    if rank == 0:
+        try:
+            buffer_bytes = plan_buffer_bytes(metas, bucket_bytes)
+            plans = client.plan_weight_update(metas)
+            decision = {"buffer_bytes": buffer_bytes, "kernel": agreed_kernel_experts(plans),
+                        "bytes": plans[0]["bytes"]}
+        except Exception as e:  # noqa: BLE001 - re-raised here; the other ranks must not wait for rank 0
+            failure = e
+            decision = {"error": str(e) if isinstance(e, ValueError) else f"rank 0: {type(e).__name__}: {e}",
+                        "refused": isinstance(e, ValueError)}
+    decision = _from_rank0(decision)
+    if failure is not None:
+        raise failure
+    if "error" in decision:
+        raise (ValueError if decision["refused"] else RuntimeError)(decision["error"])
+    clock.lap("plan")
+    spec = _checkpoint_spec(model_dir)
     out_dtype = getattr(torch, dtype) if dtype else None
-    buf = ipc_buffer(buffer_bytes)
-    if kernel_experts:
+    buf = ipc_buffer(decision["buffer_bytes"])
+    kernel = decision["kernel"]
+    if kernel:
         passes = [lambda n: wts.is_fused_experts(spec, n), lambda n: not wts.is_fused_experts(spec, n)]
     else:
         passes = [lambda n: True]
-    t0 = time.perf_counter()
-    sent = {"bytes": 0, "chunks": 0}
     if rank == 0:
         if adapter.ipc_needs_init():
             client.init_weight_transfer_engine({"packed": True})
         client.start_weight_update()
+    clock.lap("start")
+    sent = {"bytes": 0, "chunks": 0}
     for select in passes:
-        stream = wts.to_checkpoint_names(spec, weights(select), kernel_experts=kernel_experts)
-        for chunk in buf.chunks(stream, out_dtype, buffer_bytes):
+        stream = wts.to_checkpoint_names(spec, trainer.iter_device_weights(select), kernel_experts=kernel)
+        for chunk in buf.chunks(stream, out_dtype, decision["buffer_bytes"]):
             buf.barrier()  # every rank's copy of this chunk is on its GPU
+            clock.lap("pack")
             if rank == 0:
                 client.update_weights(adapter.ipc_update_info(chunk, buf.handle))
             buf.barrier()  # the engines are done with it: the buffer may be overwritten
+            clock.lap("send")
             sent["bytes"] += sum(chunk["tensor_sizes"])
             sent["chunks"] += 1
+    engine = {}
     if rank == 0:
-        client.finish_weight_update()
-    return {"seconds": time.perf_counter() - t0, **sent}
+        done = client.finish_weight_update()
+        engine = {f"engine_{k}": v for k, v in (done or {}).get("seconds", {}).items()}
+    clock.lap("finish")
+    return {"seconds": {**clock.laps, **engine, "total": clock.total()}, "bytes": decision["bytes"],
+            "sent_bytes": sent["bytes"], "chunks": sent["chunks"], "kernel_experts": kernel}
+
+
+@functools.lru_cache(maxsize=4)
+def _checkpoint_spec(model_dir: str):
+    """The base checkpoint's layout (read once per folder: its safetensors headers; a run's base
+    model does not change while it runs)."""
+    from rollout import weights as wts
+
+    return wts.CheckpointSpec.from_dir(model_dir)
+
+
+class _Clock:
+    """Seconds per named phase, summed over laps (a phase may recur, e.g. pack/send per chunk)."""
+
+    def __init__(self):
+        self.t0 = self.last = time.perf_counter()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.laps[phase] = self.laps.get(phase, 0.0) + now - self.last
+        self.last = now
+
+    def total(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def _from_rank0(obj):
+    """Rank 0's object on every rank of the trainer's process group (itself when there is one rank)."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def push_ipc_local(trainer, workers: list, *, model_dir: str, dtype: str | None,
                    bucket_bytes: int = DEFAULT_IPC_BUCKET_BYTES, client=None) -> dict:
     """One CUDA IPC sync from a one-rank trainer into RolloutWorkers of this process (tests and
-    benchmarks; rl/weight_sync.py is the same three steps over Ray actors): NaN/Inf check on the
-    trainer's GPU, the engines' plan of the whole update, then the stream. Raises ValueError before
-    anything is applied when the first two fail. `client` replaces LocalClient(*workers)."""
-    t0 = time.perf_counter()
-    dtype = trainer.sync_dtype(dtype)
-    refuse_nonfinite(trainer.nonfinite_weights(dtype), dtype)
-    t_check = time.perf_counter()
-    metas = trainer.weight_metadata(dtype)
-    buffer_bytes = plan_buffer_bytes(metas, bucket_bytes)
-    plans = [w.plan_weight_update(metas) for w in workers]
-    kernel = agreed_kernel_experts(plans)
-    t_plan = time.perf_counter()
-    sent = send_ipc(trainer.iter_device_weights, model_dir, client or LocalClient(*workers), dtype=dtype,
-                    buffer_bytes=buffer_bytes, kernel_experts=kernel, rank=trainer.rank)
-    t_end = time.perf_counter()
-    return {"check_s": t_check - t0, "plan_s": t_plan - t_check, "transfer_s": t_end - t_plan,
-            "seconds": t_end - t0, "bytes": plans[0]["bytes"], "sent_bytes": sent["bytes"],
-            "chunks": sent["chunks"], "kernel_experts": kernel}
+    benchmarks; rl/weight_sync.py runs the same `send_ipc` inside the trainer's Ray actors).
+    `client` replaces LocalClient(*workers)."""
+    return send_ipc(trainer, client or LocalClient(*workers), model_dir=model_dir, dtype=dtype,
+                    bucket_bytes=bucket_bytes)
 
 
 def agreed_kernel_experts(plans: list[dict]) -> bool:

@@ -106,8 +106,10 @@ class RolloutWorker:
         self._received: set[str] = set()
         self._updating = False
         self._session = False  # vLLM's update session (the checkpoint-format stream) has started
+        self._seconds: dict[str, float] = {}  # this update's engine calls, by phase (finish reports them)
         self._kernel_params: dict[str, tuple] | None = None  # engine's kernel-format expert params
         self._kernel_names: dict[str, str] = {}  # update name -> engine parameter (plan_weight_update)
+        self._last_plan: tuple | None = None  # (the update's description, its checked plan)
         self.tensor_parallel_size = tensor_parallel_size
         # An IPC sync streams the routed experts fused, in kernel format, where megamoe computes them
         # on one GPU (plan_weight_update); False streams them per expert through vLLM's reload (the
@@ -331,9 +333,15 @@ class RolloutWorker:
         if kernel and (self.moe_impl == "stock" or self.tensor_parallel_size != 1):
             raise ValueError("kernel_experts: expected False with moe_impl='stock' or tensor_parallel_size > 1 "
                              "(vLLM repacks or shards the experts)")
-        plan = weights.plan_metadata(self.spec, metas, kernel_experts=kernel)
-        if kernel:
-            self._kernel_names = self._match_kernel_params(plan)
+        # A run's syncs describe the same update every time: the checks of the last one are reused
+        # when the description is equal (they depend on nothing else: the checkpoint is fixed).
+        key = (kernel, tuple((n, tuple(shape), str(dt)) for n, shape, dt in metas))
+        if self._last_plan is not None and self._last_plan[0] == key:
+            plan, self._kernel_names = self._last_plan[1]
+        else:
+            plan = weights.plan_metadata(self.spec, metas, kernel_experts=kernel)
+            self._kernel_names = self._match_kernel_params(plan) if kernel else {}
+            self._last_plan = (key, (plan, self._kernel_names))
         self._plan = plan
         nbytes = sum(math.prod(shape) * getattr(torch, dt).itemsize for shape, dt in plan.values())
         return {"tensors": len(plan), "bytes": nbytes, "kernel_experts": kernel}
@@ -368,8 +376,17 @@ class RolloutWorker:
         self._need_ipc("start_weight_update")
         if self._plan is None:
             raise RuntimeError("start_weight_update: no planned update (call plan_weight_update first)")
-        self._wake(["weights"])
+        self._seconds = {}
+        self._timed("wake", lambda: self._wake(["weights"]))
         self._updating, self._received, self._session = True, set(), False
+
+    def _timed(self, phase: str, fn):
+        """fn(), its seconds added to this update's `phase` (finish_weight_update reports them)."""
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self._seconds[phase] = self._seconds.get(phase, 0.0) + time.perf_counter() - t0
 
     def _fail_update(self, why: str) -> None:
         """A chunk failed after others may have been applied: refuse to serve until a complete update."""
@@ -417,12 +434,14 @@ class RolloutWorker:
                     raise ValueError("kernel-format experts arrived after checkpoint-format tensors; they "
                                      "must come first (rollout/sync.py)")
                 info = {**update_info, "names": [self._kernel_names[n] for n in update_info["names"]]}
-                self.llm.collective_rpc("megamoe_receive_kernel_chunk", args=(pickle.dumps(info),))
+                blob = pickle.dumps(info)
+                self._timed("kernel", lambda: self.llm.collective_rpc("megamoe_receive_kernel_chunk", args=(blob,)))
                 return
             if not self._session:
-                self.llm.start_weight_update()
+                self._timed("session_start", self.llm.start_weight_update)
                 self._session = True
-            self.llm.collective_rpc("megamoe_receive_ipc_chunk", args=(pickle.dumps(update_info),))
+            blob = pickle.dumps(update_info)
+            self._timed("reload", lambda: self.llm.collective_rpc("megamoe_receive_ipc_chunk", args=(blob,)))
         except Exception as e:  # noqa: BLE001 - reported with the broken state
             self._fail_update(f"{type(e).__name__}: {e}")
 
@@ -435,14 +454,14 @@ class RolloutWorker:
             self._fail_update(f"{len(missing)} planned tensor(s) never arrived, e.g. {missing[0]!r}")
         if self._session:
             try:
-                self.llm.finish_weight_update()
+                self._timed("session_finish", self.llm.finish_weight_update)
             except Exception as e:  # noqa: BLE001
                 self._fail_update(f"{type(e).__name__}: {e}")
         n = len(self._received)
         self._updating, self._plan, self._received, self._session = False, None, set(), False
         self._weights_broken = None
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-        return {"tensors": n}
+        self._timed("reset_prefix_cache", self.llm.reset_prefix_cache)  # its KV blocks hold the old weights
+        return {"tensors": n, "seconds": dict(self._seconds)}
 
     # -- sleep mode (colocated: free the GPU memory the trainer needs) --------------------------
 

@@ -171,7 +171,7 @@ def _protocol_worker(spec, engine_params):
     w = object.__new__(RolloutWorker)
     w.__dict__.update(weight_sync="ipc", moe_impl="megamoe", tensor_parallel_size=1, kernel_experts=True,
                       spec=spec, _plan=None, _received=set(), _updating=False, _session=False,
-                      _kernel_params=None, _kernel_names={}, _asleep=set(), sleep_mode=False,
+                      _kernel_params=None, _kernel_names={}, _last_plan=None, _asleep=set(), sleep_mode=False, _seconds={},
                       _weights_broken=None, llm=_FakeLLM(engine_params))
     return w
 
@@ -199,7 +199,11 @@ def test_streamed_update_sends_kernel_experts_first_to_the_engines_own_parameter
     w.start_weight_update()
     w.update_weight_chunk(_chunk(kernel, w._plan))
     w.update_weight_chunk(_chunk(rest, w._plan))
-    assert w.finish_weight_update() == {"tensors": len(w._kernel_names) + len(rest)}
+    done = w.finish_weight_update()
+    assert done["tensors"] == len(w._kernel_names) + len(rest)
+    # the engine's time per phase of this update, one entry per kind of engine call it made
+    assert set(done["seconds"]) == {"wake", "kernel", "session_start", "reload", "session_finish",
+                                    "reset_prefix_cache"} and all(v >= 0 for v in done["seconds"].values())
     assert w.llm.calls == ["megamoe_kernel_expert_params", "megamoe_receive_kernel_chunk", "start",
                            "megamoe_receive_ipc_chunk", "finish", "reset"]
 
@@ -240,3 +244,59 @@ def test_kernel_plan_refuses_engine_parameters_that_do_not_fit(ckpt, engine, mat
     with pytest.raises(ValueError, match=match):
         w.plan_weight_update(_metas(state))
     assert w._plan is None and w.llm.calls == ["megamoe_kernel_expert_params"]  # nothing else happened
+
+
+class _CheckedTrainer:
+    """What rollout.sync.send_ipc asks of a trainer before any byte moves (one rank)."""
+
+    rank = 0
+
+    def __init__(self, metas, bad=()):
+        self.metas, self.bad = metas, list(bad)
+
+    def sync_dtype(self, dtype):
+        return dtype
+
+    def nonfinite_weights(self, dtype):
+        return self.bad
+
+    def weight_metadata(self, dtype):
+        return self.metas
+
+    def iter_device_weights(self, select=None):
+        raise AssertionError("a refused sync must not read the weights")
+
+
+@pytest.mark.parametrize("case, match", [
+    ("nonfinite", "hold NaN/Inf in bfloat16"),
+    ("shape", "model.layers.0.self_attn.o_proj.weight"),
+    ("bucket", "rollout.ipc_bucket_bytes"),
+])
+def test_ipc_sync_refuses_before_the_engine_starts_an_update(ckpt, case, match):
+    from rollout.sync import LocalClient, send_ipc
+
+    _, spec, state, _ = ckpt
+    metas = _metas(state)
+    if case == "shape":
+        metas = [(n, [s[0] + 1] + s[1:] if n == "model.layers.0.self_attn.o_proj.weight" else s, d)
+                 for n, s, d in metas]
+    trainer = _CheckedTrainer(metas, bad=["model.layers.1.mlp.experts.down_proj"] if case == "nonfinite" else ())
+    w = _protocol_worker(spec, _engine_params(spec))
+    with pytest.raises(ValueError, match=match):
+        send_ipc(trainer, LocalClient(w), model_dir=str(spec.model_dir), dtype="bfloat16",
+                 bucket_bytes=1024 if case == "bucket" else 1 << 30)
+    assert not w._updating and "start" not in w.llm.calls and not any("receive" in c for c in w.llm.calls)
+
+
+def test_engine_reuses_a_plan_only_for_the_same_update(ckpt):
+    _, spec, state, _ = ckpt
+    w = _protocol_worker(spec, _engine_params(spec))
+    first = w.plan_weight_update(_metas(state))
+    calls = list(w.llm.calls)
+    assert w.plan_weight_update(_metas(state)) == first and w.llm.calls == calls
+    bad = [(n, [s[0] + 1] + s[1:] if n.endswith("o_proj.weight") else s, d) for n, s, d in _metas(state)]
+    with pytest.raises(ValueError, match="o_proj.weight"):
+        w.plan_weight_update(bad)
+    with pytest.raises(ValueError, match="o_proj.weight"):  # the refused one was not remembered
+        w.plan_weight_update(bad)
+    assert w.plan_weight_update(_metas(state)) == first

@@ -410,3 +410,33 @@ def test_seq_mean_token_mean_aggregation():
     # sequence means 2 and 4 over 2 sequences; token mean 8 / 3
     assert float(aggregate(per_token, mask, "seq_mean_token_mean", total_tokens=3, total_seqs=2)) == 3.0
     assert float(aggregate(per_token, mask, "token_mean", total_tokens=3, total_seqs=2)) == pytest.approx(8 / 3)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16])
+def test_nonfinite_weights_names_exactly_the_tensors_the_cast_breaks(dtype):
+    """trainer.fsdp.nonfinite_weights (the weight sync's refusal) against the per-tensor truth: cast
+    each tensor to the sync dtype and look for NaN/Inf. Seeded random weights, each bad in one way."""
+    from torch import nn
+
+    from trainer.fsdp import nonfinite_weights
+
+    g = torch.Generator().manual_seed(0)
+    m = nn.Module()
+    values = {"fine": None, "nan": float("nan"), "inf": float("-inf"), "over_bf16": 3.3999e38,
+              "over_fp16": 7.0e4, "edge_fp16": 65504.0}
+    for name, bad in values.items():
+        t = torch.randn(33, 17, generator=g)
+        if bad is not None:
+            t.view(-1)[int(torch.randint(0, t.numel(), (1,), generator=g))] = bad
+        m.register_parameter(name, nn.Parameter(t))
+    m.register_parameter("empty", nn.Parameter(torch.empty(0, 4)))
+    m.register_parameter("half_nan", nn.Parameter(torch.randn(5, generator=g).half()))
+    m.half_nan.data[2] = float("nan")
+    # finite fp16 values whose sum of |x| (2.4e5) is beyond fp16's range: not a NaN/Inf
+    m.register_parameter("half_big", nn.Parameter((torch.rand(4096, 64, generator=g) + 0.5).half()))
+    want = [n for n, p in m.named_parameters()
+            if not torch.isfinite(p.detach().to(dtype) if dtype is not None else p.detach()).all()]
+    assert want == [n for n in ("nan", "inf", "over_bf16", "over_fp16", "half_nan")
+                    if n not in {None: ("over_bf16", "over_fp16"), torch.bfloat16: ("over_fp16",),
+                                 torch.float16: ()}[dtype]]
+    assert nonfinite_weights(m, dtype) == want

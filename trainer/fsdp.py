@@ -98,21 +98,33 @@ def weight_metadata(model: nn.Module, dtype: torch.dtype | None = None) -> list[
 
 def nonfinite_weights(model: nn.Module, dtype: torch.dtype | None = None) -> list[str]:
     """Names of the weights with a NaN/Inf once cast to `dtype` (an fp32 value beyond the 16-bit
-    range becomes Inf), checked on each rank's local shard where it lives (no gather, no host copy
-    of the data), one flag per tensor all-reduced over the ranks; every rank must call it."""
+    range becomes Inf), checked on each rank's local shard where it lives (no gather, no cast copy,
+    no host copy of the data), one flag per tensor all-reduced over the ranks; every rank must call it.
+
+    Two multi-tensor reductions per dtype instead of a cast and a check per tensor (H200,
+    configs/h200_rl.yaml's model: 6.9 -> 3.2 ms, benchmarks/RESULTS.md): the sum of |x| is NaN/Inf exactly when a value
+    is (a sum of finite values would need to pass 3.4e38 in fp32 to overflow), and the largest |x|
+    cast to `dtype` is Inf exactly when some value would become Inf in the cast (rounding is
+    monotonic)."""
     import torch.distributed as dist
 
-    names, flags = [], []
+    names, locals_ = [], []
     for name, t in _unique_state(model):
-        local = (t.to_local() if isinstance(t, DTensor) else t).detach()
-        if dtype is not None and local.dtype != dtype:
-            local = local.to(dtype)
         names.append(name)
-        flags.append(torch.isfinite(local).all() if local.numel() else torch.ones((), dtype=torch.bool,
-                                                                                  device=local.device))
-    if not flags:
+        locals_.append((t.to_local() if isinstance(t, DTensor) else t).detach())
+    if not names:
         return []
-    ok = torch.stack(flags).to(torch.int32)
+    device = locals_[0].device
+    ok = torch.ones(len(names), dtype=torch.int32, device=device)
+    for of in {t.dtype for t in locals_}:
+        idx = [i for i, t in enumerate(locals_) if t.dtype == of and t.numel()]
+        if not idx:
+            continue
+        group = [locals_[i] for i in idx]
+        total = torch.stack(torch._foreach_norm(group, 1, dtype=torch.promote_types(of, torch.float32)))
+        largest = torch.stack(torch._foreach_norm(group, float("inf")))
+        good = torch.isfinite(total) & torch.isfinite(largest.to(dtype) if dtype is not None else largest)
+        ok[torch.tensor(idx, device=device)] = good.to(torch.int32)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     ok = ok.cpu()  # the one host read: a flag per tensor
