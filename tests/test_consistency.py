@@ -1,9 +1,11 @@
 """`megamoe-rl consistency` end to end on vLLM CPU: outputs, the per-layer zero-difference property of
 megamoe on both sides (fp32 and bf16), and the end-to-end comparison with stock on both sides.
 
-Two runs for the whole module (engines dominate: ~25 s each on 2 cores): the tiny model in fp32 with
-every implementation, through the CLI; a 4-layer model in bf16 with megamoe and stock, through the
-library (the report keeps the per-token Δlogp lists).
+Two runs for the whole module (engines dominate: ~25 s each on 2 cores): a tiny OLMoE
+(`make-model --arch olmoe`: top-k softmax without renormalisation) in fp32 with every
+implementation, through the CLI; a 4-layer Qwen3-MoE in bf16 with megamoe and stock, through the
+library (the report keeps the per-token Δlogp lists). The two families route differently
+(renormalised or not), and each has megamoe's MoE layers bitwise equal on both sides.
 
     .venv/bin/python -m pytest -q tests/test_consistency.py
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,12 +22,13 @@ import torch
 IMPLS = ("megamoe", "reference", "stock")
 
 
-def _config(tmp_path, dtype, make, *, prompts, n, max_tokens):
+def _config(tmp_path, dtype, model, *, prompts, n, max_tokens):
+    """A consistency config; `model` is model.make's arguments, or a checkpoint path (model.path)."""
     import yaml
 
     cfg = tmp_path / f"cons_{dtype}.yaml"
     cfg.write_text(yaml.safe_dump({
-        "model": {"make": make, "dtype": dtype},
+        "model": {"make": model, "dtype": dtype} if isinstance(model, dict) else {"path": str(model), "dtype": dtype},
         "rollout": {"n": n, "temperature": 1.0, "max_tokens": max_tokens, "max_model_len": 64,
                     "kv_cache_bytes": 64 << 20},
         "trainer": {"max_seq_len": 64, "micro_batch_size": 64},
@@ -36,15 +40,17 @@ def _config(tmp_path, dtype, make, *, prompts, n, max_tokens):
 
 @pytest.fixture(scope="module")
 def fp32_cli(tmp_path_factory):
-    """The command as a user runs it: tiny model, fp32, every implementation."""
+    """The command as a user runs it: the tiny OLMoE (a `megamoe-rl make-model --arch olmoe` folder as
+    model.path), fp32, every implementation."""
     import contextlib
     import io
 
     from rl.cli import main
+    from rl.make_model import make_model
 
     tmp = tmp_path_factory.mktemp("cons_fp32")
-    cfg = _config(tmp, "float32", {"layers": 2, "hidden": 64, "experts": 8, "topk": 2, "intermediate": 32},
-                  prompts=8, n=4, max_tokens=4)
+    model = make_model(tmp / "olmoe", arch="olmoe", layers=2, hidden=64, experts=8, topk=2, intermediate=32)
+    cfg = _config(tmp, "float32", model, prompts=8, n=4, max_tokens=4)
     out = tmp / "out"
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -133,6 +139,18 @@ def test_reference_layers_share_routing_fp32(fp32_cli):
     for i, layer in enumerate(_pair(report, "reference", "reference")["layers"]):
         assert layer["moe/routing_agreement"] == 1.0 and layer["moe/router_logits_max_abs_diff"] == 0.0, (i, layer)
         assert layer["moe/out_rel_diff"] <= 1e-6, (i, layer)
+
+
+def test_olmoe_sampler_on_megamoe_matches_transformers_fp32(fp32_cli):
+    """The fp32 run is OLMoE's: vLLM with megamoe (routing without renormalisation) against
+    transformers' own OLMoE (the stock trainer side), end to end, within the fp32 logprob bound of
+    tests/test_rollout.py (1e-4; measured 4.8e-7 on a 2-core x86 CPU)."""
+    _, _, report = fp32_cli
+    config = json.loads((Path(report["meta"]["model_dir"]) / "config.json").read_text())
+    assert config["architectures"] == ["OlmoeForCausalLM"] and config["norm_topk_prob"] is False
+    metrics = _pair(report, "megamoe", "stock")["metrics"]
+    print(f"OLMoE fp32: vLLM megamoe vs transformers max |dlogp| {metrics['mismatch/abs_logp_diff_max']:.2e}")
+    assert metrics["mismatch/abs_logp_diff_max"] <= 1e-4, metrics
 
 
 def test_megamoe_layers_bitwise_bf16(bf16_report):
