@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 import yaml
 
+from rl.make_model import ARCHS  # standard library only at import time
+
 
 class ConfigError(ValueError):
     """A config file or override that does not fit the tree; the message names the key."""
@@ -43,7 +45,7 @@ ISCorrection = Literal["none", "tis", "token_mask", "seq_mask", "metrics_only"]
 @dataclass
 class MakeModelConfig:
     """A random-initialised HF checkpoint written by `rl.make_model.make_model` (no download)."""
-    arch: Literal["qwen3_moe", "mixtral"] = field("qwen3_moe", "transformers architecture of the made model")
+    arch: Literal[ARCHS] = field("qwen3_moe", "transformers model_type of the made model (rl.make_model.ARCHS)")
     layers: int = field(2, "decoder layers")
     hidden: int = field(64, "hidden size H")
     experts: int = field(8, "routed experts E per MoE layer")
@@ -70,7 +72,7 @@ class ModelConfig:
 @dataclass
 class RolloutConfig:
     moe_impl: MoEImpl = field("megamoe", "MoE implementation inside vLLM: megamoe, reference, or stock (vLLM's own)")
-    n: int = field(8, "samples per prompt (the GRPO group size G)")
+    n: int = field(8, "samples per prompt (the GRPO group size G), >= 2: the advantage is relative to the group")
     temperature: float = field(1.0, "sampling temperature; logprobs are taken after it (processed logprobs)")
     top_p: float = field(1.0, "nucleus sampling mass in (0, 1]")
     max_tokens: int = field(64, "completion length limit in tokens")
@@ -96,7 +98,11 @@ class RolloutConfig:
                                           factory=dict)
 
     def validate(self, at: str) -> None:
-        _check(self.n >= 1, f"{at}.n", "an int >= 1", self.n)
+        # Refused, not warned: the advantage is relative to the group (trainer.loss.group_advantages,
+        # with or without reward.scale_by_std), so a lone sample is its own group's mean, every
+        # advantage is 0 and the run would spend its steps learning nothing; a warning scrolls past.
+        _check(self.n >= 2, f"{at}.n", "an int >= 2 (the GRPO advantage is a sample's reward minus its group's "
+               "mean: with one sample per prompt every advantage is 0 and nothing is learned)", self.n)
         _check(self.temperature > 0, f"{at}.temperature", "a float > 0", self.temperature)
         _check(0 < self.top_p <= 1, f"{at}.top_p", "a float in (0, 1]", self.top_p)
         _check(self.max_tokens >= 1, f"{at}.max_tokens", "an int >= 1", self.max_tokens)

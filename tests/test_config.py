@@ -116,6 +116,15 @@ def test_cross_field_checks():
         C.load(None, base + ["model.make.topk=9"])
 
 
+def test_one_sample_per_prompt_is_refused_with_the_reason():
+    # The group-relative advantage of a group of one is 0 for every sample: the run would learn nothing.
+    for n in (1, 0):
+        with pytest.raises(C.ConfigError, match=r"rollout.n: expected an int >= 2 \(the GRPO advantage .* every "
+                                                r"advantage is 0 .*\), got " + str(n)):
+            C.load(ROOT / "configs" / "tiny.yaml", [f"rollout.n={n}"])
+    assert C.load(ROOT / "configs" / "tiny.yaml", ["rollout.n=2"]).rollout.n == 2
+
+
 def test_defaults_are_independent_instances():
     a, b = C.Config(), C.Config()
     a.reward.functions.append(C.RewardFnConfig(fn="numeric"))
