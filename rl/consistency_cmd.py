@@ -8,6 +8,7 @@ Generates completions once, scores them on the sampler side (vLLM, processed log
 trainer side with every implementation, feeds every MoE layer of both sides the same hidden
 states, and writes a console table, <out>/consistency.json, <out>/dlogp_hist.png and
 <out>/layers.png (rl/consistency.py; the metrics are rl/metrics.py's, the ones `train` logs).
+vLLM's own log goes to <out>/vllm.log; its warnings also reach the terminal, once each.
 The config's model, rollout (temperature, max_tokens, max_model_len, KV cache), data and run.seed
 sections are used; bad input (implementation names, a checkpoint either side cannot load, prompts
 longer than the context) is reported before any engine starts. Parsing imports no torch or vLLM.
@@ -39,20 +40,30 @@ def add_consistency_parser(subparsers) -> None:
 
 
 def run_consistency(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from rl import config as C
     from rl.consistency import ConsistencyError, format_table, parse_impls, prepare, run, write_outputs
     from rl.data import DataError
+    from rl.logs import vllm_logs_to
 
     try:
         impls = parse_impls(args.impls)
         cfg = C.load(args.config, args.overrides)
-        plan = prepare(cfg, impls=impls, prompts=args.prompts, n=args.n, out_dir=args.out, device=args.device,
-                       config_path=args.config)
-    except (C.ConfigError, ConsistencyError, DataError) as e:
+    except (C.ConfigError, ConsistencyError) as e:
         args.parser.error(str(e))
-    report = run(plan)
+    out_dir = Path(args.out if args.out is not None else Path(cfg.run.out_dir) / "consistency").absolute()
+    # vLLM's INFO lines (engine configs, loading, shutdown: ~150 for three engines) go to
+    # <out>/vllm.log; its warnings reach the terminal once each (rl/logs.py).
+    with vllm_logs_to(out_dir) as vllm_log:
+        try:
+            plan = prepare(cfg, impls=impls, prompts=args.prompts, n=args.n, out_dir=out_dir, device=args.device,
+                           config_path=args.config)
+        except (C.ConfigError, ConsistencyError, DataError) as e:
+            args.parser.error(str(e))
+        report = run(plan)
     paths = write_outputs(report, plan.out_dir)
     print(format_table(report))
-    for name, path in paths.items():
+    for name, path in {**paths, "vllm log": vllm_log}.items():
         print(f"{name}: {path}")
     return 0
