@@ -18,7 +18,8 @@ default; `main` parses and calls the handler. Adding a subcommand, e.g. `train` 
 Every registered module is imported to build `--help`, so it must keep torch, vLLM, Ray and
 transformers imports inside its handler: `megamoe-rl --help` stays instant, and
 tests/test_make_model.py checks that it imports no torch. A handler reports a bad argument with
-`args.parser.error(message)` (usage + message, exit status 2) before doing any work.
+`args.parser.error(message)` (usage + message, exit status 2) before doing any work. Exit status:
+0 done, 2 refused before any work, 1 failed while running, 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -96,7 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    return int(args.handler(args) or 0)
+    try:
+        return int(args.handler(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C outside a handler's own handling (a train run handles it itself)
+        print(f"megamoe-rl {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ def add_consistency_parser(subparsers) -> None:
 
 
 def run_consistency(args: argparse.Namespace) -> int:
+    import shutil
     from pathlib import Path
 
     from rl import config as C
@@ -53,6 +54,7 @@ def run_consistency(args: argparse.Namespace) -> int:
     except (C.ConfigError, ConsistencyError) as e:
         args.parser.error(str(e))
     out_dir = Path(args.out if args.out is not None else Path(cfg.run.out_dir) / "consistency").absolute()
+    existed = out_dir.exists()
     # vLLM's INFO lines (engine configs, loading, shutdown: ~150 for three engines) go to
     # <out>/vllm.log; its warnings reach the terminal once each (rl/logs.py).
     with vllm_logs_to(out_dir) as vllm_log:
@@ -60,6 +62,8 @@ def run_consistency(args: argparse.Namespace) -> int:
             plan = prepare(cfg, impls=impls, prompts=args.prompts, n=args.n, out_dir=out_dir, device=args.device,
                            config_path=args.config)
         except (C.ConfigError, ConsistencyError, DataError) as e:
+            if not existed:  # refused input leaves no folder behind
+                shutil.rmtree(out_dir, ignore_errors=True)
             args.parser.error(str(e))
         report = run(plan)
     paths = write_outputs(report, plan.out_dir)

@@ -3,7 +3,8 @@
     src = PromptSource.from_config(cfg.data, seed=cfg.run.seed)
     batch = src.batch(step=3, size=8)   # Batch(prompts=[...], columns={"answer": [...], ...})
 
-Local data: a .json / .jsonl / .parquet file (read with `datasets.load_dataset`) or a folder
+Local data: a .json / .jsonl / .parquet file (read with `datasets.load_dataset`; a file that does
+not load is refused naming it and, for JSON, the first line that is not JSON) or a folder
 written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk` (read with `datasets.load_from_disk`,
 the split chosen by `data.split`). `data.columns` maps the roles prompt / answer / data_source to
 the dataset's column names; every other column travels with the sample to the reward functions.
@@ -15,7 +16,9 @@ sees exactly the prompts it would have seen without the interruption, with no sa
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +56,54 @@ def _load_hf(path: str, split: str):
     if builder is None:
         raise DataError(f"data.path: expected a .json, .jsonl or .parquet file or a save_to_disk folder, "
                         f"got {path!r}")
-    return datasets.load_dataset(builder, data_files=str(p), split="train")
+    try:
+        with _quiet("datasets"):  # its own error log line would come before ours, saying less
+            return datasets.load_dataset(builder, data_files=str(p), split="train")
+    except Exception as e:  # noqa: BLE001 - whatever datasets raises, the user gets the file and the line
+        where = _first_bad_json_line(p) if builder == "json" else None
+        if where is not None:
+            raise DataError(f"data.path: {path!r} is not valid JSON at {where}") from None
+        cause = e.__cause__ or e  # datasets wraps the reader's error (ArrowInvalid, ...) in a generic one
+        raise DataError(f"data.path: {path!r} does not load as a {builder} dataset "
+                        f"({type(cause).__name__}: {cause})") from None
+
+
+def _first_bad_json_line(path: Path) -> str | None:
+    """Where `path` stops being JSON: "line N (...)" of a JSON-lines file, or of a whole-file JSON
+    document (a file that starts with '['); None when Python's json reads all of it."""
+    import json
+
+    with open(path, encoding="utf-8", errors="replace") as f:
+        head = f.read(4096).lstrip()
+        f.seek(0)
+        if head.startswith("["):
+            try:
+                json.load(f)
+            except json.JSONDecodeError as e:
+                return f"line {e.lineno} column {e.colno} ({e.msg})"
+            return None
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                return f"line {n} column {e.colno} ({e.msg}): {line.strip()[:80]!r}"
+            if not isinstance(row, dict):
+                return f"line {n} (expected a JSON object per line, got {type(row).__name__}): {line.strip()[:80]!r}"
+    return None
+
+
+@contextlib.contextmanager
+def _quiet(name: str):
+    """The library logger `name` at CRITICAL for the duration of the block."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 class PromptSource:
@@ -167,6 +217,10 @@ def check_prompt_lengths(source: PromptSource, tokenizer, limit: int, policy: st
         raise DataError(f"data.long_prompts=refuse: row {i} of the dataset ({source.origin}) is a prompt of "
                         f"{lengths[i]} tokens, more than the {limit} allowed{why}; {len(long)} row(s) are "
                         f"that long (data.long_prompts=drop skips them)")
+    if long and len(long) == len(lengths):
+        raise DataError(f"data.long_prompts=drop: no prompt of the dataset ({source.origin}) is left to train on: "
+                        f"every one is longer than the {limit} tokens allowed{why} (the shortest has {min(lengths)}); "
+                        f"raise those limits or shorten the prompts")
     if long:
         source.keep([i for i in range(len(lengths)) if lengths[i] <= limit])
     return long

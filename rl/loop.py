@@ -12,16 +12,22 @@ Per step k (1-based; the prompts of step k are a pure function of the seed and k
             -> one line of metrics.jsonl (+ TensorBoard, progress bar); a checkpoint every
                trainer.checkpoint_every steps and at the end.
 
-Run folder (run.out_dir): config.yaml (resolved), metrics.jsonl, train.log, actors.json (pids of
-the actors, for operators and the fault tests), model/ (when made by model.make), plot.png,
+Run folder (run.out_dir): config.yaml (resolved), metrics.jsonl, train.log, vllm.log (vLLM's own
+log, rl/logs.py), actors.json (pids of the actors, for operators and the fault tests), model/
+(when made by model.make), plot.png, traceback.txt (after a failure),
 checkpoints/step_NNNNNN/ (the trainer's atomic DCP checkpoint) and checkpoints/latest.json, the
 pointer to the newest complete one, replaced atomically after the checkpoint is complete, and
 final/ (the last step's policy as a Hugging Face checkpoint: run.export_final, rl/export.py).
 
+Before Ray starts, everything that can be refused is checked (train(): the model, the rewards, the
+dataset, every prompt's length); a refused fresh start leaves nothing in run.out_dir.
+
 Faults: a RolloutWorker that dies (its process is gone: RayActorError) is replaced in its bundle by
 a new one that gets the trainer's current weights, and the step's generation is retried, up to
-rollout.max_restarts times per run. A TrainerWorker that dies ends the run (exit 1) with the last
-checkpoint intact; `--resume` continues from it, and metrics.jsonl drops the lines of steps after
+rollout.max_restarts times per run. Any other actor failure (a TrainerWorker that dies, an actor
+that raises) ends the run (exit 1) with one paragraph in train.log and on the terminal: the actor,
+the step, the root cause, the last complete checkpoint, which is intact, and the command that
+continues the run; `--resume` continues from it, and metrics.jsonl drops the lines of steps after
 it, which the resumed run writes again. `--resume` first verifies the latest checkpoint
 (trainer.checkpoint.verify: every file its metadata lists, whole) and falls back to the newest
 intact one with a warning naming both; older checkpoints are deleted (trainer.keep_checkpoints)
@@ -41,6 +47,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -54,16 +61,90 @@ log = logging.getLogger("megamoe.rl")
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 
-class TrainerDied(RuntimeError):
+class ActorError(RuntimeError):
+    """An actor raised or died where the run cannot go on; carries what the run's last words need.
+
+    `actor` names it ("TrainerWorker rank 0", "RolloutWorker 1"), `method` the call, `where` the
+    point of the run ("step 3", "start, before step 1"); `cause` is Ray's exception, of which
+    `root_cause` keeps the type and message of what went wrong inside the actor."""
+
+    def __init__(self, actor: str, method: str, where: str, cause: BaseException, note: str = ""):
+        self.actor, self.method, self.where, self.cause, self.note = actor, method, where, cause, note
+        self.died = _died(cause)
+        self.root_type, self.root_message = root_cause(cause)
+        super().__init__(f"{actor} {'died' if self.died else 'raised'} in {method} at {where}{note}: "
+                         f"{self.root_type}: {self.root_message}")
+
+
+class TrainerDied(ActorError):
     """A TrainerWorker process is gone; the run ends with the last checkpoint intact."""
 
 
-class RolloutFailed(RuntimeError):
+class RolloutFailed(ActorError):
     """RolloutWorkers kept dying past rollout.max_restarts."""
 
 
 class RunDirError(ValueError):
     """The run folder does not fit the request (a fresh run over an old one, a resume without a checkpoint)."""
+
+
+def _died(e: BaseException) -> bool:
+    """The actor's process is gone (killed, crashed), as opposed to its code raising."""
+    import ray
+
+    return isinstance(e, ray.exceptions.RayActorError) and not e.actor_init_failed
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_LAST_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*): (.*)$")  # "pkg.ValueError: message"
+
+
+def root_cause(e: BaseException) -> tuple[str, str]:
+    """(type name, message) of what went wrong inside an actor, without Ray's wrapping: the exception
+    its method raised; for a constructor that raised, the last line of the traceback Ray keeps as
+    text; for a process that died, Ray's exit detail."""
+    import ray
+
+    while isinstance(e, ray.exceptions.RayTaskError) and getattr(e, "cause", None) not in (None, e):
+        e = e.cause  # a method's exception (Ray wraps the original one; nested calls wrap it again)
+    if isinstance(e, ray.exceptions.RayActorError):
+        text = _ANSI.sub("", str(e))
+        if e.actor_init_failed:  # Ray keeps the constructor's exception only as traceback text
+            lines = text.splitlines()
+            for i in range(len(lines) - 1, -1, -1):  # the last "Type: message" line, and the message's rest
+                m = _LAST_EXCEPTION_LINE.match(lines[i].strip())
+                if m:
+                    return m[1].rsplit(".", 1)[-1], " ".join(" ".join([m[2], *lines[i + 1:]]).split())
+            return type(e).__name__, " ".join(text.split())
+        detail = re.search(r"Worker exit detail: (.*?)(?: Some common causes| There are some potential|$)", text, re.S)
+        pid = re.search(r"\bpid: (\d+)", text)
+        return type(e).__name__, (f"the actor's process{f' (pid {pid[1]})' if pid else ''} is gone"
+                                  + (f": {' '.join(detail[1].split())}" if detail else "")
+                                  + " (killed, out of memory, or crashed)")
+    message = " ".join(_ANSI.sub("", str(e)).split())
+    return type(e).__name__, message[:2000]
+
+
+def failure_paragraph(e: BaseException, run_dir: Path, command: str, where: str = "",
+                      trace: Path | None = None) -> str:
+    """The one paragraph a failed run leaves in train.log and on the terminal: what failed (which
+    actor, which call, which step), the root cause, where the tracebacks are, the last complete
+    checkpoint and the command that continues the run (`command` + --resume; last, to copy)."""
+    if isinstance(e, ActorError):
+        what = (f"{e.actor} {'died' if e.died else 'raised an exception'} in {e.method} at {e.where}{e.note}: "
+                f"{e.root_type}: {e.root_message}")
+    else:
+        what = "the driver failed{}: {}: {}".format(f" at {where}" if where else "", *root_cause(e))
+    try:
+        last = latest_checkpoint(run_dir)
+    except (OSError, ValueError, KeyError):  # an unreadable pointer: --resume says what is wrong with it
+        last = None
+    if last is not None:
+        then = (f"The last complete checkpoint is step {last[0]} ({last[1]}); continue the run with: "
+                f"{command} --resume")
+    else:
+        then = f"No checkpoint was written; start the run again with: {command} --overwrite"
+    return f"The run failed: {what.rstrip('.')}{f' (tracebacks: {trace})' if trace else ''}. {then}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,6 +159,9 @@ class WorkerHost:
         import importlib
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        from rl.logs import configure_vllm_logging
+
+        configure_vllm_logging()  # vLLM's INFO into the run's vllm.log from its first import on
         module, _, name = target.partition(":")
         self.worker = getattr(importlib.import_module(module), name)(*args, **kwargs)
 
@@ -142,14 +226,22 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def holds_run(run_dir: Path) -> bool:
+    """Whether run_dir holds a run's steps: a metrics line or a checkpoint. What a start that failed
+    before its first step leaves (config.yaml, train.log, an empty metrics.jsonl) is not a run."""
+    metrics = run_dir / "metrics.jsonl"
+    ckpts = checkpoints_dir(run_dir)
+    return (metrics.is_file() and metrics.stat().st_size > 0) or (ckpts.is_dir() and any(ckpts.iterdir()))
+
+
 def prepare_run_dir(cfg: Config, resume: bool) -> tuple[Path, int]:
     """Check the run folder against `resume`; return (run_dir, completed steps)."""
     run_dir = Path(cfg.run.out_dir).absolute()
-    has_run = (run_dir / "metrics.jsonl").exists() or checkpoints_dir(run_dir).exists()
     if not resume:
-        if has_run:
-            raise RunDirError(f"run.out_dir: {run_dir} already holds a run (metrics.jsonl or checkpoints/); "
-                              f"pass --resume to continue it, or set run.out_dir to a new folder")
+        if holds_run(run_dir):
+            raise RunDirError(f"run.out_dir: {run_dir} already holds a run (steps in metrics.jsonl or checkpoints/); "
+                              f"pass --resume to continue it, --overwrite to start it again, or set run.out_dir "
+                              f"to a new folder")
         run_dir.mkdir(parents=True, exist_ok=True)
         return run_dir, 0
     latest = latest_checkpoint(run_dir)
@@ -269,13 +361,13 @@ def _needed_cpus(plan: dict) -> float:
     return sum(b.get("CPU", 0) for b in plan["trainer"] + (plan["rollout"] or []))
 
 
-def start_ray(cfg: Config, plan: dict) -> bool:
-    """Join cfg.ray.address / $RAY_ADDRESS, or start a local instance; True if we started it."""
+def start_ray(cfg: Config, plan: dict, env: dict[str, str] | None = None) -> bool:
+    """Join cfg.ray.address / $RAY_ADDRESS, or start a local instance; True if we started it. Every
+    actor gets `env` (vLLM's logging: rl.logs) and then ray.env in its environment."""
     import ray
 
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
-    env = {"VLLM_LOGGING_LEVEL": "WARNING", **cfg.ray.env}
-    runtime_env = {"env_vars": env}
+    runtime_env = {"env_vars": {**(env or {}), **cfg.ray.env}}
     if address:
         log.info("joining the Ray cluster at %s", address)
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
@@ -349,6 +441,7 @@ class Loop:
         self.weights_dirty = start_step > 0  # trainer weights differ from model_dir's
         self.stop_requested = False
         self.pids: dict[str, list[int]] = {"trainer": [], "rollout": []}
+        self.where = f"start, before step {start_step + 1}"  # the point of the run, for failure reports
 
     # -- actors ------------------------------------------------------------------------------
     def _host(self, num_cpus: float, num_gpus: float, pg, bundle: int):
@@ -394,31 +487,47 @@ class Loop:
         """Block until every actor is built (their constructors run concurrently); record the pids."""
         import ray
 
-        self.pids["trainer"] = ray.get([a.pid.remote() for a in self.trainers])
-        self.pids["rollout"] = ray.get([a.pid.remote() for a in self.rollouts])
+        self.pids["trainer"] = self._get([a.pid.remote() for a in self.trainers], self._trainer_names(), "__init__")
+        self.pids["rollout"] = self._get([a.pid.remote() for a in self.rollouts],
+                                         [f"RolloutWorker {i}" for i in range(len(self.rollouts))], "__init__")
         self.write_pids()
 
     def write_pids(self) -> None:
         _write_atomic(self.run_dir / "actors.json", json.dumps(self.pids) + "\n")
 
+    def _trainer_names(self) -> list[str]:
+        return [f"TrainerWorker rank {r}" for r in range(len(self.trainers))]
+
+    def _get(self, refs: list, actors: list[str], method: str) -> list:
+        """ray.get of one call per actor (actors[i] made refs[i]), waiting in completion order: the
+        first call that fails raises ActorError naming its actor (TrainerDied for a trainer rank
+        whose process is gone), even while the other ranks still wait for it in a collective."""
+        import ray
+
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayError as e:
+                actor = actors[refs.index(done[0])]
+                kind = TrainerDied if actor.startswith("TrainerWorker") and _died(e) else ActorError
+                raise kind(actor, method, self.where, e) from e
+        return ray.get(refs)
+
     def _trainer_call(self, method: str, *args, put: bool = False):
         """Call `method` on every trainer rank (each runs collectives); rank 0's result (with put=True,
         [an ObjectRef to it] left in the object store by rank 0)."""
-        import ray
-
         refs = [(t.call_put if put else t.call).remote(method, *args) for t in self.trainers]
-        try:
-            return ray.get(refs)[0]
-        except ray.exceptions.RayActorError as e:
-            raise TrainerDied(f"a TrainerWorker died during {method} at step {self.step + 1}: {e}") from e
+        return self._get(refs, self._trainer_names(), method)[0]
 
-    def restart_rollout(self, i: int, why: BaseException) -> None:
+    def restart_rollout(self, i: int, why: BaseException, method: str) -> None:
         import ray
 
         self.restarts += 1
         if self.restarts > self.cfg.rollout.max_restarts:
-            raise RolloutFailed(f"RolloutWorker {i} died again ({why}); rollout.max_restarts="
-                                f"{self.cfg.rollout.max_restarts} restarts are used up") from why
+            raise RolloutFailed(f"RolloutWorker {i}", method, self.where, why,
+                                note=f" after rollout.max_restarts={self.cfg.rollout.max_restarts} restarts") from why
         log.warning("RolloutWorker %d died (%s); restarting it with the current weights (restart %d of %d)",
                     i, type(why).__name__, self.restarts, self.cfg.rollout.max_restarts)
         try:
@@ -426,7 +535,7 @@ class Loop:
         except Exception:  # noqa: BLE001 - it is dead already; kill only releases the handle
             pass
         self.rollouts[i] = self._new_rollout(i)
-        self.pids["rollout"][i] = ray.get(self.rollouts[i].pid.remote())
+        self.pids["rollout"][i] = self._get([self.rollouts[i].pid.remote()], [f"RolloutWorker {i}"], "__init__")[0]
         self.write_pids()
         if self.weights_dirty:
             self.push_weights([i])
@@ -454,10 +563,12 @@ class Loop:
             except ray.exceptions.RayActorError as e:
                 dead = self._dead_rollout(targets)
                 if dead is None:
-                    raise TrainerDied(f"a TrainerWorker died during the weight sync at step {self.step}: {e}") from e
-                self.restart_rollout(dead, e)  # the new worker gets the weights there
+                    raise TrainerDied(self._actor_of(e, "a TrainerWorker"), "the weight sync (ipc)", self.where, e) from e
+                self.restart_rollout(dead, e, "the weight sync (ipc)")  # the new worker gets the weights there
                 rest = [i for i in targets if i != dead]
                 return self.push_weights(rest) if rest else {"total": time.perf_counter() - t0}
+            except ray.exceptions.RayError as e:
+                raise ActorError(self._actor_of(e, "an actor"), "the weight sync (ipc)", self.where, e) from e
             times.update({k: v for k, v in info["seconds"].items() if k != "total"})  # rollout.sync.send_ipc's phases
             times["total"] = time.perf_counter() - t0
             return times
@@ -469,12 +580,26 @@ class Loop:
             try:
                 info = ray.get(self.rollouts[i].call.remote("update_weights", named))
             except ray.exceptions.RayActorError as e:
-                self.restart_rollout(i, e)  # the new worker gets these weights
+                if e.actor_init_failed:
+                    raise ActorError(f"RolloutWorker {i}", "__init__", self.where, e) from e
+                self.restart_rollout(i, e, "update_weights")  # the new worker gets these weights
                 continue
+            except ray.exceptions.RayError as e:
+                raise ActorError(f"RolloutWorker {i}", "update_weights", self.where, e) from e
             if i == targets[0] and isinstance(info, dict):
                 times.update({k[:-2]: v for k, v in info.items() if k.endswith("_s")})
         times["total"] = time.perf_counter() - t0
         return times
+
+    def _actor_of(self, e: BaseException, default: str) -> str:
+        """The actor a Ray error came from, by the pid Ray's message names (a call that went through
+        several actors, as the IPC weight sync does)."""
+        m = re.search(r"\bpid[=:] ?(\d+)", _ANSI.sub("", str(e)))
+        pid = int(m[1]) if m else None
+        for kind, name in (("trainer", "TrainerWorker rank"), ("rollout", "RolloutWorker")):
+            if pid in self.pids[kind]:
+                return f"{name} {self.pids[kind].index(pid)}"
+        return default
 
     def _dead_rollout(self, targets: list[int]) -> int | None:
         """The first of `targets` whose actor no longer answers."""
@@ -493,7 +618,7 @@ class Loop:
 
         if not self.on_gpu:
             return None
-        mem = ray.get(self.rollouts[0].call.remote("gpu_memory"))
+        mem = self._get([self.rollouts[0].call.remote("gpu_memory")], ["RolloutWorker 0"], "gpu_memory")[0]
         return mem["device_used_bytes"] / 2**30 if mem else None
 
     def generate(self, prompts: list[str], sampling: dict) -> list[dict]:
@@ -510,10 +635,14 @@ class Loop:
                 try:
                     outs.append(ray.get(ref))
                 except ray.exceptions.RayActorError as e:
+                    if e.actor_init_failed:
+                        raise ActorError(f"RolloutWorker {j}", "__init__", self.where, e) from e
                     dead = dead or (j, e)
+                except ray.exceptions.RayError as e:
+                    raise ActorError(f"RolloutWorker {j}", "generate", self.where, e) from e
             if dead is None:
                 break
-            self.restart_rollout(*dead)  # another dead worker, if any, is found by the retry
+            self.restart_rollout(*dead, "generate")  # another dead worker, if any, is found by the retry
         samples = []
         for (a, _), out in zip(bounds, outs):
             for s in out:
@@ -572,6 +701,7 @@ class Loop:
         from rl.metrics import summarize
 
         cfg = self.cfg
+        self.where = f"step {self.step + 1}"
         t_step = time.perf_counter()
         batch = self.source.batch(self.step, cfg.run.prompts_per_step)
         prompts = batch.prompts
@@ -605,7 +735,8 @@ class Loop:
             # The KV cache (and with level 2 the weights) make room for the trainer; the sync wakes
             # the weights, the next generate the KV cache.
             t0 = time.perf_counter()
-            ray.get([w.call.remote("sleep", cfg.rollout.sleep_level) for w in self.rollouts])
+            self._get([w.call.remote("sleep", cfg.rollout.sleep_level) for w in self.rollouts],
+                      [f"RolloutWorker {i}" for i in range(len(self.rollouts))], "sleep")
             t_sleep = time.perf_counter() - t0
         t0 = time.perf_counter()
         train_metrics = self._trainer_call("train_step", ray.put(train_batch))
@@ -730,10 +861,10 @@ def base_model_dir(cfg: Config, run_dir: Path) -> Path:
 
 
 def resolve_model(cfg: Config, run_dir: Path) -> Path:
+    """The base model's folder: model.path, checked (check_model), or model.make's, made when missing."""
     path = base_model_dir(cfg, run_dir)
     if cfg.model.path is not None:
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model.path: expected a HF checkpoint folder with config.json, got {str(path)!r}")
+        check_model(path)
         return path
     if not (path / "config.json").is_file():
         from rl.make_model import make_model
@@ -742,41 +873,146 @@ def resolve_model(cfg: Config, run_dir: Path) -> Path:
     return path
 
 
-def _setup_logging(run_dir: Path) -> None:
+def check_model(path: Path, key: str = "model.path") -> None:
+    """A checkpoint both sides run, read on the driver before anything starts: config.json's
+    model_type one the trainer loads (trainer.model.SUPPORTED_ARCHS), its architecture and settings
+    ones the rollout hook serves (rollout.plugin.check_model_config), every MoE block of the model
+    it describes (built on the meta device) one megamoe computes (trainer.experts.
+    check_megamoe_eligible: activation, gated experts, no biases, the router), and the weights'
+    names and shapes that model's (safetensors headers only). ConfigError naming `key`, the class,
+    the model_type and what is not supported."""
+    from rl.config import ConfigError
+
+    if not path.is_dir():
+        raise ConfigError(f"{key}: no such folder {str(path)!r} (expected a Hugging Face checkpoint folder "
+                          f"with config.json and *.safetensors)")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{key}: expected a Hugging Face checkpoint folder with config.json, {str(path)!r} has none")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rollout.plugin import check_model_config
+    from trainer.experts import check_megamoe_eligible
+    from trainer.model import SUPPORTED_ARCHS, check_checkpoint
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - whatever transformers says, it is said naming the key
+        raise ConfigError(f"{key}: {str(path / 'config.json')!r} does not load ({type(e).__name__}: "
+                          f"{' '.join(str(e).split())})") from None
+    arch = "/".join(config.architectures) if config.architectures else "model without config.json `architectures`"
+    what = f"{key}: {str(path)!r} holds a {arch} (model_type {config.model_type!r})"
+    if config.model_type not in SUPPORTED_ARCHS:
+        raise ConfigError(f"{what}, which is not a MoE model the trainer trains: expected model_type one of "
+                          f"{SUPPORTED_ARCHS}")
+    try:
+        check_model_config(config, where=what)
+        with torch.device("meta"):
+            check_megamoe_eligible(AutoModelForCausalLM.from_config(config))
+        check_checkpoint(path, config)
+    except (ValueError, NotImplementedError, FileNotFoundError) as e:
+        message = " ".join(str(e).split())
+        raise ConfigError(message if message.startswith(what) else f"{what}: {message}") from None
+
+
+def _setup_logging(run_dir: Path) -> list[tuple[logging.Logger, logging.Handler]]:
+    """train.log (and the terminal) for the megamoe loggers; returns what to remove at the end."""
     fmt = logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s")
     fh = logging.FileHandler(run_dir / "train.log")
     fh.setFormatter(fmt)
     root = logging.getLogger("megamoe")
     root.setLevel(logging.INFO)
     root.addHandler(fh)
+    added = [(root, fh)]
     if not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
                for h in root.handlers):
         sh = logging.StreamHandler()
         sh.setFormatter(fmt)
         root.addHandler(sh)
+        added.append((root, sh))
     # The per-step line goes to the file; the progress bar shows it on the terminal.
-    logging.getLogger("megamoe.rl.steps").propagate = False
-    logging.getLogger("megamoe.rl.steps").addHandler(fh)
+    steps = logging.getLogger("megamoe.rl.steps")
+    steps.propagate = False
+    steps.addHandler(fh)
+    added.append((steps, fh))
+    return added
 
 
-def train(cfg: Config, *, resume: bool = False) -> int:
-    """Run (or resume) the RL loop described by `cfg`; returns the exit code."""
-    run_dir, start_step = prepare_run_dir(cfg, resume)
-    _setup_logging(run_dir)
-    if resume:
-        start_step = resume_checkpoint(run_dir)
-        if start_step >= cfg.run.steps:  # finished: say so, change nothing (not even config.yaml)
-            log.info("the run already has %d steps (run.steps=%d); nothing to do", start_step, cfg.run.steps)
-            return EXIT_OK
-        _log_config_changes(run_dir, cfg)
-    _write_atomic(run_dir / "config.yaml", to_yaml(cfg))
-    model_dir = resolve_model(cfg, run_dir)
-    loop = Loop(cfg, run_dir, start_step, model_dir)
+class _Created:
+    """What a fresh run's start creates in run.out_dir, to remove when the start is refused: the
+    folder itself (and any parents made for it) when it did not exist, else the entries it adds."""
 
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.top = None  # the outermost folder that did not exist
+        for d in (run_dir, *run_dir.parents):
+            if d.exists():
+                break
+            self.top = d
+        self.before = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else set()
+
+    def remove(self) -> None:
+        if self.top is not None:
+            shutil.rmtree(self.top, ignore_errors=True)
+        elif self.run_dir.is_dir():
+            for p in self.run_dir.iterdir():
+                if p.name in self.before:
+                    continue
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+
+
+def train(cfg: Config, *, resume: bool = False, command: str | None = None) -> int:
+    """Run (or resume) the RL loop described by `cfg`; returns the exit code (EXIT_*).
+
+    Every check happens before Ray starts: the run folder, the checkpoint to resume, the model
+    (check_model), the rewards, the dataset and every prompt's length (Loop). A refused start
+    raises (ConfigError, DataError, RunDirError: exit 2 from the CLI) and a fresh run then removes
+    what it created in run.out_dir. From then on a failure (an actor that raises or dies, Ray
+    itself) ends the run with one paragraph in train.log and on the terminal (failure_paragraph):
+    which actor, which step, the root cause, the last complete checkpoint and `command` + --resume,
+    the way to continue (`command`: how the run was started, without --resume / --overwrite)."""
+    run_dir = Path(cfg.run.out_dir).absolute()
+    command = command or f"megamoe-rl train --config {run_dir / 'config.yaml'}"
+    created = None if resume else _Created(run_dir)
+    handlers: list = []
+    try:
+        run_dir, start_step = prepare_run_dir(cfg, resume)
+        handlers = _setup_logging(run_dir)
+        if resume:
+            start_step = resume_checkpoint(run_dir)
+            if start_step >= cfg.run.steps:  # finished: say so, change nothing (not even config.yaml)
+                log.info("the run already has %d steps (run.steps=%d); nothing to do", start_step, cfg.run.steps)
+                return EXIT_OK
+        loop = Loop(cfg, run_dir, start_step, resolve_model(cfg, run_dir))
+        if resume:
+            _log_config_changes(run_dir, cfg)
+        _write_atomic(run_dir / "config.yaml", to_yaml(cfg))
+        from rl.logs import vllm_log_env
+
+        vllm_env = vllm_log_env(run_dir)
+        return _run(loop, cfg, run_dir, command, vllm_env)
+    except BaseException:
+        _close_logging(handlers)
+        handlers = []
+        if created is not None and not holds_run(run_dir):
+            created.remove()
+        raise
+    finally:
+        _close_logging(handlers)
+
+
+def _close_logging(handlers: list[tuple[logging.Logger, logging.Handler]]) -> None:
+    for logger, h in handlers:
+        logger.removeHandler(h)
+        h.close()
+
+
+def _run(loop: Loop, cfg: Config, run_dir: Path, command: str, env: dict[str, str]) -> int:
+    """Ray up, the loop, Ray down; every failure from here on is reported in one paragraph."""
     import ray
-
-    plan = loop.plan
-    started = start_ray(cfg, plan)
 
     def on_sigint(signum, frame):
         if loop.stop_requested:
@@ -786,29 +1022,45 @@ def train(cfg: Config, *, resume: bool = False) -> int:
                     loop.step + 1)
 
     previous = signal.signal(signal.SIGINT, on_sigint)
+    started = False
     code = EXIT_FAILED
     try:
+        started = start_ray(cfg, loop.plan, env=env)
         code = loop.run()
     except KeyboardInterrupt:
         last = latest_checkpoint(run_dir)
         log.warning("stopped at once by Ctrl-C; the last checkpoint is %s", last[1] if last else "none")
         code = EXIT_INTERRUPTED
-    except (TrainerDied, RolloutFailed) as e:
-        last = latest_checkpoint(run_dir)
-        log.error("%s. The run ends; the last checkpoint is %s; continue with --resume", e,
-                  f"step {last[0]} ({last[1]})" if last else "none (no step was checkpointed)")
+    except Exception as e:  # noqa: BLE001 - an actor's error or the driver's own: reported, not re-raised
+        _report_failure(e, run_dir, command, loop.where)
         code = EXIT_FAILED
     finally:
         signal.signal(signal.SIGINT, previous)
-        loop.shutdown()
+        if started or ray.is_initialized():
+            loop.shutdown()
         if started:
             ray.shutdown()
-    if cfg.run.plot and (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").stat().st_size:
-        from rl.plot import plot_run
-        log.info("plot: %s", plot_run(run_dir))
-    if code == EXIT_OK and cfg.run.export_final:
-        log.info("final policy (Hugging Face checkpoint): %s", export_final(run_dir))
+    try:
+        if cfg.run.plot and (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").stat().st_size:
+            from rl.plot import plot_run
+            log.info("plot: %s", plot_run(run_dir))
+        if code == EXIT_OK and cfg.run.export_final:
+            log.info("final policy (Hugging Face checkpoint): %s", export_final(run_dir))
+    except Exception as e:  # noqa: BLE001
+        _report_failure(e, run_dir, command, "the end of the run (plot / export)")
+        code = EXIT_FAILED
     return code
+
+
+def _report_failure(e: BaseException, run_dir: Path, command: str, where: str) -> None:
+    """The paragraph to train.log and the terminal; the traceback (the actor's, as Ray kept it, and
+    the driver's) to <run_dir>/traceback.txt, which the paragraph names."""
+    import traceback
+
+    trace = run_dir / "traceback.txt"
+    # The chain: ActorError <- Ray's exception, whose text holds the actor's own traceback.
+    trace.write_text(_ANSI.sub("", "".join(traceback.format_exception(e))))
+    log.error("%s", failure_paragraph(e, run_dir, command, where, trace))
 
 
 def export_final(run_dir: Path) -> Path:

@@ -7,6 +7,11 @@
 
 Everything up to the loop (argument parsing, YAML, overrides, validation, reward loading, the dry
 run) imports neither torch nor vLLM nor Ray, so `--help` and `--dry-run` answer at once.
+
+Exit status: 0 done; 2 refused before any work (a config, model, dataset or run-folder error, named
+by its key; a fresh run refused this way leaves nothing in run.out_dir); 1 failed while running (an
+actor raised or died: one paragraph in train.log and on the terminal says which, where, why, and
+the command that continues the run); 130 interrupted (Ctrl-C; the last checkpoint stands).
 """
 
 from __future__ import annotations
@@ -64,13 +69,24 @@ def run_train(args: argparse.Namespace) -> int:
     if args.dry_run:
         sys.stdout.write(C.to_yaml(cfg))
         return 0
+    if args.overwrite and args.resume:
+        args.parser.error("--overwrite and --resume: choose one")
     from rl.data import DataError
     from rl.loop import RunDirError, remove_run, train
     try:
         if args.overwrite:
-            if args.resume:
-                args.parser.error("--overwrite and --resume: choose one")
             remove_run(cfg)
-        return train(cfg, resume=args.resume)
+        return train(cfg, resume=args.resume, command=start_command(args))
     except (RunDirError, DataError, C.ConfigError) as e:
         args.parser.error(str(e))
+
+
+def start_command(args: argparse.Namespace) -> str:
+    """This run's command line without --resume / --overwrite (a failed run names it, plus the flag
+    that continues it)."""
+    import shlex
+
+    words = ["megamoe-rl", "train"] + (["--config", args.config] if args.config else []) + list(args.overrides)
+    for spec in args.reward or ():
+        words += ["--reward", spec]
+    return shlex.join(words)

@@ -68,11 +68,16 @@ def write_reward_module(folder: Path) -> str:
 
 
 def run_train(run_dir: Path, *args: str, action: str = "", cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """`megamoe-rl train` in a subprocess (its own session, as from a terminal)."""
+    """`megamoe-rl train` on configs/tiny.yaml in a subprocess (its own session, as from a terminal)."""
+    return run_cli(CLI + [f"run.out_dir={run_dir}", *SMALL, *args], run_dir, action=action, cwd=cwd)
+
+
+def run_cli(argv: list[str], run_dir: Path, *, action: str = "", cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """A command line (`argv`) in a subprocess, with the test reward's fault `action` for `run_dir`."""
     env = dict(os.environ, RL_TEST_RUN_DIR=str(run_dir), RL_TEST_ACTION=action)
     env.pop("RAY_ADDRESS", None)
-    return subprocess.run(CLI + [f"run.out_dir={run_dir}", *SMALL, *args], cwd=cwd or run_dir.parent, env=env,
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S, start_new_session=True)
+    return subprocess.run(argv, cwd=cwd or run_dir.parent, env=env, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S, start_new_session=True)
 
 
 def explain(proc: subprocess.CompletedProcess) -> str:
@@ -123,8 +128,11 @@ def test_run_folder_rules(tmp_path):
         prepare_run_dir(cfg, resume=True)
     run_dir, step = prepare_run_dir(cfg, resume=False)
     assert step == 0 and run_dir.is_dir()
-    (run_dir / "metrics.jsonl").write_text("")
-    with pytest.raises(RunDirError, match="already holds a run.*--resume"):
+    (run_dir / "metrics.jsonl").write_text("")  # what a start that failed before its first step leaves
+    (run_dir / "train.log").write_text("The run failed: ...\n")
+    assert prepare_run_dir(cfg, resume=False) == (run_dir, 0)  # not taken for a run
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(RunDirError, match="already holds a run.*--resume.*--overwrite"):
         prepare_run_dir(cfg, resume=False)
     with pytest.raises(RunDirError, match="not a run folder"):
         remove_run(cfg)  # no config.yaml: --overwrite must not delete an arbitrary folder
@@ -192,6 +200,21 @@ def test_e2e_run_folder_holds_config_plot_and_checkpoint(e2e):
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["run"]["out_dir"] == str(run_dir)
 
 
+def test_e2e_vllm_logs_go_to_the_run_folder_and_its_warnings_once_to_the_terminal(e2e):
+    import re
+
+    proc, run_dir = e2e
+    vllm_log = (run_dir / "vllm.log").read_text()
+    assert re.search(r"vllm pid=\d+ INFO .*Initializing a V1 LLM engine", vllm_log), explain(proc)
+    terminal = (proc.stdout + proc.stderr).splitlines()
+    # Neither the run's format, nor vLLM's own, nor a vllm.* logger through the actor's root logger.
+    assert not [ln for ln in terminal if re.search(r"vllm pid=\d+ INFO |\) INFO \d\d-\d\d | vllm\.[\w.]+ INFO ", ln)], \
+        explain(proc)
+    warnings = [ln.split("] ", 1)[-1] for ln in terminal if re.search(r"vllm pid=\d+ WARNING ", ln)]
+    assert len(warnings) == len(set(warnings)), warnings  # each distinct message once, over every process
+    assert all(w in vllm_log for w in warnings)
+
+
 @pytest.mark.parametrize("cfg_address, env_address, joins", [
     pytest.param("10.0.0.5:6379", None, "10.0.0.5:6379", id="config"),
     pytest.param(None, "auto", "auto", id="RAY_ADDRESS"),
@@ -210,10 +233,11 @@ def test_start_ray_joins_or_starts(monkeypatch, cfg_address, env_address, joins)
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
     cfg = _cfg("ray.env={OMP_NUM_THREADS: '1'}") if cfg_address is None else \
         _cfg(f"ray.address={cfg_address}", "ray.env={OMP_NUM_THREADS: '1'}")
-    started = start_ray(cfg, plan_bundles(cfg))
+    started = start_ray(cfg, plan_bundles(cfg), env={"VLLM_LOGGING_CONFIG_PATH": "/run/x.json", "OMP_NUM_THREADS": "2"})
     assert started is (joins is None)
     assert seen.get("address") == joins
-    assert seen["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "1"
+    # The run's vLLM logging reaches every actor; ray.env has the last word.
+    assert seen["runtime_env"]["env_vars"] == {"VLLM_LOGGING_CONFIG_PATH": "/run/x.json", "OMP_NUM_THREADS": "1"}
     if joins is None:
         assert seen["num_cpus"] >= 2  # the tiny plan needs 2 CPUs (trainer + colocated rollout)
 
