@@ -125,7 +125,7 @@ def check_checkpoint(model_dir: Path, device: str) -> Any:
         spec = CheckpointSpec.from_dir(model_dir)
     except Exception as e:  # noqa: BLE001
         raise ConsistencyError(f"{where}: the checkpoint does not load ({type(e).__name__}: {e})") from e
-    from rollout.adapter import SUPPORTED_ARCHITECTURES
+    from rollout.archs import SUPPORTED_ARCHITECTURES
 
     if spec.architecture not in SUPPORTED_ARCHITECTURES:
         raise ConsistencyError(f"{where}: architecture {spec.architecture!r} is not served by the rollout hook; "

@@ -876,7 +876,7 @@ def resolve_model(cfg: Config, run_dir: Path) -> Path:
 def check_model(path: Path, key: str = "model.path") -> None:
     """A checkpoint both sides run, read on the driver before anything starts: config.json's
     model_type one the trainer loads (trainer.model.SUPPORTED_ARCHS), its architecture and settings
-    ones the rollout hook serves (rollout.plugin.check_model_config), every MoE block of the model
+    ones the rollout hook serves (rollout.archs.check_model_config), every MoE block of the model
     it describes (built on the meta device) one megamoe computes (trainer.experts.
     check_megamoe_eligible: activation, gated experts, no biases, the router), and the weights'
     names and shapes that model's (safetensors headers only). ConfigError naming `key`, the class,
@@ -891,7 +891,7 @@ def check_model(path: Path, key: str = "model.path") -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rollout.plugin import check_model_config
+    from rollout.archs import check_model_config
     from trainer.experts import check_megamoe_eligible
     from trainer.model import SUPPORTED_ARCHS, check_checkpoint
 

@@ -50,16 +50,14 @@ except ImportError:  # older vLLM (the H200 machine's 0.26): vLLM's own gate, se
 
 import megamoe
 from megamoe.router import router_logits as megamoe_router_logits
-from rollout import moe_method, plugin
+from rollout import archs, moe_method
 
 VLLM_VERSION = vllm.__version__
 logger = logging.getLogger(__name__)
 
-# The architectures the hook serves and the refusal of checkpoints it cannot serve live in
-# rollout.plugin (no vLLM import there); re-exported here, where vLLM-side code looks for them.
-SUPPORTED_ARCHITECTURES = plugin.SUPPORTED_ARCHITECTURES
-check_architectures = plugin.check_architectures
-check_model_config = plugin.check_model_config
+# The implementation rollout.plugin.register() chose for this process (register_moe_method);
+# MegaMoEMethod reads it here rather than the environment again.
+_REGISTERED: dict[str, str | None] = {"impl": None}
 
 _OOT_NAME = "UnquantizedFusedMoEMethod"
 _GATE_OOT_NAME = "GateLinear"
@@ -89,21 +87,22 @@ def _apply_takes_routing() -> bool:
 class MegaMoEMethod(UnquantizedFusedMoEMethod):
     """vLLM's unquantized MoE method with the routed experts computed by megamoe.
 
-    `moe_impl` (read from MEGAMOE_MOE_IMPL when vLLM builds the layer):
+    `moe_impl` (the one rollout.plugin.register() recorded through register_moe_method):
       megamoe / reference: weights stay in vLLM's checkpoint layout (w13 [E,2I,H] gate rows first,
         w2 [E,H,I]), which is megamoe's layout, and `apply` calls `megamoe.fused_moe`.
       stock: vLLM's own kernels; only the weight reload is repaired (see process_weights_after_loading).
     """
 
     def __init__(self, moe):
-        impl = plugin.configured_impl()
+        impl = _REGISTERED["impl"]
         if impl is None:
-            raise RuntimeError(f"{plugin.ENV_VAR} is unset, yet the megamoe MoE method was instantiated; "
-                               "set it in every vLLM process (rollout.worker.RolloutWorker does)")
+            raise RuntimeError("the megamoe MoE method was instantiated in a process where rollout.plugin.register() "
+                               "chose no implementation (MEGAMOE_MOE_IMPL unset there; rollout.worker.RolloutWorker "
+                               "sets it for every vLLM process)")
         from vllm.config import get_current_vllm_config
 
         # While vLLM builds the model: before any weight is loaded.
-        check_model_config(get_current_vllm_config().model_config.hf_config, where="vLLM model (megamoe plugin)")
+        archs.check_model_config(get_current_vllm_config().model_config.hf_config, where="vLLM model (megamoe plugin)")
         self.megamoe_impl = impl
         if impl == "stock":
             super().__init__(moe)
@@ -136,7 +135,7 @@ class MegaMoEMethod(UnquantizedFusedMoEMethod):
             raise NotImplementedError(
                 "megamoe rollout hook: this MoE layer needs " +
                 ", ".join(f"{k}={why}" for k, why in bad.items()) +
-                f"; not supported with moe_impl={plugin.configured_impl()!r} (use moe_impl='stock')")
+                f"; not supported with moe_impl={_REGISTERED['impl']!r} (use moe_impl='stock')")
 
     # -- weights --------------------------------------------------------------------------------
 
@@ -264,6 +263,7 @@ def register_moe_method(impl: str) -> None:
 
         for arch in PLAIN_GATE_ARCHITECTURES:
             ModelRegistry.register_model(arch, f"rollout.models:{arch}")
+    _REGISTERED["impl"] = impl
     replacements = [(_OOT_NAME, MegaMoEMethod, CustomOp)]
     if self_routing:
         replacements.append((_GATE_OOT_NAME, MegaMoEGate, PluggableLayer))

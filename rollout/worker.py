@@ -123,9 +123,9 @@ class RolloutWorker:
         self._weights_broken: str | None = None
         self.llm = None
 
-        from rollout import adapter
+        from rollout import adapter, archs
 
-        adapter.check_architectures([self.spec.architecture], where=f"model_dir {self.model_dir!r}")
+        archs.check_architectures([self.spec.architecture], where=f"model_dir {self.model_dir!r}")
         # Before any vLLM process exists: every process the engine spawns inherits it.
         os.environ[plugin.ENV_VAR] = self.moe_impl
         if torch.cuda.is_available():

@@ -194,7 +194,7 @@ def test_model_config_vllm_would_compute_differently_is_refused(arch, changes, n
     """config.json as a dict (what a driver reads) and as transformers' config (what vLLM holds)."""
     from transformers import AutoConfig
 
-    from rollout.plugin import check_model_config
+    from rollout.archs import check_model_config
 
     cls = CLASS_OF[arch]
     bad = _config_json(arch, **changes)
