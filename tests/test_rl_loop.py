@@ -34,25 +34,26 @@ SMALL = ["rollout.n=4", "run.prompts_per_step=4", "run.progress=false"]
 RUN_TIMEOUT_S = 420
 
 REWARD_MODULE = textwrap.dedent('''
-    """A user reward for the loop tests; RL_TEST_ACTION=<what>@<call> also injects a fault."""
+    """A user reward for the loop tests; RL_TEST_ACTION=<what>@<call>[,<what>@<call>...] also injects faults."""
     import json, os, signal
 
     CALLS = {"n": 0}
 
 
     def _act():
-        what, _, at = os.environ.get("RL_TEST_ACTION", "").partition("@")
-        if not what or CALLS["n"] != int(at):
-            return
-        pids = json.loads(open(os.path.join(os.environ["RL_TEST_RUN_DIR"], "actors.json")).read())
-        if what == "kill_rollout":
-            os.kill(pids["rollout"][0], signal.SIGKILL)
-        elif what == "kill_trainer":
-            os.kill(pids["trainer"][0], signal.SIGKILL)
-        elif what == "sigint":
-            os.kill(os.getpid(), signal.SIGINT)
-        else:
-            raise ValueError(what)
+        for action in filter(None, os.environ.get("RL_TEST_ACTION", "").split(",")):
+            what, _, at = action.partition("@")
+            if CALLS["n"] != int(at):
+                continue
+            pids = json.loads(open(os.path.join(os.environ["RL_TEST_RUN_DIR"], "actors.json")).read())
+            if what == "kill_rollout":
+                os.kill(pids["rollout"][0], signal.SIGKILL)
+            elif what == "kill_trainer":
+                os.kill(pids["trainer"][0], signal.SIGKILL)
+            elif what == "sigint":
+                os.kill(os.getpid(), signal.SIGINT)
+            else:
+                raise ValueError(what)
 
 
     def first_char_is_answer(prompts, completions, answer):
