@@ -44,7 +44,7 @@ class ExportError(ValueError):
 
 def resolve_checkpoint(run_dir: Path, step: int | None) -> tuple[int, Path]:
     """(step, folder) of the run's checkpoint at `step`, or its latest (checkpoints/latest.json)."""
-    from rl.loop import checkpoints_dir, latest_checkpoint
+    from rl.run_dir import checkpoints_dir, latest_checkpoint
     from trainer.checkpoint import CheckpointDamaged, is_complete, step_dir, step_of, verify
 
     root = checkpoints_dir(run_dir)
@@ -82,7 +82,7 @@ def checkpoint_model_metas(path: Path) -> list[tuple[str, list[int], str]]:
 def base_model_dir(run_dir: Path) -> Path:
     """The run's base checkpoint: model.path of its config.yaml, else the model it made (run/model)."""
     from rl import config as C
-    from rl.loop import base_model_dir as run_base_model
+    from rl.run_dir import base_model_dir as run_base_model
 
     cfg_path = run_dir / "config.yaml"
     if not cfg_path.is_file():

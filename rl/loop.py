@@ -37,370 +37,36 @@ checkpoint stands.
 
 Placement: colocated puts one bundle per trainer rank in one placement group and the rollout
 workers into those bundles (round robin; each bundle reserves the sum of its actors' CPUs/GPUs);
-disaggregated gives the trainer ranks and the rollout workers placement groups of their own.
+disaggregated gives the trainer ranks and the rollout workers placement groups of their own
+(rl/cluster.py).
+
+Around it: rl/run_dir.py (the run folder, checkpoints' pointer, resume), rl/cluster.py (Ray, the
+actor host, placement), rl/failures.py (an actor's failure as one paragraph), rl/base_model.py
+(the model made or checked before anything starts). This file stays over 500 lines for one reason:
+`Loop` is one state machine (actors, steps, weight syncs, checkpoints, restarts) whose ~450 lines of
+methods share its state; what does not need that state lives in the modules above.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-import math
-import os
 import re
 import shutil
 import signal
-import socket
 import time
 from pathlib import Path
 
+from rl.base_model import resolve_model
+from rl.cluster import Placement, WorkerHost, node_ip_and_port, place, plan_bundles, start_ray, strategy
 from rl.config import Config, to_dict, to_yaml
+from rl.failures import ANSI, ActorError, RolloutFailed, TrainerDied, died, failure_paragraph
+from rl.run_dir import (checkpoints_dir, holds_run, latest_checkpoint, log_config_changes, prepare_run_dir,
+                        resume_checkpoint, write_atomic)
 
 log = logging.getLogger("megamoe.rl")
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
-
-
-class ActorError(RuntimeError):
-    """An actor raised or died where the run cannot go on; carries what the run's last words need.
-
-    `actor` names it ("TrainerWorker rank 0", "RolloutWorker 1"), `method` the call, `where` the
-    point of the run ("step 3", "start, before step 1"); `cause` is Ray's exception, of which
-    `root_cause` keeps the type and message of what went wrong inside the actor."""
-
-    def __init__(self, actor: str, method: str, where: str, cause: BaseException, note: str = ""):
-        self.actor, self.method, self.where, self.cause, self.note = actor, method, where, cause, note
-        self.died = _died(cause)
-        self.root_type, self.root_message = root_cause(cause)
-        super().__init__(f"{actor} {'died' if self.died else 'raised'} in {method} at {where}{note}: "
-                         f"{self.root_type}: {self.root_message}")
-
-
-class TrainerDied(ActorError):
-    """A TrainerWorker process is gone; the run ends with the last checkpoint intact."""
-
-
-class RolloutFailed(ActorError):
-    """RolloutWorkers kept dying past rollout.max_restarts."""
-
-
-class RunDirError(ValueError):
-    """The run folder does not fit the request (a fresh run over an old one, a resume without a checkpoint)."""
-
-
-def _died(e: BaseException) -> bool:
-    """The actor's process is gone (killed, crashed), as opposed to its code raising."""
-    import ray
-
-    return isinstance(e, ray.exceptions.RayActorError) and not e.actor_init_failed
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_LAST_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*): (.*)$")  # "pkg.ValueError: message"
-
-
-def root_cause(e: BaseException) -> tuple[str, str]:
-    """(type name, message) of what went wrong inside an actor, without Ray's wrapping: the exception
-    its method raised; for a constructor that raised, the last line of the traceback Ray keeps as
-    text; for a process that died, Ray's exit detail."""
-    import ray
-
-    while isinstance(e, ray.exceptions.RayTaskError) and getattr(e, "cause", None) not in (None, e):
-        e = e.cause  # a method's exception (Ray wraps the original one; nested calls wrap it again)
-    if isinstance(e, ray.exceptions.RayActorError):
-        text = _ANSI.sub("", str(e))
-        if e.actor_init_failed:  # Ray keeps the constructor's exception only as traceback text
-            lines = text.splitlines()
-            for i in range(len(lines) - 1, -1, -1):  # the last "Type: message" line, and the message's rest
-                m = _LAST_EXCEPTION_LINE.match(lines[i].strip())
-                if m:
-                    return m[1].rsplit(".", 1)[-1], " ".join(" ".join([m[2], *lines[i + 1:]]).split())
-            return type(e).__name__, " ".join(text.split())
-        detail = re.search(r"Worker exit detail: (.*?)(?: Some common causes| There are some potential|$)", text, re.S)
-        pid = re.search(r"\bpid: (\d+)", text)
-        return type(e).__name__, (f"the actor's process{f' (pid {pid[1]})' if pid else ''} is gone"
-                                  + (f": {' '.join(detail[1].split())}" if detail else "")
-                                  + " (killed, out of memory, or crashed)")
-    message = " ".join(_ANSI.sub("", str(e)).split())
-    return type(e).__name__, message[:2000]
-
-
-def failure_paragraph(e: BaseException, run_dir: Path, command: str, where: str = "",
-                      trace: Path | None = None) -> str:
-    """The one paragraph a failed run leaves in train.log and on the terminal: what failed (which
-    actor, which call, which step), the root cause, where the tracebacks are, the last complete
-    checkpoint and the command that continues the run (`command` + --resume; last, to copy)."""
-    if isinstance(e, ActorError):
-        what = (f"{e.actor} {'died' if e.died else 'raised an exception'} in {e.method} at {e.where}{e.note}: "
-                f"{e.root_type}: {e.root_message}")
-    else:
-        what = "the driver failed{}: {}: {}".format(f" at {where}" if where else "", *root_cause(e))
-    try:
-        last = latest_checkpoint(run_dir)
-    except (OSError, ValueError, KeyError):  # an unreadable pointer: --resume says what is wrong with it
-        last = None
-    if last is not None:
-        then = (f"The last complete checkpoint is step {last[0]} ({last[1]}); continue the run with: "
-                f"{command} --resume")
-    else:
-        then = f"No checkpoint was written; start the run again with: {command} --overwrite"
-    return f"The run failed: {what.rstrip('.')}{f' (tracebacks: {trace})' if trace else ''}. {then}"
-
-
-# ---------------------------------------------------------------------------------------------
-# Actor host: one class Ray wraps for both worker kinds, so the driver never imports the workers'
-# heavy modules and every actor can report its pid before it is busy.
-
-
-class WorkerHost:
-    """Builds `module:cls(*args, **kwargs)` inside the actor process and forwards calls to it."""
-
-    def __init__(self, target: str, args: tuple, kwargs: dict):
-        import importlib
-
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        from rl.logs import configure_vllm_logging
-
-        configure_vllm_logging()  # vLLM's INFO into the run's vllm.log from its first import on
-        module, _, name = target.partition(":")
-        self.worker = getattr(importlib.import_module(module), name)(*args, **kwargs)
-
-    def call(self, method: str, *args, **kwargs):
-        return getattr(self.worker, method)(*args, **kwargs)
-
-    def call_put(self, method: str, *args, **kwargs) -> list:
-        """`call`, with the result put into Ray's object store from here: returns [its ObjectRef]
-        (in a list, so Ray does not resolve it), which other actors take without the driver holding
-        the data (the weight push: rank 0's weights go from the trainer to the rollout workers)."""
-        import ray
-
-        return [ray.put(getattr(self.worker, method)(*args, **kwargs))]
-
-    def run(self, fn: str, *args, **kwargs):
-        """`module:function(worker, *args, **kwargs)` in this actor's process: code of a layer above
-        the worker that needs the worker's objects where they live (rl.weight_sync's IPC sender
-        reads the trainer's GPU tensors, which cannot leave the process as tensors)."""
-        import importlib
-
-        module, _, name = fn.partition(":")
-        return getattr(importlib.import_module(module), name)(self.worker, *args, **kwargs)
-
-    def pid(self) -> int:
-        return os.getpid()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def _node_ip_and_port() -> tuple[str, int]:
-    import ray
-
-    return ray.util.get_node_ip_address(), _free_port()
-
-
-# ---------------------------------------------------------------------------------------------
-# The run folder.
-
-
-def checkpoints_dir(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"
-
-
-def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
-    pointer = checkpoints_dir(run_dir) / "latest.json"
-    if not pointer.exists():
-        return None
-    info = json.loads(pointer.read_text())
-    return int(info["step"]), checkpoints_dir(run_dir) / info["path"]
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def holds_run(run_dir: Path) -> bool:
-    """Whether run_dir holds a run's steps: a metrics line or a checkpoint. What a start that failed
-    before its first step leaves (config.yaml, train.log, an empty metrics.jsonl) is not a run."""
-    metrics = run_dir / "metrics.jsonl"
-    ckpts = checkpoints_dir(run_dir)
-    return (metrics.is_file() and metrics.stat().st_size > 0) or (ckpts.is_dir() and any(ckpts.iterdir()))
-
-
-def prepare_run_dir(cfg: Config, resume: bool) -> tuple[Path, int]:
-    """Check the run folder against `resume`; return (run_dir, completed steps)."""
-    run_dir = Path(cfg.run.out_dir).absolute()
-    if not resume:
-        if holds_run(run_dir):
-            raise RunDirError(f"run.out_dir: {run_dir} already holds a run (steps in metrics.jsonl or checkpoints/); "
-                              f"pass --resume to continue it, --overwrite to start it again, or set run.out_dir "
-                              f"to a new folder")
-        run_dir.mkdir(parents=True, exist_ok=True)
-        return run_dir, 0
-    latest = latest_checkpoint(run_dir)
-    if latest is None:
-        raise RunDirError(f"--resume: {run_dir} holds no checkpoint (looked for "
-                          f"{checkpoints_dir(run_dir) / 'latest.json'}); start a fresh run without --resume")
-    step, path = latest
-    if not path.is_dir():
-        raise RunDirError(f"--resume: {checkpoints_dir(run_dir) / 'latest.json'} points at {path}, which is missing")
-    return run_dir, step
-
-
-def resume_checkpoint(run_dir: Path) -> int:
-    """The step to resume from: latest.json's checkpoint when it verifies (trainer.checkpoint.verify),
-    else the newest older one that does, with a warning naming both; latest.json then points at it.
-    Raises RunDirError when no checkpoint of the run verifies."""
-    from trainer.checkpoint import CheckpointDamaged, step_of, verify
-
-    step, path = latest_checkpoint(run_dir)
-    try:
-        verify(path)
-        return step
-    except CheckpointDamaged as e:
-        damage = str(e)
-    older = sorted((p for p in checkpoints_dir(run_dir).glob("step_*")
-                    if p.is_dir() and (step_of(p) or 0) < step), key=step_of, reverse=True)
-    for p in older:
-        try:
-            verify(p)
-        except CheckpointDamaged as e:
-            log.warning("resume: the older checkpoint %s is damaged too (%s)", p, e)
-            continue
-        log.warning("resume: the latest checkpoint is damaged (%s); resuming from %s (step %d) instead",
-                    damage, p, step_of(p))
-        _write_atomic(checkpoints_dir(run_dir) / "latest.json",
-                      json.dumps({"step": step_of(p), "path": p.name}) + "\n")
-        return step_of(p)
-    raise RunDirError(f"--resume: the latest checkpoint is damaged ({damage}) and no older checkpoint of "
-                      f"{run_dir} is intact; start a fresh run without --resume")
-
-
-def remove_run(cfg: Config) -> None:
-    """Delete the run in run.out_dir (for --overwrite); refuses folders that are not runs."""
-    import shutil
-
-    run_dir = Path(cfg.run.out_dir).absolute()
-    if not run_dir.exists():
-        return
-    if not (run_dir / "config.yaml").is_file():
-        raise RunDirError(f"--overwrite: {run_dir} holds no config.yaml, so it is not a run folder; "
-                          f"refusing to delete it")
-    shutil.rmtree(run_dir)
-
-
-def _log_config_changes(run_dir: Path, cfg: Config) -> None:
-    import yaml
-
-    old_path = run_dir / "config.yaml"
-    if not old_path.exists():
-        return
-
-    def flat(d, prefix=""):
-        out = {}
-        for k, v in d.items():
-            if isinstance(v, dict) and v:
-                out.update(flat(v, f"{prefix}{k}."))
-            else:
-                out[f"{prefix}{k}"] = v
-        return out
-
-    old, new = flat(yaml.safe_load(old_path.read_text()) or {}), flat(to_dict(cfg))
-    changed = {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
-    for k, (a, b) in changed.items():
-        log.info("resume: %s changed from %r to %r", k, a, b)
-
-
-# ---------------------------------------------------------------------------------------------
-# Ray: cluster, placement groups, actors.
-
-
-@dataclasses.dataclass
-class Placement:
-    trainer_pg: object
-    trainer_bundles: list[int]
-    rollout_pg: object
-    rollout_bundles: list[int]
-    groups: list
-
-
-def _bundle(cpus: float, gpus: float) -> dict:
-    b = {}
-    if cpus > 0:
-        b["CPU"] = cpus
-    if gpus > 0:
-        b["GPU"] = gpus
-    return b
-
-
-def plan_bundles(cfg: Config) -> dict:
-    """The placement groups as plain data: {"trainer": [bundles], "rollout": [bundles] or None,
-    "trainer_bundles": [index per rank], "rollout_bundles": [index per worker]} (tested directly)."""
-    t, r = cfg.trainer, cfg.rollout
-    if cfg.ray.placement == "colocated":
-        bundles = [{"CPU": t.cpus_per_rank, "GPU": t.gpus_per_rank} for _ in range(t.world_size)]
-        where = [i % t.world_size for i in range(r.num_workers)]
-        for b in where:
-            bundles[b]["CPU"] += r.cpus_per_worker
-            bundles[b]["GPU"] += r.gpus_per_worker
-        return {"trainer": [_bundle(b["CPU"], b["GPU"]) for b in bundles], "rollout": None,
-                "trainer_bundles": list(range(t.world_size)), "rollout_bundles": where}
-    return {"trainer": [_bundle(t.cpus_per_rank, t.gpus_per_rank) for _ in range(t.world_size)],
-            "rollout": [_bundle(r.cpus_per_worker, r.gpus_per_worker) for _ in range(r.num_workers)],
-            "trainer_bundles": list(range(t.world_size)), "rollout_bundles": list(range(r.num_workers))}
-
-
-def _needed_cpus(plan: dict) -> float:
-    return sum(b.get("CPU", 0) for b in plan["trainer"] + (plan["rollout"] or []))
-
-
-def start_ray(cfg: Config, plan: dict, env: dict[str, str] | None = None) -> bool:
-    """Join cfg.ray.address / $RAY_ADDRESS, or start a local instance; True if we started it. Every
-    actor gets `env` (vLLM's logging: rl.logs) and then ray.env in its environment."""
-    import ray
-
-    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
-    runtime_env = {"env_vars": {**(env or {}), **cfg.ray.env}}
-    if address:
-        log.info("joining the Ray cluster at %s", address)
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
-        return False
-    num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, math.ceil(_needed_cpus(plan)))
-    log.info("starting a local Ray instance with %d logical CPUs", num_cpus)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=True)
-    return True
-
-
-def place(plan: dict, timeout_s: float = 120.0) -> Placement:
-    import ray
-    from ray.util.placement_group import placement_group
-
-    groups = [placement_group(plan["trainer"], strategy="PACK", name="megamoe-trainer")]
-    if plan["rollout"] is not None:
-        groups.append(placement_group(plan["rollout"], strategy="PACK", name="megamoe-rollout"))
-    for pg, what in zip(groups, ("trainer", "rollout")):
-        try:
-            ray.get(pg.ready(), timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(f"placement group for the {what} ({plan[what] or plan['trainer']}) was not placed "
-                               f"within {timeout_s:.0f}s; the cluster has {ray.available_resources()} available "
-                               f"(lower trainer.cpus_per_rank / rollout.cpus_per_worker / *gpus*, or add nodes)") from None
-    return Placement(trainer_pg=groups[0], trainer_bundles=plan["trainer_bundles"],
-                     rollout_pg=groups[-1], rollout_bundles=plan["rollout_bundles"], groups=groups)
-
-
-def _strategy(pg, index: int):
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index,
-                                            placement_group_capture_child_tasks=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -449,7 +115,7 @@ class Loop:
 
         # max_restarts=0: a dead worker is replaced by the loop, which knows the current weights.
         return ray.remote(WorkerHost).options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0,
-                                              scheduling_strategy=_strategy(pg, bundle))
+                                              scheduling_strategy=strategy(pg, bundle))
 
     def _trainer_cfg(self) -> dict:
         c = to_dict(self.cfg)["trainer"]
@@ -462,8 +128,8 @@ class Loop:
 
         t = self.cfg.trainer
         pl = self.placement
-        addr, port = ray.get(ray.remote(_node_ip_and_port).options(
-            num_cpus=0, scheduling_strategy=_strategy(pl.trainer_pg, pl.trainer_bundles[0])).remote())
+        addr, port = ray.get(ray.remote(node_ip_and_port).options(
+            num_cpus=0, scheduling_strategy=strategy(pl.trainer_pg, pl.trainer_bundles[0])).remote())
         cfg = self._trainer_cfg()
         self.trainers = []
         for rank in range(t.world_size):
@@ -485,15 +151,13 @@ class Loop:
 
     def wait_for_actors(self) -> None:
         """Block until every actor is built (their constructors run concurrently); record the pids."""
-        import ray
-
         self.pids["trainer"] = self._get([a.pid.remote() for a in self.trainers], self._trainer_names(), "__init__")
         self.pids["rollout"] = self._get([a.pid.remote() for a in self.rollouts],
                                          [f"RolloutWorker {i}" for i in range(len(self.rollouts))], "__init__")
         self.write_pids()
 
     def write_pids(self) -> None:
-        _write_atomic(self.run_dir / "actors.json", json.dumps(self.pids) + "\n")
+        write_atomic(self.run_dir / "actors.json", json.dumps(self.pids) + "\n")
 
     def _trainer_names(self) -> list[str]:
         return [f"TrainerWorker rank {r}" for r in range(len(self.trainers))]
@@ -511,7 +175,7 @@ class Loop:
                 ray.get(done[0])
             except ray.exceptions.RayError as e:
                 actor = actors[refs.index(done[0])]
-                kind = TrainerDied if actor.startswith("TrainerWorker") and _died(e) else ActorError
+                kind = TrainerDied if actor.startswith("TrainerWorker") and died(e) else ActorError
                 raise kind(actor, method, self.where, e) from e
         return ray.get(refs)
 
@@ -594,7 +258,7 @@ class Loop:
     def _actor_of(self, e: BaseException, default: str) -> str:
         """The actor a Ray error came from, by the pid Ray's message names (a call that went through
         several actors, as the IPC weight sync does)."""
-        m = re.search(r"\bpid[=:] ?(\d+)", _ANSI.sub("", str(e)))
+        m = re.search(r"\bpid[=:] ?(\d+)", ANSI.sub("", str(e)))
         pid = int(m[1]) if m else None
         for kind, name in (("trainer", "TrainerWorker rank"), ("rollout", "RolloutWorker")):
             if pid in self.pids[kind]:
@@ -614,8 +278,6 @@ class Loop:
 
     def gpu_memory_gib(self) -> float | None:
         """GPU memory in use on rollout worker 0's device (every process on it), GiB; None on CPU."""
-        import ray
-
         if not self.on_gpu:
             return None
         mem = self._get([self.rollouts[0].call.remote("gpu_memory")], ["RolloutWorker 0"], "gpu_memory")[0]
@@ -683,7 +345,7 @@ class Loop:
         self._trainer_call("save_checkpoint", str(root / name))
         # Older checkpoints go only once the new one reads back whole (run.keep_checkpoints).
         verify(root / name)
-        _write_atomic(root / "latest.json", json.dumps({"step": self.step, "path": name}) + "\n")
+        write_atomic(root / "latest.json", json.dumps({"step": self.step, "path": name}) + "\n")
         keep = self.cfg.trainer.keep_checkpoints
         steps = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name != name)
         import shutil
@@ -855,66 +517,6 @@ class Loop:
                     pass
 
 
-def base_model_dir(cfg: Config, run_dir: Path) -> Path:
-    """Where a run's base model lives: model.path, else the run's model/ (made by model.make)."""
-    return Path(cfg.model.path).absolute() if cfg.model.path is not None else run_dir / "model"
-
-
-def resolve_model(cfg: Config, run_dir: Path) -> Path:
-    """The base model's folder: model.path, checked (check_model), or model.make's, made when missing."""
-    path = base_model_dir(cfg, run_dir)
-    if cfg.model.path is not None:
-        check_model(path)
-        return path
-    if not (path / "config.json").is_file():
-        from rl.make_model import make_model
-        make_model(path, **dataclasses.asdict(cfg.model.make))
-        log.info("made a random-initialised model in %s", path)
-    return path
-
-
-def check_model(path: Path, key: str = "model.path") -> None:
-    """A checkpoint both sides run, read on the driver before anything starts: config.json's
-    model_type one the trainer loads (trainer.model.SUPPORTED_ARCHS), its architecture and settings
-    ones the rollout hook serves (rollout.archs.check_model_config), every MoE block of the model
-    it describes (built on the meta device) one megamoe computes (trainer.experts.
-    check_megamoe_eligible: activation, gated experts, no biases, the router), and the weights'
-    names and shapes that model's (safetensors headers only). ConfigError naming `key`, the class,
-    the model_type and what is not supported."""
-    from rl.config import ConfigError
-
-    if not path.is_dir():
-        raise ConfigError(f"{key}: no such folder {str(path)!r} (expected a Hugging Face checkpoint folder "
-                          f"with config.json and *.safetensors)")
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"{key}: expected a Hugging Face checkpoint folder with config.json, {str(path)!r} has none")
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from rollout.archs import check_model_config
-    from trainer.experts import check_megamoe_eligible
-    from trainer.model import SUPPORTED_ARCHS, check_checkpoint
-
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except Exception as e:  # noqa: BLE001 - whatever transformers says, it is said naming the key
-        raise ConfigError(f"{key}: {str(path / 'config.json')!r} does not load ({type(e).__name__}: "
-                          f"{' '.join(str(e).split())})") from None
-    arch = "/".join(config.architectures) if config.architectures else "model without config.json `architectures`"
-    what = f"{key}: {str(path)!r} holds a {arch} (model_type {config.model_type!r})"
-    if config.model_type not in SUPPORTED_ARCHS:
-        raise ConfigError(f"{what}, which is not a MoE model the trainer trains: expected model_type one of "
-                          f"{SUPPORTED_ARCHS}")
-    try:
-        check_model_config(config, where=what)
-        with torch.device("meta"):
-            check_megamoe_eligible(AutoModelForCausalLM.from_config(config))
-        check_checkpoint(path, config)
-    except (ValueError, NotImplementedError, FileNotFoundError) as e:
-        message = " ".join(str(e).split())
-        raise ConfigError(message if message.startswith(what) else f"{what}: {message}") from None
-
-
 def _setup_logging(run_dir: Path) -> list[tuple[logging.Logger, logging.Handler]]:
     """train.log (and the terminal) for the megamoe loggers; returns what to remove at the end."""
     fmt = logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -988,8 +590,8 @@ def train(cfg: Config, *, resume: bool = False, command: str | None = None) -> i
                 return EXIT_OK
         loop = Loop(cfg, run_dir, start_step, resolve_model(cfg, run_dir))
         if resume:
-            _log_config_changes(run_dir, cfg)
-        _write_atomic(run_dir / "config.yaml", to_yaml(cfg))
+            log_config_changes(run_dir, cfg)
+        write_atomic(run_dir / "config.yaml", to_yaml(cfg))
         from rl.logs import vllm_log_env
 
         vllm_env = vllm_log_env(run_dir)
@@ -1059,7 +661,7 @@ def _report_failure(e: BaseException, run_dir: Path, command: str, where: str) -
 
     trace = run_dir / "traceback.txt"
     # The chain: ActorError <- Ray's exception, whose text holds the actor's own traceback.
-    trace.write_text(_ANSI.sub("", "".join(traceback.format_exception(e))))
+    trace.write_text(ANSI.sub("", "".join(traceback.format_exception(e))))
     log.error("%s", failure_paragraph(e, run_dir, command, where, trace))
 
 

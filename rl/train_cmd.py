@@ -72,7 +72,8 @@ def run_train(args: argparse.Namespace) -> int:
     if args.overwrite and args.resume:
         args.parser.error("--overwrite and --resume: choose one")
     from rl.data import DataError
-    from rl.loop import RunDirError, remove_run, train
+    from rl.loop import train
+    from rl.run_dir import RunDirError, remove_run
     try:
         if args.overwrite:
             remove_run(cfg)

@@ -137,7 +137,7 @@ def _ray_errors() -> dict:
                  id="process-died"),
 ])
 def test_root_cause_is_what_happened_in_the_actor_without_rays_wrapping(kind, died, root):
-    from rl.loop import ActorError, root_cause
+    from rl.failures import ActorError, root_cause
 
     e = _ray_errors()[kind]
     assert root_cause(e) == root
@@ -148,7 +148,7 @@ def test_root_cause_is_what_happened_in_the_actor_without_rays_wrapping(kind, di
 def test_failure_paragraph_names_actor_step_cause_checkpoint_and_the_command(two_checkpoints, tmp_path):
     import shutil
 
-    from rl.loop import ActorError, failure_paragraph
+    from rl.failures import ActorError, failure_paragraph
 
     e = ActorError("TrainerWorker rank 1", "train_step", "step 3", _ray_errors()["raised"])
     run = tmp_path / "run"

@@ -23,7 +23,8 @@ import pytest
 import yaml
 
 from rl import config as C
-from rl.loop import RunDirError, plan_bundles, prepare_run_dir, remove_run
+from rl.cluster import plan_bundles
+from rl.run_dir import RunDirError, prepare_run_dir, remove_run
 from rl.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -224,7 +225,7 @@ def test_e2e_vllm_logs_go_to_the_run_folder_and_its_warnings_once_to_the_termina
 def test_start_ray_joins_or_starts(monkeypatch, cfg_address, env_address, joins):
     import ray
 
-    from rl.loop import start_ray
+    from rl.cluster import start_ray
 
     seen = {}
     monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))
@@ -268,7 +269,7 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(two_checkpoints, tmp_
     import logging
     import shutil
 
-    from rl.loop import resume_checkpoint
+    from rl.run_dir import resume_checkpoint
     from trainer.testing import damage_checkpoint
 
     run = tmp_path / "run"

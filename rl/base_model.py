@@ -1,0 +1,68 @@
+"""The run's base model: made by model.make when missing, or model.path checked on the driver
+against what both sides serve before anything starts (rl/loop.py's train)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+from rl.config import Config
+from rl.run_dir import base_model_dir
+
+log = logging.getLogger("megamoe.rl")
+
+
+def resolve_model(cfg: Config, run_dir: Path) -> Path:
+    """The base model's folder: model.path, checked (check_model), or model.make's, made when missing."""
+    path = base_model_dir(cfg, run_dir)
+    if cfg.model.path is not None:
+        check_model(path)
+        return path
+    if not (path / "config.json").is_file():
+        from rl.make_model import make_model
+        make_model(path, **dataclasses.asdict(cfg.model.make))
+        log.info("made a random-initialised model in %s", path)
+    return path
+
+
+def check_model(path: Path, key: str = "model.path") -> None:
+    """A checkpoint both sides run, read on the driver before anything starts: config.json's
+    model_type one the trainer loads (trainer.model.SUPPORTED_ARCHS), its architecture and settings
+    ones the rollout hook serves (rollout.archs.check_model_config), every MoE block of the model
+    it describes (built on the meta device) one megamoe computes (trainer.experts.
+    check_megamoe_eligible: activation, gated experts, no biases, the router), and the weights'
+    names and shapes that model's (safetensors headers only). ConfigError naming `key`, the class,
+    the model_type and what is not supported."""
+    from rl.config import ConfigError
+
+    if not path.is_dir():
+        raise ConfigError(f"{key}: no such folder {str(path)!r} (expected a Hugging Face checkpoint folder "
+                          f"with config.json and *.safetensors)")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{key}: expected a Hugging Face checkpoint folder with config.json, {str(path)!r} has none")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rollout.archs import check_model_config
+    from trainer.experts import check_megamoe_eligible
+    from trainer.model import SUPPORTED_ARCHS, check_checkpoint
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - whatever transformers says, it is said naming the key
+        raise ConfigError(f"{key}: {str(path / 'config.json')!r} does not load ({type(e).__name__}: "
+                          f"{' '.join(str(e).split())})") from None
+    arch = "/".join(config.architectures) if config.architectures else "model without config.json `architectures`"
+    what = f"{key}: {str(path)!r} holds a {arch} (model_type {config.model_type!r})"
+    if config.model_type not in SUPPORTED_ARCHS:
+        raise ConfigError(f"{what}, which is not a MoE model the trainer trains: expected model_type one of "
+                          f"{SUPPORTED_ARCHS}")
+    try:
+        check_model_config(config, where=what)
+        with torch.device("meta"):
+            check_megamoe_eligible(AutoModelForCausalLM.from_config(config))
+        check_checkpoint(path, config)
+    except (ValueError, NotImplementedError, FileNotFoundError) as e:
+        message = " ".join(str(e).split())
+        raise ConfigError(message if message.startswith(what) else f"{what}: {message}") from None

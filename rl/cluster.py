@@ -1,0 +1,153 @@
+"""Ray for the RL loop: the actor host Ray wraps for both worker kinds, the cluster, the placement
+groups and their bundles (ray.placement colocated / disaggregated; described in rl/loop.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import socket
+
+from rl.config import Config
+
+log = logging.getLogger("megamoe.rl")
+
+
+# ---------------------------------------------------------------------------------------------
+# Actor host: one class Ray wraps for both worker kinds, so the driver never imports the workers'
+# heavy modules and every actor can report its pid before it is busy.
+
+
+class WorkerHost:
+    """Builds `module:cls(*args, **kwargs)` inside the actor process and forwards calls to it."""
+
+    def __init__(self, target: str, args: tuple, kwargs: dict):
+        import importlib
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        from rl.logs import configure_vllm_logging
+
+        configure_vllm_logging()  # vLLM's INFO into the run's vllm.log from its first import on
+        module, _, name = target.partition(":")
+        self.worker = getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    def call(self, method: str, *args, **kwargs):
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def call_put(self, method: str, *args, **kwargs) -> list:
+        """`call`, with the result put into Ray's object store from here: returns [its ObjectRef]
+        (in a list, so Ray does not resolve it), which other actors take without the driver holding
+        the data (the weight push: rank 0's weights go from the trainer to the rollout workers)."""
+        import ray
+
+        return [ray.put(getattr(self.worker, method)(*args, **kwargs))]
+
+    def run(self, fn: str, *args, **kwargs):
+        """`module:function(worker, *args, **kwargs)` in this actor's process: code of a layer above
+        the worker that needs the worker's objects where they live (rl.weight_sync's IPC sender
+        reads the trainer's GPU tensors, which cannot leave the process as tensors)."""
+        import importlib
+
+        module, _, name = fn.partition(":")
+        return getattr(importlib.import_module(module), name)(self.worker, *args, **kwargs)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def node_ip_and_port() -> tuple[str, int]:
+    import ray
+
+    return ray.util.get_node_ip_address(), _free_port()
+
+
+# ---------------------------------------------------------------------------------------------
+# Ray: cluster, placement groups, actors.
+
+
+@dataclasses.dataclass
+class Placement:
+    trainer_pg: object
+    trainer_bundles: list[int]
+    rollout_pg: object
+    rollout_bundles: list[int]
+    groups: list
+
+
+def _bundle(cpus: float, gpus: float) -> dict:
+    b = {}
+    if cpus > 0:
+        b["CPU"] = cpus
+    if gpus > 0:
+        b["GPU"] = gpus
+    return b
+
+
+def plan_bundles(cfg: Config) -> dict:
+    """The placement groups as plain data: {"trainer": [bundles], "rollout": [bundles] or None,
+    "trainer_bundles": [index per rank], "rollout_bundles": [index per worker]} (tested directly)."""
+    t, r = cfg.trainer, cfg.rollout
+    if cfg.ray.placement == "colocated":
+        bundles = [{"CPU": t.cpus_per_rank, "GPU": t.gpus_per_rank} for _ in range(t.world_size)]
+        where = [i % t.world_size for i in range(r.num_workers)]
+        for b in where:
+            bundles[b]["CPU"] += r.cpus_per_worker
+            bundles[b]["GPU"] += r.gpus_per_worker
+        return {"trainer": [_bundle(b["CPU"], b["GPU"]) for b in bundles], "rollout": None,
+                "trainer_bundles": list(range(t.world_size)), "rollout_bundles": where}
+    return {"trainer": [_bundle(t.cpus_per_rank, t.gpus_per_rank) for _ in range(t.world_size)],
+            "rollout": [_bundle(r.cpus_per_worker, r.gpus_per_worker) for _ in range(r.num_workers)],
+            "trainer_bundles": list(range(t.world_size)), "rollout_bundles": list(range(r.num_workers))}
+
+
+def _needed_cpus(plan: dict) -> float:
+    return sum(b.get("CPU", 0) for b in plan["trainer"] + (plan["rollout"] or []))
+
+
+def start_ray(cfg: Config, plan: dict, env: dict[str, str] | None = None) -> bool:
+    """Join cfg.ray.address / $RAY_ADDRESS, or start a local instance; True if we started it. Every
+    actor gets `env` (vLLM's logging: rl.logs) and then ray.env in its environment."""
+    import ray
+
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    runtime_env = {"env_vars": {**(env or {}), **cfg.ray.env}}
+    if address:
+        log.info("joining the Ray cluster at %s", address)
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        return False
+    num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, math.ceil(_needed_cpus(plan)))
+    log.info("starting a local Ray instance with %d logical CPUs", num_cpus)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=True)
+    return True
+
+
+def place(plan: dict, timeout_s: float = 120.0) -> Placement:
+    import ray
+    from ray.util.placement_group import placement_group
+
+    groups = [placement_group(plan["trainer"], strategy="PACK", name="megamoe-trainer")]
+    if plan["rollout"] is not None:
+        groups.append(placement_group(plan["rollout"], strategy="PACK", name="megamoe-rollout"))
+    for pg, what in zip(groups, ("trainer", "rollout")):
+        try:
+            ray.get(pg.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"placement group for the {what} ({plan[what] or plan['trainer']}) was not placed "
+                               f"within {timeout_s:.0f}s; the cluster has {ray.available_resources()} available "
+                               f"(lower trainer.cpus_per_rank / rollout.cpus_per_worker / *gpus*, or add nodes)") from None
+    return Placement(trainer_pg=groups[0], trainer_bundles=plan["trainer_bundles"],
+                     rollout_pg=groups[-1], rollout_bundles=plan["rollout_bundles"], groups=groups)
+
+
+def strategy(pg, index: int):
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index,
+                                            placement_group_capture_child_tasks=True)
