@@ -105,10 +105,13 @@ def configure_vllm_logging() -> None:
 @contextlib.contextmanager
 def vllm_logs_to(folder: Path):
     """vllm_log_env in this process's environment for the block, applied at once (configure_vllm_logging;
-    vLLM 0.26 reads it when imported); yields the log file's path. The environment is restored
-    afterwards."""
+    vLLM 0.26 reads it when imported); yields the log file's path. The environment and the `vllm`
+    logger are restored afterwards: the block's handlers are closed and removed, so nothing of this
+    process logs into `folder` later (it may be gone: a refused `consistency` removes it)."""
     env = vllm_log_env(folder)
     before = {k: os.environ.get(k) for k in env}
+    logger = logging.getLogger("vllm")
+    kept = (list(logger.handlers), list(logger.filters), logger.level, logger.propagate)
     os.environ.update(env)
     configure_vllm_logging()
     try:
@@ -119,3 +122,9 @@ def vllm_logs_to(folder: Path):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        for h in logger.handlers:
+            if h not in kept[0]:
+                h.close()
+        logger.handlers[:], logger.filters[:] = kept[0], kept[1]
+        logger.setLevel(kept[2])
+        logger.propagate = kept[3]

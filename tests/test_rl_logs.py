@@ -59,3 +59,19 @@ def test_vllm_logs_to_sets_the_environment_for_the_block_only(tmp_path, monkeypa
         logging.getLogger("vllm.engine").info("applied at once, before any engine")
     assert "VLLM_LOGGING_CONFIG_PATH" not in os.environ
     assert "applied at once, before any engine" in path.read_text()
+
+
+def test_vllm_logs_to_gives_the_vllm_logger_back_when_the_folder_is_gone(tmp_path):
+    """A refused `consistency` removes its folder inside the block; a later engine of the same process
+    (the next test, here) must not log into it (make test failed that way: FileNotFoundError)."""
+    import logging
+    import shutil
+
+    vllm = logging.getLogger("vllm")
+    before = (list(vllm.handlers), vllm.level, vllm.propagate)
+    with vllm_logs_to(tmp_path / "out"):
+        assert vllm.handlers != before[0]
+        shutil.rmtree(tmp_path / "out")
+    assert (list(vllm.handlers), vllm.level, vllm.propagate) == before
+    logging.getLogger("vllm.entrypoints").info("a later engine's first line")  # raised before the fix
+    assert not (tmp_path / "out").exists()
