@@ -18,14 +18,17 @@ from megamoe.testing import TOLERANCES, assert_close
 LOGIT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def route_f64(logits_TE: torch.Tensor, top_k: int, scoring: str, renormalize: bool):
-    """Independent routing in float64: per-row Python top-k, ties to the lower expert index."""
+def scores_f64(logits_TE: torch.Tensor, scoring: str) -> torch.Tensor:
     z = logits_TE.double()
     if scoring == "softmax":
         e = torch.exp(z - z.max(dim=-1, keepdim=True).values.detach())
-        scores = e / e.sum(dim=-1, keepdim=True)
-    else:
-        scores = 1.0 / (1.0 + torch.exp(-z))
+        return e / e.sum(dim=-1, keepdim=True)
+    return 1.0 / (1.0 + torch.exp(-z))
+
+
+def route_f64(logits_TE: torch.Tensor, top_k: int, scoring: str, renormalize: bool):
+    """Independent routing in float64: per-row Python top-k, ties to the lower expert index."""
+    scores = scores_f64(logits_TE, scoring)
     rows = scores.detach().tolist()
     ids = torch.tensor([sorted(range(len(r)), key=lambda i: (-r[i], i))[:top_k] for r in rows],
                        dtype=torch.int64).reshape(-1, top_k)
@@ -150,13 +153,8 @@ def route_grouped_f64(logits_TE, top_k, scoring, renormalize, bias_E, n_group, t
     s + bias; a group's score is the sum of its two best choice scores (with a bias) or its best one
     (without); the topk_group best groups (ties to the lower group) keep their experts; the top-k of
     those by choice score (ties to the lower id); weights are the unbiased s, renormalised, scaled."""
-    z = logits_TE.double()
-    if scoring == "softmax":
-        e = torch.exp(z - z.max(dim=-1, keepdim=True).values.detach())
-        scores = e / e.sum(dim=-1, keepdim=True)
-    else:
-        scores = 1.0 / (1.0 + torch.exp(-z))
-    E = z.shape[1]
+    scores = scores_f64(logits_TE, scoring)
+    E = scores.shape[1]
     size = E // n_group
     b = [0.0] * E if bias_E is None else bias_E.double().tolist()
     ids = []
