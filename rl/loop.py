@@ -63,6 +63,7 @@ from rl.config import Config, to_dict, to_yaml
 from rl.failures import ANSI, ActorError, RolloutFailed, TrainerDied, died, failure_paragraph
 from rl.run_dir import (checkpoints_dir, holds_run, latest_checkpoint, log_config_changes, prepare_run_dir,
                         resume_checkpoint, write_atomic)
+from rollout.sync import STREAMED
 
 log = logging.getLogger("megamoe.rl")
 
@@ -219,21 +220,22 @@ class Loop:
         t0 = time.perf_counter()
         targets = list(range(len(self.rollouts))) if indices is None else list(indices)
         times: dict[str, float] = {}
-        if self.weight_sync == "ipc":
+        if self.weight_sync in STREAMED:
+            what = f"the weight sync ({self.weight_sync})"
             try:
-                info = weight_sync.push_ipc(self.trainers, [self.rollouts[i] for i in targets],
-                                            dtype=self._export_dtype(), model_dir=str(self.model_dir),
-                                            bucket_bytes=self.cfg.rollout.ipc_bucket_bytes)
+                info = weight_sync.push_streamed(self.weight_sync, self.trainers, [self.rollouts[i] for i in targets],
+                                                 dtype=self._export_dtype(), model_dir=str(self.model_dir),
+                                                 bucket_bytes=self.cfg.rollout.ipc_bucket_bytes)
             except ray.exceptions.RayActorError as e:
                 dead = self._dead_rollout(targets)
                 if dead is None:
-                    raise TrainerDied(self._actor_of(e, "a TrainerWorker"), "the weight sync (ipc)", self.where, e) from e
-                self.restart_rollout(dead, e, "the weight sync (ipc)")  # the new worker gets the weights there
+                    raise TrainerDied(self._actor_of(e, "a TrainerWorker"), what, self.where, e) from e
+                self.restart_rollout(dead, e, what)  # the new worker gets the weights there
                 rest = [i for i in targets if i != dead]
                 return self.push_weights(rest) if rest else {"total": time.perf_counter() - t0}
             except ray.exceptions.RayError as e:
-                raise ActorError(self._actor_of(e, "an actor"), "the weight sync (ipc)", self.where, e) from e
-            times.update({k: v for k, v in info["seconds"].items() if k != "total"})  # rollout.sync.send_ipc's phases
+                raise ActorError(self._actor_of(e, "an actor"), what, self.where, e) from e
+            times.update({k: v for k, v in info["seconds"].items() if k != "total"})  # rollout.sync.send_ipc's / send_nccl's phases
             times["total"] = time.perf_counter() - t0
             return times
         # A reference to rank 0's weights in the object store: the driver never holds them (fetching

@@ -406,3 +406,67 @@ def ipc_chunk_tensors(update_info: dict) -> list[tuple[str, list[int], str]]:
             and len(names) == len(shapes) == len(dtypes)):
         raise ValueError("weight update chunk: expected equally long lists 'names', 'shapes', 'dtype_names'")
     return [(n, list(s), d) for n, s, d in zip(names, shapes, dtypes)]
+
+
+def _fields(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def _nccl_classes():
+    try:
+        from vllm.distributed.weight_transfer.nccl_engine import (NCCLWeightTransferInitInfo,
+                                                                  NCCLWeightTransferUpdateInfo)
+    except ImportError as e:
+        raise NotImplementedError(f"vLLM {VLLM_VERSION}: no NCCL weight-transfer engine "
+                                  f"(vllm.distributed.weight_transfer.nccl_engine): {e}") from e
+    return NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo
+
+
+def _packed_wire(fields: set[str], buffer_bytes: int, num_buffers: int) -> dict:
+    """The packed-broadcast parameters where this vLLM reads them (0.26: each update; >= 0.32: the
+    init handshake): the engine's consumer must cut the stream exactly as the trainer's producer."""
+    if "packed" not in fields:
+        return {}
+    return {"packed": True, "packed_buffer_size_bytes": buffer_bytes, "packed_num_buffers": num_buffers}
+
+
+def nccl_init_info(address: str, port: int, rank_offset: int, world_size: int, buffer_bytes: int,
+                   num_buffers: int) -> dict:
+    """An engine's init info for vLLM's NCCL weight-transfer engine: the rendezvous (rank 0, the
+    trainer, at address:port), its first worker's rank in the group, and the packed wire."""
+    init_cls, _ = _nccl_classes()
+    return {"master_address": address, "master_port": port, "rank_offset": rank_offset,
+            "world_size": world_size, **_packed_wire(_fields(init_cls), buffer_bytes, num_buffers)}
+
+
+def nccl_update_info(metas: list, buffer_bytes: int, num_buffers: int) -> dict:
+    """vLLM's NCCL update info for a stream of (name, shape, dtype name), in the order it is sent."""
+    _, update_cls = _nccl_classes()
+    return {"names": [n for n, _, _ in metas], "shapes": [list(s) for _, s, _ in metas],
+            "dtype_names": [d for _, _, d in metas],
+            **_packed_wire(_fields(update_cls), buffer_bytes, num_buffers)}
+
+
+def nccl_trainer_group(address: str, port: int, world_size: int):
+    """The trainer's end (rank 0) of the NCCL group with the engines (vLLM's stateless group and
+    PyNccl communicator on the current CUDA device); returns once every engine worker joined."""
+    from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+    return trainer_init({"master_address": address, "master_port": port, "world_size": world_size})
+
+
+def nccl_send(group, named_tensors, dtype, buffer_bytes: int, num_buffers: int) -> None:
+    """Broadcast (name, CUDA tensor) pairs from rank 0 with vLLM's packed producer, each cast to
+    `dtype` (None: as it is). The producer packs on its own streams: each cast first waits for the
+    stream that made the tensor (the gather of a sharded parameter)."""
+    from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+    made_on = torch.cuda.current_stream()
+
+    def cast(item):
+        torch.cuda.current_stream().wait_stream(made_on)
+        t = item[1]
+        return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+    packed_nccl_broadcast_producer(iterator=iter(named_tensors), group=group, src=0, post_iter_func=cast,
+                                   buffer_size_bytes=buffer_bytes, num_buffers=num_buffers)

@@ -114,10 +114,12 @@ class MegaMoEWorkerExtension:
         return {"ok": True, "stage": "done", "error": None, "tensors": len(plan),
                 "worker_validate_s": t_validated - t0, "worker_load_s": time.perf_counter() - t_validated}
 
-    def megamoe_receive_ipc_chunk(self, blob: bytes) -> None:
-        """One chunk of a CUDA IPC update into vLLM's weight-transfer engine (`Worker.update_weights`).
+    def megamoe_update_weights(self, blob: bytes) -> None:
+        """One update of a streamed sync into vLLM's weight-transfer engine (`Worker.update_weights`):
+        a chunk of the trainer's CUDA IPC buffer (ipc), or the receive of the trainer's broadcast
+        (nccl, returning once the whole stream arrived).
 
-        The chunk's update info (names, shapes, dtypes, the IPC handle's rebuild arguments) travels
+        The update info (names, shapes, dtypes; for ipc the handle's rebuild arguments) travels
         pickled as bytes: collective_rpc's msgpack carries bytes, not the handle's Python types
         (vLLM would need VLLM_ALLOW_INSECURE_SERIALIZATION=1 for the whole engine). The bytes come
         from RolloutWorker.update_weight_chunk, in the process that started this engine."""

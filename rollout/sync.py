@@ -14,8 +14,12 @@ Transports (`rollout.weight_sync`):
   reads and the trainer holds, copied straight into the engine's parameters), then the rest in
   checkpoint format through vLLM's update session (its layer-wise reload). Otherwise everything in
   checkpoint format. The version-specific calls are in rollout/adapter.py.
-- `nccl`: trainer and sampler on different GPUs; vLLM's NCCL engine (not available in this
-  release of the project: refused at config time, see `resolve`).
+- `nccl`: trainer and sampler on different GPUs, through vLLM's NCCL weight-transfer engine (backend
+  "nccl"): trainer rank 0 and every engine worker join one NCCL group (rank 0 the trainer, then each
+  engine's workers; joined once per run, again when an engine was restarted), and rank 0 broadcasts
+  the update in checkpoint format with vLLM's packed producer while each engine receives it with
+  the matching consumer into its layer-wise reload (`send_nccl`). Not yet run on two GPUs: opt in
+  with rollout.weight_sync=nccl (`auto` keeps files for separate GPUs until it has been).
 - `files`: safetensors buckets in /dev/shm (rollout/weights.py): the CPU transport.
 
 Every update is checked before any byte is applied: names, shapes and dtypes of the whole update
@@ -39,6 +43,7 @@ import time
 from collections.abc import Iterable
 
 MODES = ("files", "ipc", "nccl")
+STREAMED = ("ipc", "nccl")  # the transports of the streamed protocol (plan, init, start, chunks, finish)
 AUTO = "auto"
 # The packed IPC buffer: vLLM's default for its packed transfer (1 GiB). Larger buffers mean fewer
 # round trips per sync (each costs a Ray call and an engine RPC) at the price of GPU memory held
@@ -56,7 +61,7 @@ def resolve(mode: str, *, colocated: bool, on_gpu: bool, same_gpu: bool = True, 
     if mode == AUTO:
         if not on_gpu:
             return "files"
-        # Separate GPUs: files, through host memory, until the NCCL engine is wired (then nccl).
+        # Separate GPUs: files, through host memory, until nccl has run on two GPUs (README).
         return "ipc" if colocated and same_gpu else "files"
     if mode not in MODES:
         raise ValueError(f"{key}: expected one of {(AUTO,) + MODES}, got {mode!r}")
@@ -69,13 +74,10 @@ def resolve(mode: str, *, colocated: bool, on_gpu: bool, same_gpu: bool = True, 
         raise ValueError(f"{key}: 'ipc' needs each trainer rank and its rollout engine on the same GPU "
                          f"(ray.placement=colocated with gpus_per_rank + gpus_per_worker <= 1 per bundle); "
                          f"use {key}=files for this placement")
-    if mode == "nccl":
-        if colocated and same_gpu:
-            raise ValueError(f"{key}: 'nccl' needs the trainer and the sampler on different GPUs (NCCL "
-                             f"cannot join two ranks on one device); this placement shares a GPU, where "
-                             f"{key}=ipc works")
-        raise ValueError(f"{key}: 'nccl' (vLLM's NCCL weight-transfer engine) is not provided by this "
-                         f"release; use {key}=files for separate GPUs, or colocate them for ipc")
+    if mode == "nccl" and colocated and same_gpu:
+        raise ValueError(f"{key}: 'nccl' needs the trainer and the sampler on different GPUs (NCCL "
+                         f"cannot join two ranks on one device); this placement shares a GPU, where "
+                         f"{key}=ipc works")
     return mode
 
 
@@ -84,6 +86,19 @@ class LocalClient:
 
     def __init__(self, *workers):
         self.workers = workers
+
+    def begin(self, method: str, args: list[tuple]):
+        """Call `method` on every engine (engine i with args[i]) without waiting: an NCCL collective
+        needs the engines inside their call while the trainer makes its own. `wait` joins them."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(max_workers=len(self.workers))
+        futures = [pool.submit(getattr(w, method), *a) for w, a in zip(self.workers, args, strict=True)]
+        pool.shutdown(wait=False)
+        return futures
+
+    def wait(self, pending) -> list:
+        return [f.result() for f in pending]
 
     def plan_weight_update(self, metas: list) -> list[dict]:
         return [w.plan_weight_update(metas) for w in self.workers]
@@ -250,25 +265,14 @@ def send_ipc(trainer, client, *, model_dir: str, dtype: str | None,
     rank = trainer.rank
     clock = _Clock()
     dtype = trainer.sync_dtype(dtype)
-    refuse_nonfinite(trainer.nonfinite_weights(dtype), dtype)
-    clock.lap("check")
-    metas = trainer.weight_metadata(dtype)
-    decision, failure = None, None
-    if rank == 0:
-        try:
-            buffer_bytes = plan_buffer_bytes(metas, bucket_bytes)
-            plans = client.plan_weight_update(metas)
-            decision = {"buffer_bytes": buffer_bytes, "kernel": agreed_kernel_experts(plans),
-                        "bytes": plans[0]["bytes"]}
-        except Exception as e:  # noqa: BLE001 - re-raised here; the other ranks must not wait for rank 0
-            failure = e
-            decision = {"error": str(e) if isinstance(e, ValueError) else f"rank 0: {type(e).__name__}: {e}",
-                        "refused": isinstance(e, ValueError)}
-    decision = _from_rank0(decision)
-    if failure is not None:
-        raise failure
-    if "error" in decision:
-        raise (ValueError if decision["refused"] else RuntimeError)(decision["error"])
+    metas = trainer_checked_metas(trainer, dtype, clock)
+
+    def decide(client):
+        buffer_bytes = plan_buffer_bytes(metas, bucket_bytes)
+        plans = client.plan_weight_update(metas)
+        return {"buffer_bytes": buffer_bytes, "kernel": agreed_kernel_experts(plans), "bytes": plans[0]["bytes"]}
+
+    decision = _rank0_decides(rank, decide, client)
     clock.lap("plan")
     spec = _checkpoint_spec(model_dir)
     out_dtype = getattr(torch, dtype) if dtype else None
@@ -295,13 +299,163 @@ def send_ipc(trainer, client, *, model_dir: str, dtype: str | None,
             clock.lap("send")
             sent["bytes"] += sum(chunk["tensor_sizes"])
             sent["chunks"] += 1
+    return _finished(rank, client, clock, bytes=decision["bytes"], sent_bytes=sent["bytes"], chunks=sent["chunks"],
+                     kernel_experts=kernel)
+
+
+def trainer_checked_metas(trainer, dtype: str | None, clock: "_Clock") -> list:
+    """The trainer's (name, shape, dtype name) per tensor, once its NaN/Inf check passed on every
+    rank's GPU (ValueError naming the tensors otherwise, before anything moves)."""
+    refuse_nonfinite(trainer.nonfinite_weights(dtype), dtype)
+    clock.lap("check")
+    return trainer.weight_metadata(dtype)
+
+
+def _rank0_decides(rank: int, decide, client) -> dict:
+    """`decide(client)` on rank 0 (the engines' plan of the update), its dict on every rank; a
+    failure there raises on every rank (ValueError for a refusal), so no rank waits for another."""
+    decision, failure = None, None
+    if rank == 0:
+        try:
+            decision = decide(client)
+        except Exception as e:  # noqa: BLE001 - re-raised here; the other ranks must not wait for rank 0
+            failure = e
+            decision = {"error": str(e) if isinstance(e, ValueError) else f"rank 0: {type(e).__name__}: {e}",
+                        "refused": isinstance(e, ValueError)}
+    decision = _from_rank0(decision)
+    if failure is not None:
+        raise failure
+    if "error" in decision:
+        raise (ValueError if decision["refused"] else RuntimeError)(decision["error"])
+    return decision
+
+
+# -- nccl ------------------------------------------------------------------------------------------
+
+# vLLM's packed broadcast keeps this many buffers in flight on each side (its default).
+NCCL_NUM_BUFFERS = 2
+_NCCL: dict = {}  # this trainer process's NCCL group: {"key": (world size, buffer), "token", "group"}
+
+
+def nccl_world(plans: list[dict]) -> tuple[int, list[int]]:
+    """(world size, rank offset of each engine) of the trainer-engines NCCL group: the trainer is
+    rank 0, then each engine's workers (its plan's `workers`: tensor-parallel ranks) in turn."""
+    offsets, nxt = [], 1
+    for p in plans:
+        offsets.append(nxt)
+        nxt += int(p["workers"])
+    return nxt, offsets
+
+
+def checkpoint_metadata(spec, metas: list) -> list[tuple[str, list[int], str]]:
+    """(on-disk name, shape, dtype name) of the checkpoint-format stream the trainer's tensors
+    (`metas`) become, in the order `to_checkpoint_names` yields them (computed on meta tensors: no
+    data); an NCCL receiver needs it before the first byte."""
+    import torch
+
+    from rollout import weights as wts
+
+    meta = ((n, torch.empty(shape, dtype=getattr(torch, dt), device="meta")) for n, shape, dt in metas)
+    return [(n, list(t.shape), str(t.dtype).removeprefix("torch."))
+            for n, t in wts.to_checkpoint_names(spec, meta, kernel_experts=False)]
+
+
+def _free_port(address: str) -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def _nccl_group(client, decision: dict, address: str):
+    """The NCCL group of this trainer process and the engines: the one joined before when every
+    engine reports its token (address:port) and the size and buffer are unchanged; else a new one
+    on a fresh port (a new or restarted engine, another set of engines), every engine joining while
+    rank 0 opens its end (a rendezvous)."""
+    from rollout import adapter
+
+    key = (decision["world_size"], decision["buffer_bytes"])
+    if _NCCL.get("key") == key and all(g == _NCCL["token"] for g in decision["groups"]):
+        return _NCCL["group"]
+    _NCCL.clear()
+    port = _free_port(address)
+    infos = [(adapter.nccl_init_info(address, port, off, decision["world_size"], decision["buffer_bytes"],
+                                     NCCL_NUM_BUFFERS),) for off in decision["offsets"]]
+    pending = client.begin("init_weight_transfer_engine", infos)
+    group = adapter.nccl_trainer_group(address, port, decision["world_size"])
+    client.wait(pending)
+    _NCCL.update(key=key, token=f"{address}:{port}", group=group)
+    return group
+
+
+def send_nccl(trainer, client, *, model_dir: str, dtype: str | None,
+              bucket_bytes: int = DEFAULT_IPC_BUCKET_BYTES, address: str = "127.0.0.1") -> dict:
+    """One NCCL sync of `trainer`'s weights into the engines behind `client` (on other GPUs), run
+    in the trainer's process on every trainer rank (each gathers the full tensors; rank 0 sends).
+    `address`: rank 0's address the engines reach for the rendezvous. Returns what send_ipc does.
+
+    The same checks as send_ipc before anything moves (NaN/Inf on every rank's GPU; the engines'
+    plan from metadata alone, which for nccl is the checkpoint format: vLLM's NCCL engine loads
+    what it receives through the model's load_weights). Then one update: the engines enter their
+    receive (vLLM's packed consumer) with the stream's metadata while rank 0 broadcasts the same
+    stream, cast to the sampler's dtype, with vLLM's packed producer (`bucket_bytes` per buffer,
+    NCCL_NUM_BUFFERS in flight). A failure inside the broadcast cannot be undone: the engines then
+    refuse to sample until a later update completes (as for ipc)."""
+    import torch
+
+    from rollout import adapter, weights as wts
+
+    rank = trainer.rank
+    clock = _Clock()
+    dtype = trainer.sync_dtype(dtype)
+    metas = trainer_checked_metas(trainer, dtype, clock)
+    spec = _checkpoint_spec(model_dir)
+    stream_metas: list = []
+
+    def decide(client):
+        plans = client.plan_weight_update(metas)
+        if agreed_kernel_experts(plans):
+            raise ValueError("rollout.weight_sync: 'nccl' streams checkpoint format; these engines expect "
+                             "kernel-format experts (built for weight_sync='ipc')")
+        stream_metas[:] = checkpoint_metadata(spec, metas)
+        world_size, offsets = nccl_world(plans)
+        return {"buffer_bytes": plan_buffer_bytes(stream_metas, bucket_bytes), "bytes": plans[0]["bytes"],
+                "world_size": world_size, "offsets": offsets,
+                "groups": [p.get("transfer_group") for p in plans]}
+
+    decision = _rank0_decides(rank, decide, client)
+    clock.lap("plan")
+    out_dtype = getattr(torch, dtype) if dtype else None
+    group = None
+    if rank == 0:
+        group = _nccl_group(client, decision, address)
+        client.start_weight_update()
+    clock.lap("start")
+    stream = wts.to_checkpoint_names(spec, trainer.iter_device_weights(), kernel_experts=False)
+    if rank == 0:
+        info = adapter.nccl_update_info(stream_metas, decision["buffer_bytes"], NCCL_NUM_BUFFERS)
+        pending = client.begin("update_weight_chunk", [(info,)] * len(decision["offsets"]))
+        adapter.nccl_send(group, stream, out_dtype, decision["buffer_bytes"], NCCL_NUM_BUFFERS)
+        torch.cuda.synchronize()  # the broadcasts read live parameters: done before the next step
+        client.wait(pending)
+    else:
+        for _ in stream:  # the full tensors are gathered collectively: every rank takes part
+            pass
+    clock.lap("send")
+    return _finished(rank, client, clock, bytes=decision["bytes"], sent_bytes=decision["bytes"], chunks=1,
+                     kernel_experts=False)
+
+
+def _finished(rank: int, client, clock: "_Clock", **result) -> dict:
+    """End the engines' update (rank 0) and return the sync's report: `result` plus the seconds per
+    phase, the engines' own as engine_* (RolloutWorker.finish_weight_update)."""
     engine = {}
     if rank == 0:
         done = client.finish_weight_update()
         engine = {f"engine_{k}": v for k, v in (done or {}).get("seconds", {}).items()}
     clock.lap("finish")
-    return {"seconds": {**clock.laps, **engine, "total": clock.total()}, "bytes": decision["bytes"],
-            "sent_bytes": sent["bytes"], "chunks": sent["chunks"], "kernel_experts": kernel}
+    return {"seconds": {**clock.laps, **engine, "total": clock.total()}, **result}
 
 
 @functools.lru_cache(maxsize=4)

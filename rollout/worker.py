@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from rollout import plugin, weights
+from rollout.sync import STREAMED
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +79,9 @@ class RolloutWorker:
         engine ran before (measured on CPU fp32: ~5e-7 differences for the same seed); a seeded
         generation is then bitwise reproducible. Turn it on for speed when that does not matter.
         weight_sync: how `update_weights` / the chunked protocol receive weights (rollout/sync.py):
-        "files" (safetensors buckets in shared memory; any device) or "ipc" (vLLM's CUDA IPC
-        weight-transfer engine; the trainer on the same GPU). sleep_mode: build the engine so that
+        "files" (safetensors buckets in shared memory; any device), "ipc" (vLLM's CUDA IPC
+        weight-transfer engine; the trainer on the same GPU) or "nccl" (vLLM's NCCL engine; the
+        trainer on another GPU). sleep_mode: build the engine so that
         `sleep` can free its KV cache (and weights) while the trainer trains (CUDA only).
         engine_kwargs go to `vllm.LLM` unchanged.
 
@@ -93,10 +95,11 @@ class RolloutWorker:
                              "grouped GEMMs synchronise with the host, which CUDA graphs cannot capture), got False")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed: expected a non-negative int, got {seed!r}")
-        if weight_sync not in ("files", "ipc"):
-            raise ValueError(f"weight_sync: expected 'files' or 'ipc' (rollout/sync.py), got {weight_sync!r}")
-        if (weight_sync == "ipc" or sleep_mode) and not torch.cuda.is_available():
-            what = "weight_sync='ipc'" if weight_sync == "ipc" else "sleep_mode=True"
+        if weight_sync not in STREAMED + ("files",):
+            raise ValueError(f"weight_sync: expected one of {('files',) + STREAMED} (rollout/sync.py), "
+                             f"got {weight_sync!r}")
+        if (weight_sync in STREAMED or sleep_mode) and not torch.cuda.is_available():
+            what = f"weight_sync={weight_sync!r}" if weight_sync in STREAMED else "sleep_mode=True"
             raise ValueError(f"{what}: needs a CUDA GPU (torch.cuda.is_available() is False); "
                              "use weight_sync='files', sleep_mode=False on CPU")
         self.weight_sync = weight_sync
@@ -114,7 +117,9 @@ class RolloutWorker:
         # An IPC sync streams the routed experts fused, in kernel format, where megamoe computes them
         # on one GPU (plan_weight_update); False streams them per expert through vLLM's reload (the
         # only way for moe_impl="stock"; benchmarks/bench_weight_sync.py compares the two).
-        self.kernel_experts = self.moe_impl != "stock" and tensor_parallel_size == 1
+        # vLLM's NCCL engine loads what it receives through load_weights: checkpoint format only.
+        self.kernel_experts = self.moe_impl != "stock" and tensor_parallel_size == 1 and weight_sync == "ipc"
+        self._transfer_group: str | None = None  # the trainer's NCCL group joined (address:port; nccl)
         self.model_dir = str(os.fspath(model_dir))
         self.spec = weights.CheckpointSpec.from_dir(self.model_dir)
         self.seed = seed
@@ -306,26 +311,32 @@ class RolloutWorker:
                 "send_s": t_stage - t_pack, "commit_s": t_end - t_stage,
                 **{k: v for k, v in results[0].items() if k.startswith("worker_")}}
 
-    # -- streamed updates (weight_sync="ipc"; rollout/sync.py): plan, start, chunks, finish ---------
+    # -- streamed updates (weight_sync ipc / nccl; rollout/sync.py): plan, start, chunks, finish ----
 
     def _need_ipc(self, what: str) -> None:
-        if self.weight_sync != "ipc":
+        if self.weight_sync not in STREAMED:
             raise RuntimeError(f"{what}: this RolloutWorker was built with weight_sync={self.weight_sync!r}; "
-                               "the streamed protocol needs weight_sync='ipc'")
+                               f"the streamed protocol needs weight_sync in {STREAMED}")
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
-        """vLLM's init handshake of the weight-transfer engine (the IPC backend's wire flags)."""
+        """vLLM's init handshake of the weight-transfer engine: the IPC backend's wire flags, or the
+        NCCL backend's rendezvous (returns once this engine's workers joined the trainer's group)."""
         self._need_ipc("init_weight_transfer_engine")
+        self._transfer_group = None
         self.llm.init_weight_transfer_engine({"init_info": dict(init_info)})
+        if self.weight_sync == "nccl":
+            self._transfer_group = f"{init_info['master_address']}:{init_info['master_port']}"
 
     def plan_weight_update(self, metas: list) -> dict:
         """Check a whole update, described as (name, shape, dtype name) per trainer tensor, against
         the checkpoint before any byte moves; raises naming the first bad tensor, changes nothing.
 
-        Returns {"tensors", "bytes", "kernel_experts"}: kernel_experts says the routed experts are
-        to come fused in kernel format (rollout/sync.py), which this engine takes when megamoe
-        computes them on one GPU (moe_impl megamoe / reference, tensor_parallel_size 1); the fused
-        shapes and dtypes are checked against the engine's own parameters as well."""
+        Returns {"tensors", "bytes", "kernel_experts", "workers", "transfer_group"}: kernel_experts
+        says the routed experts are to come fused in kernel format (rollout/sync.py), which this
+        engine takes over ipc when megamoe computes them on one GPU (moe_impl megamoe / reference,
+        tensor_parallel_size 1); the fused shapes and dtypes are checked against the engine's own
+        parameters as well. workers: the engine's ranks in an NCCL group; transfer_group: the
+        trainer's NCCL group it joined (address:port), or None."""
         self._need_ipc("plan_weight_update")
         if self._updating:
             raise RuntimeError("plan_weight_update: an update is being received; finish it first")
@@ -344,7 +355,8 @@ class RolloutWorker:
             self._last_plan = (key, (plan, self._kernel_names))
         self._plan = plan
         nbytes = sum(math.prod(shape) * getattr(torch, dt).itemsize for shape, dt in plan.values())
-        return {"tensors": len(plan), "bytes": nbytes, "kernel_experts": kernel}
+        return {"tensors": len(plan), "bytes": nbytes, "kernel_experts": kernel,
+                "workers": self.tensor_parallel_size, "transfer_group": self._transfer_group}
 
     def _match_kernel_params(self, plan: dict) -> dict[str, str]:
         """{update name `<experts prefix>.w13_weight`: the engine's parameter holding it}, checked in
@@ -402,7 +414,8 @@ class RolloutWorker:
         raise RuntimeError(self._weights_broken)
 
     def update_weight_chunk(self, update_info: dict) -> None:
-        """One chunk (vLLM's packed IPC update info: names, shapes, dtypes, sizes, handle), checked
+        """One chunk (vLLM's update info: names, shapes, dtypes, and for ipc the sizes and the
+        buffer's handle; for nccl the call receives the broadcast while the trainer sends), checked
         against the plan (each planned tensor exactly once, its shape and dtype), then loaded: a
         chunk of kernel-format experts straight into the engine's expert parameters, a chunk in
         checkpoint format through vLLM's update session (started at the first such chunk; kernel
@@ -441,7 +454,7 @@ class RolloutWorker:
                 self._timed("session_start", self.llm.start_weight_update)
                 self._session = True
             blob = pickle.dumps(update_info)
-            self._timed("reload", lambda: self.llm.collective_rpc("megamoe_receive_ipc_chunk", args=(blob,)))
+            self._timed("reload", lambda: self.llm.collective_rpc("megamoe_update_weights", args=(blob,)))
         except Exception as e:  # noqa: BLE001 - reported with the broken state
             self._fail_update(f"{type(e).__name__}: {e}")
 

@@ -16,8 +16,10 @@ from rollout.weights import CheckpointSpec, plan_metadata, to_checkpoint_names
 @pytest.mark.parametrize("mode, colocated, on_gpu, same_gpu, want", [
     ("auto", True, True, True, "ipc"),
     ("auto", True, False, True, "files"),
-    ("auto", False, True, False, "files"),
+    ("auto", False, True, False, "files"),  # nccl is opt-in until it has run on two GPUs
     ("ipc", True, True, True, "ipc"),
+    ("nccl", False, True, False, "nccl"),
+    ("nccl", True, True, False, "nccl"),  # colocated bundles, but each side with its own GPU
     ("files", True, True, True, "files"),
     ("files", False, False, False, "files"),
 ])
@@ -31,7 +33,6 @@ def test_resolve_picks_the_transport(mode, colocated, on_gpu, same_gpu, want):
     ("ipc", False, True, False, "same GPU"),
     ("ipc", True, True, False, "same GPU"),
     ("nccl", True, True, True, "different GPUs"),
-    ("nccl", False, True, False, "not provided"),
     ("shm", True, True, True, "expected one of"),
 ])
 def test_resolve_refuses_what_the_placement_cannot_run(mode, colocated, on_gpu, same_gpu, match):
@@ -60,6 +61,11 @@ def test_config_refuses_bad_sync_settings_on_cpu(overrides, match):
 def test_config_refuses_bad_sync_settings_on_gpu_placements(overrides, match):
     with pytest.raises(config.ConfigError, match=match):
         config.load("configs/h200_rl.yaml", overrides)
+
+
+def test_config_takes_nccl_for_separate_gpus():
+    cfg = config.load("configs/h200_rl.yaml", ["ray.placement=disaggregated", "rollout.weight_sync=nccl"])
+    assert config.resolve_weight_sync(cfg) == "nccl"
 
 
 def test_config_auto_resolves_per_placement():
@@ -164,14 +170,16 @@ class _FakeLLM:
         self.calls.append("reset")
 
 
-def _protocol_worker(spec, engine_params):
+def _protocol_worker(spec, engine_params, weight_sync="ipc", tensor_parallel_size=1):
     """A RolloutWorker's streamed-update protocol over a fake engine (the real methods, no vLLM)."""
     from rollout.worker import RolloutWorker
 
     w = object.__new__(RolloutWorker)
-    w.__dict__.update(weight_sync="ipc", moe_impl="megamoe", tensor_parallel_size=1, kernel_experts=True,
+    w.__dict__.update(weight_sync=weight_sync, moe_impl="megamoe", tensor_parallel_size=tensor_parallel_size,
+                      kernel_experts=weight_sync == "ipc",
                       spec=spec, _plan=None, _received=set(), _updating=False, _session=False,
                       _kernel_params=None, _kernel_names={}, _last_plan=None, _asleep=set(), sleep_mode=False, _seconds={},
+                      _transfer_group=None,
                       _weights_broken=None, llm=_FakeLLM(engine_params))
     return w
 
@@ -205,7 +213,7 @@ def test_streamed_update_sends_kernel_experts_first_to_the_engines_own_parameter
     assert set(done["seconds"]) == {"wake", "kernel", "session_start", "reload", "session_finish",
                                     "reset_prefix_cache"} and all(v >= 0 for v in done["seconds"].values())
     assert w.llm.calls == ["megamoe_kernel_expert_params", "megamoe_receive_kernel_chunk", "start",
-                           "megamoe_receive_ipc_chunk", "finish", "reset"]
+                           "megamoe_update_weights", "finish", "reset"]
 
 
 @pytest.mark.parametrize("order, match", [
@@ -300,3 +308,118 @@ def test_engine_reuses_a_plan_only_for_the_same_update(ckpt):
     with pytest.raises(ValueError, match="o_proj.weight"):  # the refused one was not remembered
         w.plan_weight_update(bad)
     assert w.plan_weight_update(_metas(state)) == first
+
+
+# -- nccl: what the CPU can check of the separate-GPU path (its run needs two GPUs) ------------------
+
+def test_nccl_world_puts_the_trainer_first_then_each_engines_workers():
+    from rollout.sync import nccl_world
+
+    assert nccl_world([{"workers": 1}]) == (2, [1])
+    assert nccl_world([{"workers": 2}, {"workers": 1}, {"workers": 4}]) == (8, [1, 3, 4])
+
+
+def test_nccl_stream_metadata_is_the_checkpoint_stream_in_order(ckpt):
+    from rollout.sync import checkpoint_metadata
+
+    _, spec, state, disk = ckpt
+    got = checkpoint_metadata(spec, _metas(state, "bfloat16"))
+    want = [(n, list(t.shape), "bfloat16") for n, t in to_checkpoint_names(spec, state.items())]
+    assert got == want
+    assert sorted(n for n, _, _ in got) == sorted(disk)  # every on-disk tensor once, per expert
+
+
+class _NcclFakeLLM(_FakeLLM):
+    """The engine's side of an NCCL sync: its init handshake and receive calls, recorded."""
+
+    def init_weight_transfer_engine(self, request):
+        self.calls.append(("init", request["init_info"]["master_port"], request["init_info"]["rank_offset"]))
+
+
+class _StreamTrainer(_CheckedTrainer):
+    def __init__(self, state, bad=()):
+        super().__init__(None, bad)
+        self.state = state
+
+    def weight_metadata(self, dtype):
+        return _metas(self.state, dtype or "float32")
+
+    def iter_device_weights(self, select=None):
+        return iter(self.state.items())
+
+
+@pytest.fixture
+def nccl_wire(monkeypatch):
+    """rollout.adapter's NCCL calls replaced by recorders: the group rank 0 opens, what it broadcasts."""
+    from rollout import adapter, sync
+
+    sent, groups = [], []
+    monkeypatch.setattr(adapter, "nccl_init_info", lambda a, p, off, ws, b, n: {
+        "master_address": a, "master_port": p, "rank_offset": off, "world_size": ws})
+    monkeypatch.setattr(adapter, "nccl_update_info", lambda metas, b, n: {
+        "names": [m[0] for m in metas], "shapes": [m[1] for m in metas], "dtype_names": [m[2] for m in metas]})
+    monkeypatch.setattr(adapter, "nccl_trainer_group", lambda a, p, ws: groups.append((p, ws)) or f"group{len(groups)}")
+    monkeypatch.setattr(adapter, "nccl_send", lambda g, stream, dt, b, n: sent.append(
+        (g, [(name, t.to(dt) if dt else t) for name, t in stream])))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(sync, "_NCCL", {})
+    return sent, groups
+
+
+def test_nccl_sync_joins_once_then_streams_the_checkpoint_to_every_engine(ckpt, nccl_wire):
+    from rollout.sync import LocalClient, send_nccl
+
+    _, spec, state, disk = ckpt
+    sent, groups = nccl_wire
+    engines = [_protocol_worker(spec, {}, "nccl", tensor_parallel_size=tp) for tp in (1, 2)]
+    for w in engines:
+        w.llm = _NcclFakeLLM({})
+    trainer = _StreamTrainer(state)
+    out = send_nccl(trainer, LocalClient(*engines), model_dir=str(spec.model_dir), dtype="bfloat16")
+    (port, world), = groups
+    assert world == 4  # the trainer, then engine 0's one worker, then engine 1's two
+    assert [c for c in engines[0].llm.calls if isinstance(c, tuple)] == [("init", port, 1)]
+    assert [c for c in engines[1].llm.calls if isinstance(c, tuple)] == [("init", port, 2)]
+    (group, tensors), = sent
+    assert group == "group1"
+    # what rank 0 broadcast is the checkpoint, per expert, cast to the sampler's dtype, bit for bit
+    assert sorted(n for n, _ in tensors) == sorted(disk)
+    for name, t in tensors:
+        assert t.dtype == torch.bfloat16 and torch.equal(t, disk[name].to(torch.bfloat16)), name
+    for w in engines:  # the engines' protocol: one update through vLLM's session, then reset
+        assert [c for c in w.llm.calls if not isinstance(c, tuple)] == ["start", "megamoe_update_weights",
+                                                                         "finish", "reset"]
+        assert not w._updating and w._weights_broken is None
+    assert out["kernel_experts"] is False and out["bytes"] == sum(t.numel() * 2 for _, t in tensors)
+    assert {"check", "plan", "start", "send", "finish"} <= set(out["seconds"])
+
+    send_nccl(trainer, LocalClient(*engines), model_dir=str(spec.model_dir), dtype="bfloat16")
+    assert len(groups) == 1 and sent[1][0] == "group1"  # the group is kept between syncs
+
+    # a restarted engine (never joined) and a sync to a subset: a new group each time, never a stale one
+    engines[1] = _protocol_worker(spec, {}, "nccl", tensor_parallel_size=2)
+    engines[1].llm = _NcclFakeLLM({})
+    send_nccl(trainer, LocalClient(*engines), model_dir=str(spec.model_dir), dtype="bfloat16")
+    assert len(groups) == 2 and groups[1][1] == 4 and sent[2][0] == "group2"
+    send_nccl(trainer, LocalClient(engines[0]), model_dir=str(spec.model_dir), dtype="bfloat16")
+    assert len(groups) == 3 and groups[2][1] == 2
+
+
+@pytest.mark.parametrize("case, match", [
+    ("nonfinite", "hold NaN/Inf in bfloat16"),
+    ("kernel", "kernel-format experts"),
+    ("bucket", "rollout.ipc_bucket_bytes"),
+])
+def test_nccl_sync_refuses_before_any_group_or_update(ckpt, nccl_wire, case, match):
+    from rollout.sync import LocalClient, send_nccl
+
+    _, spec, state, _ = ckpt
+    sent, groups = nccl_wire
+    w = _protocol_worker(spec, _engine_params(spec), "ipc" if case == "kernel" else "nccl")
+    w.llm = _NcclFakeLLM(_engine_params(spec))
+    trainer = _StreamTrainer(state, bad=["model.layers.0.mlp.gate.weight"] if case == "nonfinite" else ())
+    with pytest.raises(ValueError, match=match):
+        send_nccl(trainer, LocalClient(w), model_dir=str(spec.model_dir), dtype="bfloat16",
+                  bucket_bytes=1024 if case == "bucket" else 1 << 30)
+    assert not groups and not sent and not w._updating
+    assert not [c for c in w.llm.calls if c != "megamoe_kernel_expert_params"]
