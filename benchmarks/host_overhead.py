@@ -53,14 +53,14 @@ def main():
     p.topk_ids = p.topk_ids.contiguous()  # the raw launcher row below indexes it as a dense array
     dy = torch.randn(T, H)
     _, gu = fused.fused_moe_fwd(*p.args(), backend="triton", check=False, save_gu=True)
-    cfg = fused._config(p.x)
+    cfg = fused.config_for(p.x)
     rows = [
         ("fused_moe_fwd (inference)", lambda: fused.fused_moe_fwd(*p.args(), backend="triton", check=False)),
         ("fused_moe_fwd, saving (gate, up)",
          lambda: fused.fused_moe_fwd(*p.args(), backend="triton", check=False, save_gu=True)),
         ("fused_moe_bwd, from (gate, up)", lambda: fused.fused_moe_bwd(dy, *p.args(), backend="triton", gu=gu)),
-        ("  of which _launch_persistent (forward)",
-         lambda: fused._launch_persistent(False, *p.args(), None, T, H, I, E, k, cfg)),
+        ("  of which launch_persistent (forward)",
+         lambda: fused.launch_persistent(False, *p.args(), None, T, H, I, E, k, cfg)),
         ("  of which check_moe_inputs", lambda: check_moe_inputs(*p.args(), check_ids=False)),
     ]
     leaves = [t.clone().requires_grad_(True) for t in (p.x, p.w13, p.w2, p.topk_weights)]
@@ -75,7 +75,7 @@ def main():
         fused.fused_moe_bwd(dy, *p.args(), gu=g)
 
     rows += [("training step, public op + autograd", step), ("training step, direct fwd + bwd calls", direct)]
-    fused._pick_backend = lambda x, backend: "triton"  # the public op on CPU tensors would pick "torch"
+    fused.op.pick_backend = lambda x, backend: "triton"  # the public op on CPU tensors would pick "torch"
     print(f"torch {torch.__version__} | {os.cpu_count()} CPUs | launches replaced by no-ops")
     for name, fn in rows:
         print(f"{name:42s} {per_call_us(fn):6.0f} us")

@@ -67,7 +67,7 @@ def main():
         cells = []
         for T, (x, w13, w2, tw, ids) in inputs.items():
             def run(cfg=c):
-                return fused._launch_persistent(False, x, w13, w2, tw, ids, None, T, H, I, E, k, cfg)
+                return fused.launch_persistent(False, x, w13, w2, tw, ids, None, T, H, I, E, k, cfg)
             try:
                 out = run()[0]
             except Exception as exc:  # noqa: BLE001
@@ -94,11 +94,11 @@ def main():
         ref_dw = None
         for c in [KernelConfig()] + BWD:
             try:
-                outs = fused._launch_persistent(True, x, w13, w2, tw, ids, dy, T, H, I, E, k, c)
-                ms_p = time_ms(lambda: fused._launch_persistent(True, x, w13, w2, tw, ids, dy, T, H, I, E, k, c),
+                outs = fused.launch_persistent(True, x, w13, w2, tw, ids, dy, T, H, I, E, k, c)
+                ms_p = time_ms(lambda: fused.launch_persistent(True, x, w13, w2, tw, ids, dy, T, H, I, E, k, c),
                                args.reps)
-                dw = fused._launch_dw(x, dy, outs[1], outs[2], outs[4], E, H, I, k, c)
-                ms_w = time_ms(lambda: fused._launch_dw(x, dy, outs[1], outs[2], outs[4], E, H, I, k, c), args.reps)
+                dw = fused.launch_dw(x, dy, outs[1], outs[2], outs[4], E, H, I, k, c)
+                ms_w = time_ms(lambda: fused.launch_dw(x, dy, outs[1], outs[2], outs[4], E, H, I, k, c), args.reps)
             except Exception as exc:  # noqa: BLE001
                 print(f"  [{short(c)}] FAILED {type(exc).__name__}: {str(exc)[:120]}", flush=True)
                 continue
@@ -114,14 +114,14 @@ def main():
         dy = torch.randn_like(x)
         for c in [KernelConfig()] + GU:
             try:
-                fw = fused._launch_persistent(False, x, w13, w2, tw, ids, None, T, H, I, E, k, c, save_gu=True)
-                ms_f = time_ms(lambda: fused._launch_persistent(False, x, w13, w2, tw, ids, None, T, H, I, E, k, c,
+                fw = fused.launch_persistent(False, x, w13, w2, tw, ids, None, T, H, I, E, k, c, save_gu=True)
+                ms_f = time_ms(lambda: fused.launch_persistent(False, x, w13, w2, tw, ids, None, T, H, I, E, k, c,
                                                                 save_gu=True), args.reps)
                 gu = fw[-1]
-                bw = fused._launch_persistent(True, x, w13, w2, tw, ids, dy, T, H, I, E, k, c, gu=gu)
-                ms_b = time_ms(lambda: fused._launch_persistent(True, x, w13, w2, tw, ids, dy, T, H, I, E, k, c, gu=gu),
+                bw = fused.launch_persistent(True, x, w13, w2, tw, ids, dy, T, H, I, E, k, c, gu=gu)
+                ms_b = time_ms(lambda: fused.launch_persistent(True, x, w13, w2, tw, ids, dy, T, H, I, E, k, c, gu=gu),
                                args.reps)
-                rc = fused._launch_persistent(True, x, w13, w2, tw, ids, dy, T, H, I, E, k, c)
+                rc = fused.launch_persistent(True, x, w13, w2, tw, ids, dy, T, H, I, E, k, c)
             except Exception as exc:  # noqa: BLE001
                 print(f"  [{short(c)}] FAILED {type(exc).__name__}: {str(exc)[:120]}", flush=True)
                 continue

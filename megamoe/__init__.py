@@ -13,7 +13,7 @@ W expert-parallel world size; e.g. x_TH, w13_E2IH, w2_EHI, topk_ids_Tk.
 
 Implementations (`impl=`):
   "megamoe"    the fused Triton kernel on CUDA; on CPU a torch implementation with the same
-               semantics and the same fixed reduction order (megamoe/fused.py)
+               semantics and the same fixed reduction order (megamoe/fused/)
   "reference"  the unfused path: permute -> grouped GEMM -> SwiGLU -> grouped GEMM -> weighted
                un-permute (megamoe/ref.py)
 Routing (fp32 router logits -> softmax/sigmoid -> top-k -> optional renormalisation) is the

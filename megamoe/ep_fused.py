@@ -66,8 +66,8 @@ from torch.autograd.function import once_differentiable
 from megamoe import alloc
 from megamoe.contract import FLOAT_DTYPES, check_moe_inputs
 from megamoe.ep import _check_everywhere, _check_local, check_global_ids, check_positive_ints
-from megamoe.fused import (_check_backend, _combine_slots, _config, grown_counters, launch_device, persistent_setup,
-                           persistent_stages, weight_args)
+from megamoe.fused import (METADATA_ARGS, WEIGHT_ARGS, check_backend, combine_slots, config_for, grown_counters,
+                           launch_device, persistent_setup, persistent_stages, weight_args)
 
 _ADDRESS_ROWS = ("recv_x", "recv_id", "recv_w", "out", "dsig", "csig")  # the kernel's EP_* rows
 # polls per wait before a time-out. On a GPU polls are at least POLL_NS apart (the kernel reads the
@@ -251,7 +251,7 @@ def _checked(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws: EPWorkspa
         _check_workspace(x_TH, topk_ids_Tk, ws, programs)
         if check:
             check_global_ids(topk_ids_Tk, num_experts)
-    _check_backend(x_TH, "triton")
+    check_backend(x_TH, "triton")
     return s
 
 
@@ -288,7 +288,7 @@ def _launch(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws: EPWorkspac
     L, H, I = s.E, s.H, s.I  # noqa: E741
     TMK = ws.max_tokens * ws.k
     N = W * TMK  # received rows, source-major: the single-GPU kernel's slots with K = 1
-    cfg = _config(x)
+    cfg = config_for(x)
 
     def counters(r_max: int) -> torch.Tensor:
         ws.ctr = grown_counters(ws.ctr, x.device, r_max)
@@ -299,13 +299,19 @@ def _launch(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws: EPWorkspac
     act = alloc.empty(N, I, dtype=x.dtype, device=x.device)
     y = alloc.empty(s.T, H, dtype=x.dtype, device=x.device)
     ctr = setup.ctr
+    # phases 0-2 run over the received rows as the single-GPU launch's slots (K = 1); the arguments
+    # this forward does not read (dy, the backward's, the trace pointer) get one of its own tensors
     with launch_device(x.device):
         _moe_persistent_kernel[(setup.programs,)](
-            ws.recv_x, w13, w2, ws.recv_w, ws.recv_id, ws.recv_x, *weight_args(w13, w2, setup.consts, False, False),
-            *setup.meta,
-            act, act, act, ws.recv_w, ws.recv_w, ws.out, y, ctr, ctr[CTR_SLOTS.value:],
-            ws.table, ws.err, ws.epoch_dev, x, ids, tw, y, ids,  # ids: the trace pointer, unused
-            N, N, L, H, I, 1, setup.lag, setup.r_max, setup.nb, ws.rank, W, s.T, s.k, TMK, spin_max,
+            x_ptr=ws.recv_x, w13_ptr=w13, w2_ptr=w2, tw_ptr=ws.recv_w, ids_ptr=ws.recv_id, dy_ptr=ws.recv_x,
+            **dict(zip(WEIGHT_ARGS, weight_args(w13, w2, setup.consts, False, False))),
+            **dict(zip(METADATA_ARGS, setup.meta)),
+            act_ptr=act, hw_ptr=act, gu_ptr=act, dtw_part_ptr=ws.recv_w, dtw_ptr=ws.recv_w, slot_out_ptr=ws.out,
+            out_ptr=y, ctr_ptr=ctr, tile_done_ptr=ctr[CTR_SLOTS.value:],
+            ep_ptr=ws.table, ep_err_ptr=ws.err, ep_epoch_ptr=ws.epoch_dev, xs_ptr=x, ids_src_ptr=ids, tw_src_ptr=tw,
+            y_ptr=y, trace_ptr=ids,
+            T=N, N=N, E=L, H=H, I=I, K=1, LAG=setup.lag, R_MAX=setup.r_max, NB=setup.nb,
+            RANK=ws.rank, W=W, TS=s.T, SK=s.k, TMK=TMK, SPIN_MAX=spin_max,
             **setup.consts, num_warps=cfg.num_warps, num_stages=persistent_stages(cfg, False))
     if check:
         _check_after(ws, spin_max)
@@ -373,7 +379,7 @@ def ep_fused_moe_bwd(dy_TH: torch.Tensor, x_TH: torch.Tensor, w13_L2IH: torch.Te
     dx_slots = torch.zeros(T * k, H, dtype=x_TH.dtype, device=x_TH.device).index_copy_(0, plan.result_slot_M, dx_M)
     dtw = torch.zeros(T * k, dtype=torch.float32, device=x_TH.device).index_copy_(0, plan.result_slot_M, dtw_M)
     # a token's k slot rows summed in slot order in fp32: the single-GPU op's combine
-    return (_combine_slots(dx_slots, topk_ids_Tk, x_TH.dtype), dw13, dw2,
+    return (combine_slots(dx_slots, topk_ids_Tk, x_TH.dtype), dw13, dw2,
             dtw.view(T, k).to(topk_weights_Tk.dtype))
 
 

@@ -114,7 +114,7 @@ def test_triton_interpreter_result_does_not_depend_on_the_program_count(nan_fill
     program p only after program p-1 has finished, the extreme case of programs that are not yet
     resident (another kernel holding SMs): no program ever waits for work that only a later
     program would take."""
-    from megamoe.fused import _COUNTERS
+    from megamoe.fused import counter_buffers
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("interpreter test: runs on CPU machines (conftest sets TRITON_INTERPRET=1 there)")
     p = make_problem(23, 36, 20, 6, 3, seed=4, drop_frac=0.2)
@@ -122,7 +122,7 @@ def test_triton_interpreter_result_does_not_depend_on_the_program_count(nan_fill
     results = {n: _launch_outputs(p, g, programs=n) for n in (1, 2, 3, 5)}
     for n in (2, 3, 5):
         assert all(torch.equal(a, b) for a, b in zip(results[n], results[1])), f"{n} programs differ from 1"
-    assert all(int(buf.abs().sum()) == 0 for buf in _COUNTERS.values())
+    assert all(int(buf.abs().sum()) == 0 for buf in counter_buffers())
 
 
 def test_triton_interpreter_result_does_not_depend_on_the_ticket_order(nan_fill):
@@ -164,14 +164,14 @@ def test_triton_kernel_leaves_its_workspace_as_found(nan_fill):
     """Every counter (tickets, phase counts, per-tile counts) is zero again after a forward and a
     backward launch, so the next call and a CUDA-graph replay need no host-side clearing; a second
     call gives the same bits."""
-    from megamoe.fused import _COUNTERS
+    from megamoe.fused import counter_buffers
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs a GPU or the Triton interpreter")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     p = make_problem(29, 24, 16, 5, 3, routing="random", drop_frac=0.2, seed=11, device=device)
     g = torch.randn(29, 24, generator=torch.Generator().manual_seed(1)).to(device)
     y1, b1 = fused_moe_fwd(*p.args(), backend="triton"), fused_moe_bwd(g, *p.args(), backend="triton")
-    bufs = [b for key, b in _COUNTERS.items() if key[0] == str(torch.device(device))]
+    bufs = counter_buffers(device)
     assert bufs and all(int(b.abs().sum()) == 0 for b in bufs)
     y2, b2 = fused_moe_fwd(*p.args(), backend="triton"), fused_moe_bwd(g, *p.args(), backend="triton")
     assert torch.equal(y1, y2) and all(torch.equal(a, b) for a, b in zip(b1, b2))
@@ -184,7 +184,7 @@ def _tma_vs_pointers(p, g):
     x, w13, w2 = p.args()[:3]
     base = fused.default_config(x.dtype, x.device)
     for tma in (True, False):  # the case reaches the path it names
-        assert fused._tma_weights(dataclasses.replace(base, tma_weights=tma), w13, w2) == tma
+        assert fused.weights_through_tma(dataclasses.replace(base, tma_weights=tma), w13, w2) == tma
     via_tma, via_pointers = _launch_outputs(p, g, tma_weights=True), _launch_outputs(p, g, tma_weights=False)
     for name, a, b in zip(LAUNCH_OUTPUTS, via_tma, via_pointers):
         assert torch.equal(a, b), f"{name}: TMA weight loads differ from pointer loads"
@@ -220,7 +220,7 @@ def test_triton_interpreter_dw_tma_loads_equal_pointer_loads(T, H, I, E, k, rout
     operands = (torch.empty(N, 2 * I), torch.empty(N, I), torch.empty(N, H), torch.empty(N, H))
     base = fused.default_config(torch.float32, torch.device("cpu"))
     for tma in (True, False):  # the case reaches the path it names
-        assert fused._dw_tma(dataclasses.replace(base, dw_tma=tma), operands) == tma
+        assert fused.dw_through_tma(dataclasses.replace(base, dw_tma=tma), operands) == tma
     ids = p.topk_ids
     counts = torch.bincount(ids[ids >= 0].flatten(), minlength=E)
     assert (counts == 0).any() and (counts % base.BKR != 0).any(), counts
@@ -235,14 +235,14 @@ def test_dw_tma_only_where_the_hardware_can_address_the_rows():
     from megamoe import fused
     cfg = fused.KernelConfig()
     t = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt)  # noqa: E731
-    assert fused._dw_tma(cfg, (t(9, 48), t(9, 24), t(9, 40), t(9, 40)))
-    assert not fused._dw_tma(cfg, (t(9, 40), t(9, 20), t(9, 40), t(9, 40))), "I * 2 bytes not a multiple of 16"
-    assert not fused._dw_tma(cfg, (t(9, 48), t(9, 24), t(9, 36), t(9, 36))), "H * 2 bytes not a multiple of 16"
-    assert fused._dw_tma(cfg, (t(9, 40, dt=torch.float32), t(9, 20, dt=torch.float32), t(9, 36, dt=torch.float32),
+    assert fused.dw_through_tma(cfg, (t(9, 48), t(9, 24), t(9, 40), t(9, 40)))
+    assert not fused.dw_through_tma(cfg, (t(9, 40), t(9, 20), t(9, 40), t(9, 40))), "I * 2 bytes not a multiple of 16"
+    assert not fused.dw_through_tma(cfg, (t(9, 48), t(9, 24), t(9, 36), t(9, 36))), "H * 2 bytes not a multiple of 16"
+    assert fused.dw_through_tma(cfg, (t(9, 40, dt=torch.float32), t(9, 20, dt=torch.float32), t(9, 36, dt=torch.float32),
                                t(9, 36, dt=torch.float32)))
     shifted = t(9 * 40 + 4)[4:].view(9, 40)  # base 8 bytes past an aligned one
-    assert not fused._dw_tma(cfg, (t(9, 48), t(9, 24), shifted, t(9, 40))), "base not 16-byte aligned"
-    assert not fused._dw_tma(fused.KernelConfig(dw_tma=False), (t(9, 48), t(9, 24), t(9, 40), t(9, 40)))
+    assert not fused.dw_through_tma(cfg, (t(9, 48), t(9, 24), shifted, t(9, 40))), "base not 16-byte aligned"
+    assert not fused.dw_through_tma(fused.KernelConfig(dw_tma=False), (t(9, 48), t(9, 24), t(9, 40), t(9, 40)))
     assert not fused.default_config(torch.float32, torch.device("cuda")).dw_tma
 
 
@@ -305,8 +305,8 @@ def test_the_raw_launcher_refuses_strided_inputs():
     cfg = fused.default_config(x.dtype, x.device)
     for name, args in (("topk_ids", (x, w13, w2, tw, strided)), ("x", (x.t().contiguous().t(), w13, w2, tw, ids)),
                        ("topk_weights", (x, w13, w2, tw.t().contiguous().t(), ids))):
-        with pytest.raises(ValueError, match=f"_launch_persistent: {name} must be contiguous"):
-            fused._launch_persistent(False, *args, None, 9, 16, 16, 4, 2, cfg)
+        with pytest.raises(ValueError, match=f"launch_persistent: {name} must be contiguous"):
+            fused.launch_persistent(False, *args, None, 9, 16, 16, 4, 2, cfg)
     # the public forward takes the strided ids and gives the contiguous copy's bits
     assert torch.equal(fused_moe_fwd(x, w13, w2, tw, strided, backend="torch"),
                        fused_moe_fwd(x, w13, w2, tw, strided.contiguous(), backend="torch"))
@@ -316,13 +316,13 @@ def test_tma_weights_only_where_the_hardware_can_address_the_rows():
     from megamoe import fused
     cfg = fused.KernelConfig()
     w = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt)  # noqa: E731
-    assert fused._tma_weights(cfg, w(4, 2 * 24, 40), w(4, 40, 24))
-    assert not fused._tma_weights(cfg, w(4, 2 * 24, 36), w(4, 36, 24)), "H * 2 bytes not a multiple of 16"
-    assert not fused._tma_weights(cfg, w(4, 2 * 20, 40), w(4, 40, 20)), "I * 2 bytes not a multiple of 16"
-    assert fused._tma_weights(cfg, w(4, 2 * 20, 36, dt=torch.float32), w(4, 36, 20, dt=torch.float32))
+    assert fused.weights_through_tma(cfg, w(4, 2 * 24, 40), w(4, 40, 24))
+    assert not fused.weights_through_tma(cfg, w(4, 2 * 24, 36), w(4, 36, 24)), "H * 2 bytes not a multiple of 16"
+    assert not fused.weights_through_tma(cfg, w(4, 2 * 20, 40), w(4, 40, 20)), "I * 2 bytes not a multiple of 16"
+    assert fused.weights_through_tma(cfg, w(4, 2 * 20, 36, dt=torch.float32), w(4, 36, 20, dt=torch.float32))
     shifted = w(4 * 48 * 40 + 4)[4:].view(4, 48, 40)  # base 8 bytes past an aligned one
-    assert not fused._tma_weights(cfg, shifted, w(4, 40, 24)), "base not 16-byte aligned"
-    assert not fused._tma_weights(fused.KernelConfig(tma_weights=False), w(4, 48, 40), w(4, 40, 24))
+    assert not fused.weights_through_tma(cfg, shifted, w(4, 40, 24)), "base not 16-byte aligned"
+    assert not fused.weights_through_tma(fused.KernelConfig(tma_weights=False), w(4, 48, 40), w(4, 40, 24))
     assert not fused.default_config(torch.float32, torch.device("cuda")).tma_weights
 
 
@@ -612,14 +612,14 @@ def test_kernel_metadata_equals_torch_metadata(T, E, k, drop, routing, BM, BLK):
     """Phase 0 of the persistent kernel (block histograms and in-register sorts; interpreter on CPU,
     compiled on GPU) against the torch-op metadata: exact equality of every index output, over
     several blocks."""
-    from megamoe.fused import _config, _launch_persistent, routing_metadata
+    from megamoe.fused import config_for, launch_persistent, routing_metadata
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs a GPU or the Triton interpreter")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     p = make_problem(T, 16, 16, E, k, drop_frac=drop, routing=routing, seed=3, device=device)
     a = routing_metadata(p.topk_ids, E)
-    cfg = dataclasses.replace(_config(p.x), BM=BM, BLK=BLK)
-    b = _launch_persistent(False, p.x, p.w13, p.w2, p.topk_weights, p.topk_ids.contiguous(), None,
+    cfg = dataclasses.replace(config_for(p.x), BM=BM, BLK=BLK)
+    b = launch_persistent(False, p.x, p.w13, p.w2, p.topk_weights, p.topk_ids.contiguous(), None,
                                T, 16, 16, E, k, cfg)[4]
     b = {f: getattr(b, f).long().cpu() for f in ("sorted_slot", "inv_slot", "expert_start", "expert_count",
                                                    "tile_cum", "num_tiles")}

@@ -37,7 +37,7 @@ def test_traced_launch_records_every_ticket_and_keeps_the_bits(is_bwd, programs,
     try:
         if is_bwd:  # the training backward: reads the (gate, up) its forward saved
             gu = fused_moe_fwd(x, w13, w2, tw, ids, backend="triton", save_gu=True)[1]
-            r = fused._launch_persistent(True, x, w13, w2, tw, ids, dy, T, H, I, E, k, cfg, gu=gu)
+            r = fused.launch_persistent(True, x, w13, w2, tw, ids, dy, T, H, I, E, k, cfg, gu=gu)
             plain = (r[0], r[3])  # dx, d(topk_weights)
         else:
             gu = None

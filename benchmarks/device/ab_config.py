@@ -84,8 +84,8 @@ def main():
 
         def fns():
             fwd = lambda: fused.fused_moe_fwd(x, w13, w2, tw, ids, check=False)  # noqa: E731
-            launch = lambda: fused._launch_persistent(False, x, w13, w2, tw, ids, None, T, H, I, E, k,  # noqa: E731
-                                                      fused._config(x), save_gu=True)
+            launch = lambda: fused.launch_persistent(False, x, w13, w2, tw, ids, None, T, H, I, E, k,  # noqa: E731
+                                                      fused.config_for(x), save_gu=True)
             gu = fused.fused_moe_fwd(x, w13, w2, tw, ids, check=False, save_gu=True)[1] if train else None
             bwd = lambda: fused.fused_moe_bwd(dy, x, w13, w2, tw, ids, gu=gu)  # noqa: E731
             step = lambda: fused.fused_moe_bwd(  # noqa: E731

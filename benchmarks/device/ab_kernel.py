@@ -36,7 +36,7 @@ for name in ("qwen3", "olmoe"):
         for rnd in range(2):  # interleaved twice, keep the min of the two medians
             for key, fn in (("old_f", lambda: old.fused_moe_fwd(x, w13, w2, tw, ids, check=False)),
                             ("new_f", lambda: new.fused_moe_fwd(x, w13, w2, tw, ids, check=False)),
-                            ("new_l", lambda: new._launch_persistent(False, x, w13, w2, tw, ids, None, T, H, I, E, k, new._config(x))),
+                            ("new_l", lambda: new.launch_persistent(False, x, w13, w2, tw, ids, None, T, H, I, E, k, new.config_for(x))),
                             ("old_fb", lambda: (old.fused_moe_fwd(x, w13, w2, tw, ids, check=False), old.fused_moe_bwd(dy, x, w13, w2, tw, ids))),
                             ("new_fb", lambda: (new.fused_moe_fwd(x, w13, w2, tw, ids, check=False), new.fused_moe_bwd(dy, x, w13, w2, tw, ids))),
                             ("new_fbs", lambda: new.fused_moe_bwd(dy, x, w13, w2, tw, ids, gu=new.fused_moe_fwd(x, w13, w2, tw, ids, check=False, save_gu=True)[1]))):

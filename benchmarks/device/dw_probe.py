@@ -172,7 +172,7 @@ def main():
         cfg = fused.default_config(torch.bfloat16, x.device)
 
         def op():
-            return fused._launch_dw(x, dy, dgu, hw, meta, E, H, I, K, cfg)
+            return fused.launch_dw(x, dy, dgu, hw, meta, E, H, I, K, cfg)
 
         ref13, ref2 = op()
         base = graph_ms(op, args.reps)
@@ -182,7 +182,7 @@ def main():
             print(f"\n{case}: the op's weight gradients, previous (abold) vs now (same bits: "
                   f"{torch.equal(o13, ref13) and torch.equal(o2, ref2)})")
             for label, fn in [("previous", prev), ("now", op)] + [
-                    (f"now, {f}={v}", lambda c=dataclasses.replace(cfg, **{f: v}): fused._launch_dw(
+                    (f"now, {f}={v}", lambda c=dataclasses.replace(cfg, **{f: v}): fused.launch_dw(
                         x, dy, dgu, hw, meta, E, H, I, K, c)) for f, v in (("dw_warps", 4), ("dw_stages", 4))]:
                 ms = graph_ms(fn, args.reps)
                 print(f"  {label:22s} {ms:.3f} ms {flops / ms / 1e9:.0f} TF/s (graph), eager {time_ms(fn, args.reps):.3f} ms")

@@ -56,7 +56,7 @@ def rows_for(name: str, T: int):
     x, w13, w2, tw, ids = make_inputs(E, H, I, k, T, device="cuda", dtype=torch.bfloat16)
     ids = ids.contiguous()  # the raw launcher layers below (the public wrappers make it so themselves)
     args = (x, w13, w2, tw, ids)
-    cfg = fused._config(x)
+    cfg = fused.config_for(x)
     leaves = [t.detach().clone().requires_grad_(True) for t in (x, w13, w2, tw)]
     dy = torch.randn_like(x)
     _, gu = fused.fused_moe_fwd(*args, check=False, save_gu=True)
@@ -74,10 +74,10 @@ def rows_for(name: str, T: int):
         _, g = fused.fused_moe_fwd(*args, check=False, save_gu=True)
         fused.fused_moe_bwd(dy, *args, gu=g)
 
-    launch = lambda: fused._launch_persistent(False, *args, None, T, H, I, E, k, cfg)  # noqa: E731
+    launch = lambda: fused.launch_persistent(False, *args, None, T, H, I, E, k, cfg)  # noqa: E731
     layers = [
-        ("_launch_persistent, launch a no-op", launch, True),
-        ("_launch_persistent (forward)", launch, False),
+        ("launch_persistent, launch a no-op", launch, True),
+        ("launch_persistent (forward)", launch, False),
         ("fused_moe_fwd(check=False)", lambda: fused.fused_moe_fwd(*args, check=False), False),
         ("torch.ops.megamoe.fused_moe", lambda: torch.ops.megamoe.fused_moe(*args), False),
         ("fused_moe, no grad (public)", public_nograd, False),

@@ -4,7 +4,7 @@ work item by work item, on a GPU.
     python3 benchmarks/device/trace_items.py --cases qwen3:64 qwen3:4096 dsv3:64 mixtral:64
     python3 benchmarks/device/trace_items.py --backward --cases qwen3:4096 mixtral:4096
 
-Launches the forward's traced variant (fused._launch_persistent(trace=...): every ticket stores its
+Launches the forward's traced variant (fused.launch_persistent(trace=...): every ticket stores its
 start, the end of its wait and its end from the GPU's %globaltimer, and which program ran it) and
 reports, per kind of work item (routing metadata, GEMM1, GEMM2, combine, and tickets of row tiles
 past the routed ones), how many ran, their mean time waiting (GEMM2: for its tile's GEMM1 items;
@@ -44,9 +44,9 @@ def traced_launch(is_bwd, x, w13, w2, tw, ids, dy=None, gu=None, cfg=None, trace
 
     T, H = x.shape
     E, two_i, _ = w13.shape
-    cfg = cfg or fused._config(x)
+    cfg = cfg or fused.config_for(x)
     trace: dict | None = {} if traced else None
-    res = fused._launch_persistent(is_bwd, x, w13, w2, tw.contiguous(), ids.contiguous(), dy, T, H, two_i // 2, E,
+    res = fused.launch_persistent(is_bwd, x, w13, w2, tw.contiguous(), ids.contiguous(), dy, T, H, two_i // 2, E,
                                    ids.shape[1], cfg, gu=gu, trace=trace)
     outs = (res[0], res[3]) if is_bwd else (res[0],)
     return (outs, trace["ticks"].cpu(), trace["layout"]) if traced else (outs, None, None)

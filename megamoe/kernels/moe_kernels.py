@@ -1,4 +1,4 @@
-"""Triton kernels of the Mega MoE: pointer math only (launchers are in megamoe/fused.py).
+"""Triton kernels of the Mega MoE: pointer math only (launchers are in megamoe/fused/launch.py).
 
 Shape legend: T tokens, H hidden, I expert intermediate, E experts, K = top-k, N = T*K slots,
 R = number of row tiles (each tile: up to BM slots of one expert, in expert-sorted order),
@@ -332,7 +332,7 @@ def _moe_persistent_kernel(
     BLK: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr,
     DOT_PRECISION: tl.constexpr, EP: tl.constexpr = False, TMA_W: tl.constexpr = False, GT: tl.constexpr = 1,
     POLL_NS: tl.constexpr = 0,  # EP: least ns between two polls of a signal pad (_ep_wait_all)
-    # a timeline for benchmarks (fused._launch_persistent's `trace`): each ticket t (counted from the
+    # a timeline for benchmarks (megamoe.fused.launch_persistent's `trace`): each ticket t (counted from the
     # first non-EP ticket) stores [start, after its wait, end, program * 16 + kind code] into
     # trace_ptr[t]; times from %globaltimer in ns with CLOCK, else (the interpreter, which has no
     # clock) the ticket's own number, so that tests can check the records' order and kinds
