@@ -1,6 +1,6 @@
 """CPU: `megamoe-rl export` (rl/export.py): a run's checkpoint as a Hugging Face folder.
 
-A trained "run" per architecture (tiny Qwen3-MoE, tiny Mixtral): a one-rank FSDP2 TrainerWorker on
+A trained "run" per architecture (tiny Qwen3-MoE, Mixtral, OLMoE): a one-rank FSDP2 TrainerWorker on
 the run's base model takes two optimizer steps on a seeded batch and checkpoints like the RL loop
 does (checkpoints/step_000002, latest.json); the export of that checkpoint must
 - hold the trainer's weights bit for bit in the base checkpoint's names, shapes and dtype,
@@ -69,9 +69,17 @@ def runs(tmp_path_factory):
         r["trainer"].close()
 
 
-@pytest.fixture(params=["qwen3_moe", "mixtral"])
+@pytest.fixture(params=["qwen3_moe", "mixtral", "olmoe"])
 def exported(request, runs):
-    """Both architectures: what the export must hold and how it must load."""
+    """Every architecture make-model builds: what the export must hold and how it must load."""
+    return runs(request.param)
+
+
+@pytest.fixture(params=["qwen3_moe", "mixtral"])
+def served(request, runs):
+    """The architectures whose export is served by vLLM here (an engine start is ~25 s on 2 cores;
+    an OLMoE export holds the base layout bitwise (above), and make-model's OLMoE folders are served
+    by vLLM in tests/test_rollout_archs.py and tests/test_consistency.py)."""
     return runs(request.param)
 
 
@@ -122,10 +130,11 @@ def test_export_starts_a_new_trainer_from_the_same_weights(exported):
         fresh.close()
 
 
-def test_export_serves_in_vllm(exported):
+def test_export_serves_in_vllm(served):
     from rollout.testing import max_abs_diff
     from rollout.worker import RolloutWorker
 
+    exported = served
     probe = exported["probe"]
     engine = RolloutWorker(exported["out"], "megamoe", dtype="float32", seed=0, max_model_len=64)
     try:
