@@ -14,8 +14,19 @@ from dataclasses import dataclass
 
 import torch
 
-IMPLS = ("megamoe", "reference")
-"""Implementations of the contract in this library. (`stock` belongs to the host frameworks.)"""
+MEGAMOE = "megamoe"
+"""The fused Triton kernel on CUDA; on CPU a torch implementation with its semantics and reduction order."""
+REFERENCE = "reference"
+"""The unfused path: permute -> grouped GEMM -> SwiGLU -> grouped GEMM -> weighted un-permute."""
+IMPLS = (MEGAMOE, REFERENCE)
+"""Implementations of the contract in this library (`fused_moe(..., impl=)`)."""
+
+STOCK = "stock"
+"""Not an implementation of this library: the host framework's own MoE (vLLM's kernels in rollout/,
+transformers' experts in trainer/). Named here because both hosts accept it and share nothing
+below megamoe; megamoe itself never runs it."""
+HOST_IMPLS = IMPLS + (STOCK,)
+"""What a host's MoE layers can run (`rollout.moe_impl`, `trainer.moe_impl`, MEGAMOE_MOE_IMPL)."""
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)

@@ -1,18 +1,21 @@
 """The typed config tree of `megamoe-rl train`; YAML files in configs/ are instances of it.
 
     megamoe-rl train --config configs/tiny.yaml rollout.temperature=0.8 run.steps=10 --dry-run
+    megamoe-rl train --help-config        # every key with its type and one-line doc
 
-Every field carries its documentation in `metadata["doc"]` (`describe()` prints them all). Loading
-checks every key and every value against the tree: an unknown key is an error that names it and
-suggests close matches, a value of the wrong type or out of range is an error that names the key,
-the expected and the actual value. Nothing here imports torch, vLLM or Ray, so the CLI parses and
-validates a config (and answers `--help`) without paying for them.
+Every field carries its documentation in `metadata["doc"]` (`describe()` lists them all). The
+`trainer` section is trainer/config.py's TrainerConfig, defined there next to the code that reads
+it, as are the typed loader and `field` (trainer/ cannot import rl/); this module adds the other
+sections, the cross-section checks, the dotted overrides and `load`. Loading checks every key and
+every value against the tree: an unknown key is an error that names it and suggests close matches,
+a value of the wrong type or out of range is an error that names the key, the expected and the
+actual value. Nothing here imports torch, vLLM or Ray, so the CLI parses and validates a config
+(and answers `--help`) without paying for them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import types
 import typing
@@ -23,24 +26,8 @@ from typing import Any, Literal
 import yaml
 
 from rl.make_model import ARCHS  # standard library only at import time
-
-
-class ConfigError(ValueError):
-    """A config file or override that does not fit the tree; the message names the key."""
-
-
-def field(default: Any = dataclasses.MISSING, doc: str = "", *, factory: Any = dataclasses.MISSING):
-    """A dataclass field whose documentation travels with it (`metadata["doc"]`)."""
-    if not doc:
-        raise TypeError("every config field needs a doc string")
-    if factory is not dataclasses.MISSING:
-        return dataclasses.field(default_factory=factory, metadata={"doc": doc})
-    return dataclasses.field(default=default, metadata={"doc": doc})
-
-
-MoEImpl = Literal["megamoe", "reference", "stock"]
-ISCorrection = Literal["none", "tis", "token_mask", "seq_mask", "metrics_only"]
-
+from trainer.config import (DTYPES, ConfigError, MoEImpl, TrainerConfig, TrainerWorkerConfig, build, check,
+                            dataclass_in, describe as describe_tree, field, suggest, to_plain, unknown_key)
 
 @dataclass
 class MakeModelConfig:
@@ -61,7 +48,7 @@ class ModelConfig:
                                    "exactly one of `path` and `make` is set")
     make: MakeModelConfig | None = field(None, "make a random-initialised model into <run.out_dir>/model "
                                                "instead of loading `path`")
-    dtype: Literal["float32", "bfloat16"] = field("float32", "parameter dtype on both sides (sampler and trainer)")
+    dtype: Literal[DTYPES] = field("float32", "parameter dtype on both sides (sampler and trainer)")
 
     def validate(self, at: str) -> None:
         if (self.path is None) == (self.make is None):
@@ -101,73 +88,24 @@ class RolloutConfig:
         # Refused, not warned: the advantage is relative to the group (trainer.loss.group_advantages,
         # with or without reward.scale_by_std), so a lone sample is its own group's mean, every
         # advantage is 0 and the run would spend its steps learning nothing; a warning scrolls past.
-        _check(self.n >= 2, f"{at}.n", "an int >= 2 (the GRPO advantage is a sample's reward minus its group's "
+        check(self.n >= 2, f"{at}.n", "an int >= 2 (the GRPO advantage is a sample's reward minus its group's "
                "mean: with one sample per prompt every advantage is 0 and nothing is learned)", self.n)
-        _check(self.temperature > 0, f"{at}.temperature", "a float > 0", self.temperature)
-        _check(0 < self.top_p <= 1, f"{at}.top_p", "a float in (0, 1]", self.top_p)
-        _check(self.max_tokens >= 1, f"{at}.max_tokens", "an int >= 1", self.max_tokens)
-        _check(self.max_model_len > self.max_tokens, f"{at}.max_model_len",
+        check(self.temperature > 0, f"{at}.temperature", "a float > 0", self.temperature)
+        check(0 < self.top_p <= 1, f"{at}.top_p", "a float in (0, 1]", self.top_p)
+        check(self.max_tokens >= 1, f"{at}.max_tokens", "an int >= 1", self.max_tokens)
+        check(self.max_model_len > self.max_tokens, f"{at}.max_model_len",
                f"an int > {at}.max_tokens ({self.max_tokens})", self.max_model_len)
-        _check(self.kv_cache_bytes > 0, f"{at}.kv_cache_bytes", "an int > 0", self.kv_cache_bytes)
-        _check(self.num_workers >= 1, f"{at}.num_workers", "an int >= 1", self.num_workers)
-        _check(self.cpus_per_worker >= 0, f"{at}.cpus_per_worker", "a float >= 0", self.cpus_per_worker)
-        _check(self.gpus_per_worker >= 0, f"{at}.gpus_per_worker", "a float >= 0", self.gpus_per_worker)
-        _check(self.max_restarts >= 0, f"{at}.max_restarts", "an int >= 0", self.max_restarts)
-        _check(self.ipc_bucket_bytes >= 1 << 20, f"{at}.ipc_bucket_bytes", "an int >= 1048576 (1 MiB)",
+        check(self.kv_cache_bytes > 0, f"{at}.kv_cache_bytes", "an int > 0", self.kv_cache_bytes)
+        check(self.num_workers >= 1, f"{at}.num_workers", "an int >= 1", self.num_workers)
+        check(self.cpus_per_worker >= 0, f"{at}.cpus_per_worker", "a float >= 0", self.cpus_per_worker)
+        check(self.gpus_per_worker >= 0, f"{at}.gpus_per_worker", "a float >= 0", self.gpus_per_worker)
+        check(self.max_restarts >= 0, f"{at}.max_restarts", "an int >= 0", self.max_restarts)
+        check(self.ipc_bucket_bytes >= 1 << 20, f"{at}.ipc_bucket_bytes", "an int >= 1048576 (1 MiB)",
                self.ipc_bucket_bytes)
-        _check(self.sleep_level in (0, 1, 2), f"{at}.sleep_level", "0, 1 or 2", self.sleep_level)
-        _check(self.cpus_per_worker + self.gpus_per_worker > 0, f"{at}.cpus_per_worker/{at}.gpus_per_worker",
+        check(self.sleep_level in (0, 1, 2), f"{at}.sleep_level", "0, 1 or 2", self.sleep_level)
+        check(self.cpus_per_worker + self.gpus_per_worker > 0, f"{at}.cpus_per_worker/{at}.gpus_per_worker",
                "at least one of them > 0 (a placement-group bundle cannot be empty)",
                (self.cpus_per_worker, self.gpus_per_worker))
-
-
-@dataclass
-class TrainerConfig:
-    moe_impl: Literal["megamoe", "reference"] = field("megamoe", "MoE implementation in the trainer's experts")
-    world_size: int = field(1, "TrainerWorker ranks (one FSDP2 group; gloo on CPU, NCCL on GPU)")
-    lr: float = field(1e-5, "AdamW learning rate")
-    weight_decay: float = field(0.0, "AdamW weight decay")
-    grad_clip: float = field(1.0, "max global gradient norm; 0 disables clipping")
-    clip_eps: float = field(0.2, "PPO ratio clip epsilon (lower side: 1 - clip_eps)")
-    clip_eps_high: float | None = field(None, "upper PPO clip epsilon (1 + clip_eps_high); null = clip_eps")
-    is_correction: ISCorrection = field(
-        "tis", "sampler-trainer importance correction: none; tis (truncated IS weights, capped at is_cap); "
-               "token_mask / seq_mask (drop tokens / sequences whose ratio leaves [is_low, is_high]); "
-               "metrics_only (measure, do not correct)")
-    is_cap: float = field(2.0, "tis: the cap C of the weight min(pi_train / pi_sampler, C)")
-    is_low: float = field(0.5, "token_mask / seq_mask: lower bound of the kept importance ratio")
-    is_high: float = field(2.0, "token_mask / seq_mask: upper bound of the kept importance ratio")
-    max_seq_len: int = field(512, "longest prompt + completion the trainer accepts, in tokens")
-    truncate: bool = field(False, "sequences longer than max_seq_len: cut the completion (true) or fail the step (false)")
-    micro_batch_size: int = field(8, "sequences per forward/backward on one rank (gradient accumulation above it)")
-    checkpoint_every: int = field(10, "save a checkpoint every this many steps (and at the end); 0 = only at the end")
-    keep_checkpoints: int = field(2, "newest checkpoints kept in <run.out_dir>/checkpoints")
-    cpus_per_rank: float = field(1.0, "CPUs reserved per TrainerWorker in its placement-group bundle")
-    gpus_per_rank: float = field(0.0, "GPUs reserved per TrainerWorker (0 on CPU machines)")
-    worker: str = field("trainer.worker:TrainerWorker", "the trainer actor's class (module:Class); another class with "
-                                                        "TrainerWorker's interface may replace it")
-    extra: dict[str, Any] = field(doc="extra entries merged into the cfg dict handed to TrainerWorker", factory=dict)
-
-    def validate(self, at: str) -> None:
-        _check(self.world_size >= 1, f"{at}.world_size", "an int >= 1", self.world_size)
-        _check(self.lr > 0, f"{at}.lr", "a float > 0", self.lr)
-        _check(self.weight_decay >= 0, f"{at}.weight_decay", "a float >= 0", self.weight_decay)
-        _check(self.grad_clip >= 0, f"{at}.grad_clip", "a float >= 0", self.grad_clip)
-        _check(0 < self.clip_eps < 1, f"{at}.clip_eps", "a float in (0, 1)", self.clip_eps)
-        _check(self.clip_eps_high is None or self.clip_eps_high > 0, f"{at}.clip_eps_high",
-               "null or a float > 0", self.clip_eps_high)
-        _check(self.is_cap >= 1, f"{at}.is_cap", "a float >= 1", self.is_cap)
-        _check(0 <= self.is_low < 1 < self.is_high, f"{at}.is_low/{at}.is_high",
-               "0 <= is_low < 1 < is_high", (self.is_low, self.is_high))
-        _check(self.max_seq_len >= 2, f"{at}.max_seq_len", "an int >= 2", self.max_seq_len)
-        _check(self.micro_batch_size >= 1, f"{at}.micro_batch_size", "an int >= 1", self.micro_batch_size)
-        _check(self.checkpoint_every >= 0, f"{at}.checkpoint_every", "an int >= 0", self.checkpoint_every)
-        _check(self.keep_checkpoints >= 1, f"{at}.keep_checkpoints", "an int >= 1", self.keep_checkpoints)
-        _check(self.cpus_per_rank >= 0, f"{at}.cpus_per_rank", "a float >= 0", self.cpus_per_rank)
-        _check(self.gpus_per_rank >= 0, f"{at}.gpus_per_rank", "a float >= 0", self.gpus_per_rank)
-        _check(self.cpus_per_rank + self.gpus_per_rank > 0, f"{at}.cpus_per_rank/{at}.gpus_per_rank",
-               "at least one of them > 0 (a placement-group bundle cannot be empty)",
-               (self.cpus_per_rank, self.gpus_per_rank))
 
 
 ROLES = ("prompt", "answer", "data_source")
@@ -197,11 +135,11 @@ class DataConfig:
         if (self.task is None) == (self.path is None):
             raise ConfigError(f"{at}: set exactly one of {at}.task and {at}.path "
                               f"(got task={self.task!r}, path={self.path!r})")
-        _check(self.task_size >= 1, f"{at}.task_size", "an int >= 1", self.task_size)
+        check(self.task_size >= 1, f"{at}.task_size", "an int >= 1", self.task_size)
         for role in self.columns:
             if role not in ROLES:
                 raise ConfigError(f"{at}.columns: unknown role {role!r}; roles are {list(ROLES)}"
-                                  + _suggest(role, ROLES))
+                                  + suggest(role, ROLES))
         if "prompt" not in self.columns:
             raise ConfigError(f"{at}.columns: the role 'prompt' must map to a column, got {self.columns!r}")
         if "{prompt}" not in self.prompt_template:
@@ -234,8 +172,8 @@ class RewardConfig:
         if not self.functions:
             raise ConfigError(f"{at}.functions: expected at least one reward function, got []")
         for i, f in enumerate(self.functions):
-            _check(math.isfinite(f.weight), f"{at}.functions.{i}.weight", "a finite float", f.weight)
-            _check(bool(f.fn), f"{at}.functions.{i}.fn", "a reward name or `pkg.module:fn`", f.fn)
+            check(math.isfinite(f.weight), f"{at}.functions.{i}.weight", "a finite float", f.weight)
+            check(bool(f.fn), f"{at}.functions.{i}.fn", "a reward name or `pkg.module:fn`", f.fn)
 
 
 @dataclass
@@ -263,8 +201,8 @@ class RunConfig:
                                      "Hugging Face checkpoint (what `megamoe-rl export` writes)")
 
     def validate(self, at: str) -> None:
-        _check(self.steps >= 1, f"{at}.steps", "an int >= 1", self.steps)
-        _check(self.prompts_per_step >= 1, f"{at}.prompts_per_step", "an int >= 1", self.prompts_per_step)
+        check(self.steps >= 1, f"{at}.steps", "an int >= 1", self.steps)
+        check(self.prompts_per_step >= 1, f"{at}.prompts_per_step", "an int >= 1", self.prompts_per_step)
 
 
 @dataclass
@@ -283,145 +221,6 @@ class Config:
 # Loading: YAML / dict -> Config, with every key and value checked.
 
 
-def _check(ok: bool, key: str, expected: str, got: Any) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: expected {expected}, got {got!r}")
-
-
-def _suggest(word: str, choices) -> str:
-    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=3, cutoff=0.6)
-    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
-
-
-def _hints(cls) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _type_name(tp) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
-    if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
-    if origin is dict:
-        return "a mapping"
-    if dataclasses.is_dataclass(tp):
-        return f"a mapping ({tp.__name__})"
-    return {int: "an int", float: "a float", str: "a string", bool: "a bool (true/false)"}.get(tp, str(tp))
-
-
-def _leaf_paths(cls, prefix: str = "") -> list[str]:
-    out = []
-    for f in dataclasses.fields(cls):
-        tp = _hints(cls)[f.name]
-        inner = _dataclass_in(tp)
-        path = f"{prefix}{f.name}"
-        out.append(path)
-        if inner is not None:
-            out.extend(_leaf_paths(inner, path + "."))
-    return out
-
-
-def _dataclass_in(tp):
-    """The dataclass inside `X` or `X | None`, else None."""
-    if dataclasses.is_dataclass(tp):
-        return tp
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        dcs = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
-        return dcs[0] if dcs else None
-    return None
-
-
-def _unknown_key(cls, key: str, at: str) -> ConfigError:
-    names = [f.name for f in dataclasses.fields(cls)]
-    msg = f"unknown key {at + key!r}" + (f" in {at[:-1]!r}" if at else "") + _suggest(key, names)
-    # A key that exists in another section is a common slip (rollout.lr for trainer.lr): say where.
-    elsewhere = [p for p in _leaf_paths(Config) if p.rsplit(".", 1)[-1] == key]
-    if elsewhere and "did you mean" not in msg:
-        msg += f" (it exists as {', '.join(elsewhere)})"
-    return ConfigError(msg + f"; valid keys: {', '.join(names)}")
-
-
-def _coerce(value: Any, tp, key: str) -> Any:
-    """`value` (from YAML) as type `tp`, or a ConfigError naming `key`."""
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, key)
-            except ConfigError as e:
-                errors.append(e)
-        if len(errors) == 1:
-            raise errors[0]
-        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            raise ConfigError(f"{key}: expected one of {', '.join(map(repr, choices))}, got {value!r}"
-                              + _suggest(value, choices))
-        return value
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
-        return _build(tp, value, key + ".")
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
-        return [_coerce(v, item, f"{key}.{i}") for i, v in enumerate(value)]
-    if origin is dict:
-        _, vt = typing.get_args(tp)
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return {str(k): _coerce(v, vt, f"{key}.{k}") for k, v in value.items()}
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected a bool (true/false), got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an int, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, str):
-            # YAML 1.1 reads 1e-5 (no dot) as a string; take it as the number it obviously is.
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a float, got {value!r}")
-        if not math.isfinite(value):  # no setting of the tree means anything at inf or nan
-            raise ConfigError(f"{key}: expected a finite float, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return value
-    raise TypeError(f"config type {tp} of {key} is not supported by the loader")
-
-
-def _build(cls, data: dict, at: str = ""):
-    hints = _hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    for k in data:
-        if k not in names:
-            raise _unknown_key(cls, str(k), at)
-    kwargs = {k: _coerce(v, hints[k], at + k) for k, v in data.items()}
-    obj = cls(**kwargs)
-    return obj
-
-
 def validate(cfg: Config) -> Config:
     """Cross-field checks of every section; raises ConfigError naming the key."""
     for f in dataclasses.fields(cfg):
@@ -431,8 +230,8 @@ def validate(cfg: Config) -> Config:
     if cfg.model.make is not None:
         m = cfg.model.make
         for name in ("layers", "hidden", "experts", "topk", "intermediate"):
-            _check(getattr(m, name) >= 1, f"model.make.{name}", "an int >= 1", getattr(m, name))
-        _check(m.topk <= m.experts, "model.make.topk", f"an int <= model.make.experts ({m.experts})", m.topk)
+            check(getattr(m, name) >= 1, f"model.make.{name}", "an int >= 1", getattr(m, name))
+        check(m.topk <= m.experts, "model.make.topk", f"an int <= model.make.experts ({m.experts})", m.topk)
     resolve_weight_sync(cfg)
     if cfg.rollout.sleep_level and not _on_gpu(cfg):
         raise ConfigError(f"rollout.sleep_level: expected 0 on CPU (vLLM's sleep mode needs CUDA: "
@@ -469,7 +268,21 @@ def from_dict(data: dict | None) -> Config:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"config: expected a mapping at the top level, got {type(data).__name__}")
-    return _build(Config, data)
+    trainer = data.get("trainer")
+    if isinstance(trainer, dict) and "extra" in trainer:
+        raise _extra_removed(trainer["extra"])
+    return build(Config, data, root=Config)
+
+
+def _extra_removed(extra: Any) -> ConfigError:
+    """trainer.extra is gone: every trainer setting is a typed key of the section; say which."""
+    fields = {f.name for f in dataclasses.fields(TrainerConfig)}
+    entries = extra if isinstance(extra, dict) else {}
+    moved = [f"trainer.{k}: {v!r}" if k in fields else str(unknown_key(TrainerConfig, str(k), "trainer.", Config))
+             for k, v in entries.items()]
+    return ConfigError("trainer.extra: removed; every trainer setting is a key of the trainer section "
+                       "(megamoe-rl train --help-config lists them): "
+                       + ("; ".join(moved) if moved else "move each entry up one level, into trainer"))
 
 
 def _yaml_scalar(text: str) -> Any:
@@ -510,18 +323,20 @@ def apply_override(data: dict, assignment: str) -> None:
             continue
         tp = value_tp
         if cls is not None:
-            hints = _hints(cls)
+            hints = typing.get_type_hints(cls)
+            if cls is TrainerConfig and part == "extra":
+                raise _extra_removed({parts[depth + 1]: _yaml_scalar(text)} if not last else _yaml_scalar(text))
             if part not in hints:
-                raise _unknown_key(cls, part, at + "." if at else "")
+                raise unknown_key(cls, part, at + "." if at else "", Config)
             tp = hints[part]
         if last:
             node[part] = text if _is_str_type(tp) and text != "null" else _yaml_scalar(text)
             return
-        inner = _dataclass_in(tp) if tp is not None else None
+        inner = dataclass_in(tp) if tp is not None else None
         if typing.get_origin(tp) is list:
             item = typing.get_args(tp)[0]
             if part not in node:
-                node[part] = [_to_plain(x) for x in _default_of(cls, part)]
+                node[part] = [to_plain(x) for x in _default_of(cls, part)]
             node, cls = node[part], (item if dataclasses.is_dataclass(item) else None)
             continue
         value_tp = typing.get_args(tp)[1] if typing.get_origin(tp) is dict else None
@@ -564,18 +379,8 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
         raise ConfigError(f"{path}: {e}" if path is not None else str(e)) from None
 
 
-def _to_plain(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, list):
-        return [_to_plain(x) for x in obj]
-    if isinstance(obj, dict):
-        return {k: _to_plain(v) for k, v in obj.items()}
-    return obj
-
-
 def to_dict(cfg: Config) -> dict:
-    return _to_plain(cfg)
+    return to_plain(cfg)
 
 
 def to_yaml(cfg: Config) -> str:
@@ -583,13 +388,12 @@ def to_yaml(cfg: Config) -> str:
 
 
 def describe(cls=Config, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, type, doc) of every field, for `--dry-run`'s reference and for tests."""
-    rows = []
-    hints = _hints(cls)
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        rows.append((prefix + f.name, _type_name(tp), f.metadata.get("doc", "")))
-        inner = _dataclass_in(tp)
-        if inner is not None:
-            rows.extend(describe(inner, prefix + f.name + "."))
-    return rows
+    """(dotted key, type, doc) of every field, for `megamoe-rl train --help-config` and for tests."""
+    return describe_tree(cls, prefix)
+
+
+def trainer_worker_config(cfg: Config) -> TrainerWorkerConfig:
+    """What each TrainerWorker rank gets: the trainer section, plus the sampler's temperature, the
+    model's dtype and the run's seed (the trainer computes the sampler's logprobs in the same dtype)."""
+    return TrainerWorkerConfig.of(cfg.trainer, temperature=cfg.rollout.temperature, dtype=cfg.model.dtype,
+                                  seed=cfg.run.seed)

@@ -59,7 +59,7 @@ from pathlib import Path
 
 from rl.base_model import resolve_model
 from rl.cluster import Placement, WorkerHost, node_ip_and_port, place, plan_bundles, start_ray, strategy
-from rl.config import Config, to_dict, to_yaml
+from rl.config import Config, to_yaml, trainer_worker_config
 from rl.failures import ANSI, ActorError, RolloutFailed, TrainerDied, died, failure_paragraph
 from rl.run_dir import (checkpoints_dir, holds_run, latest_checkpoint, log_config_changes, prepare_run_dir,
                         resume_checkpoint, write_atomic)
@@ -118,12 +118,6 @@ class Loop:
         return ray.remote(WorkerHost).options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0,
                                               scheduling_strategy=strategy(pg, bundle))
 
-    def _trainer_cfg(self) -> dict:
-        c = to_dict(self.cfg)["trainer"]
-        del c["worker"]
-        c.update(temperature=self.cfg.rollout.temperature, dtype=self.cfg.model.dtype, seed=self.cfg.run.seed)
-        return c
-
     def start_trainers(self) -> None:
         import ray
 
@@ -131,7 +125,7 @@ class Loop:
         pl = self.placement
         addr, port = ray.get(ray.remote(node_ip_and_port).options(
             num_cpus=0, scheduling_strategy=strategy(pl.trainer_pg, pl.trainer_bundles[0])).remote())
-        cfg = self._trainer_cfg()
+        cfg = trainer_worker_config(self.cfg)  # moe_impl and world_size travel as the arguments
         self.trainers = []
         for rank in range(t.world_size):
             host = self._host(t.cpus_per_rank, t.gpus_per_rank, pl.trainer_pg, pl.trainer_bundles[rank])

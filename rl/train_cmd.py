@@ -4,9 +4,10 @@
     megamoe-rl train --config configs/tiny.yaml run.steps=5 rollout.n=4 --dry-run
     megamoe-rl train --config configs/tiny.yaml --reward my_pkg.rewards:judge
     megamoe-rl train --config configs/tiny.yaml --resume               # continue from the last checkpoint
+    megamoe-rl train --help-config                                     # every config key: type, default, doc
 
 Everything up to the loop (argument parsing, YAML, overrides, validation, reward loading, the dry
-run) imports neither torch nor vLLM nor Ray, so `--help` and `--dry-run` answer at once.
+run, --help-config) imports neither torch nor vLLM nor Ray, so `--help` and `--dry-run` answer at once.
 
 Exit status: 0 done; 2 refused before any work (a config, model, dataset or run-folder error, named
 by its key; a fresh run refused this way leaves nothing in run.out_dir); 1 failed while running (an
@@ -36,6 +37,8 @@ def add_train_parser(subparsers) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="delete an earlier run in run.out_dir first (only a folder that holds a run's config.yaml)")
     p.add_argument("--list-tasks", action="store_true", help="list the built-in tasks and exit")
+    p.add_argument("--help-config", action="store_true",
+                   help="list every config key with its type, default and one-line doc, and exit")
     p.set_defaults(handler=run_train, parser=p)
 
 
@@ -59,6 +62,9 @@ def run_train(args: argparse.Namespace) -> int:
         for name, fn in TASKS.items():
             print(f"{name}: rewards {TASK_REWARDS[name]}")
         return 0
+    if args.help_config:
+        sys.stdout.write(config_help())
+        return 0
     try:
         cfg = resolve_config(args)
         if cfg.data.task is not None:
@@ -80,6 +86,31 @@ def run_train(args: argparse.Namespace) -> int:
         return train(cfg, resume=args.resume, command=start_command(args))
     except (RunDirError, DataError, C.ConfigError) as e:
         args.parser.error(str(e))
+
+
+def config_help() -> str:
+    """Every key of the config tree: `key: type (default: value)` and its doc on the next line."""
+    import json
+
+    from rl import config as C
+
+    defaults: dict[str, object] = {}
+
+    def walk(node, prefix):
+        for k, v in node.items():
+            defaults[prefix + k] = v
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+
+    # model.make is null by default; its own defaults are shown all the same
+    walk(C.to_dict(C.Config(model=C.ModelConfig(make=C.MakeModelConfig()))), "")
+    defaults["model.make"] = None
+    lines = []
+    for key, tp, doc in C.describe():
+        default = defaults.get(key)
+        shown = "" if isinstance(default, dict) else f" (default: {json.dumps(default)})"
+        lines.append(f"{key}: {tp}{shown}\n    {doc}\n")
+    return "".join(lines)
 
 
 def start_command(args: argparse.Namespace) -> str:

@@ -125,6 +125,62 @@ def test_one_sample_per_prompt_is_refused_with_the_reason():
     assert C.load(ROOT / "configs" / "tiny.yaml", ["rollout.n=2"]).rollout.n == 2
 
 
+def test_the_trainer_section_is_the_trainers_own_config():
+    from trainer.config import TrainerConfig, TrainerSettings
+
+    cfg = C.load(ROOT / "configs" / "tiny.yaml", ["trainer.minibatches=2", "trainer.lr_schedule=cosine",
+                                                  "trainer.total_steps=20", "trainer.adam_beta2=0.95"])
+    assert type(cfg.trainer) is TrainerConfig
+    assert (cfg.trainer.minibatches, cfg.trainer.lr_schedule, cfg.trainer.adam_beta2) == (2, "cosine", 0.95)
+    keys = {key for key, _, _ in C.describe()}
+    assert {f"trainer.{f.name}" for f in dataclasses.fields(TrainerSettings)} <= keys
+    # the trainer's own checks name the key in the run config's terms
+    with pytest.raises(C.ConfigError, match=r"trainer.total_steps: expected an int > trainer.warmup_steps \(0\)"):
+        C.load(ROOT / "configs" / "tiny.yaml", ["trainer.lr_schedule=cosine"])
+    with pytest.raises(C.ConfigError, match="trainer.adam_beta1: expected a float in"):
+        C.load(ROOT / "configs" / "tiny.yaml", ["trainer.adam_beta1=1.0"])
+    with pytest.raises(C.ConfigError, match="trainer.fsdp: expected true with trainer.world_size=2"):
+        C.load(ROOT / "configs" / "tiny.yaml", ["trainer.fsdp=false", "trainer.world_size=2"])
+
+
+def test_a_rank_gets_the_section_and_three_values_of_other_sections():
+    cfg = C.load(ROOT / "configs" / "tiny.yaml", ["rollout.temperature=0.7", "run.seed=5", "trainer.minibatches=3"])
+    w = C.trainer_worker_config(cfg)
+    assert (w.temperature, w.dtype, w.seed, w.minibatches) == (0.7, cfg.model.dtype, 5, 3)
+    # they are set there, once: the trainer section has no such keys and says where they live
+    for key, home in (("temperature", "rollout.temperature"), ("dtype", "model.dtype"), ("seed", "run.seed")):
+        with pytest.raises(C.ConfigError, match=rf"unknown key 'trainer.{key}'.*it exists as .*{home}"):
+            C.load(ROOT / "configs" / "tiny.yaml", [f"trainer.{key}=1"])
+
+
+@pytest.mark.parametrize("how", ["file", "override"])
+def test_trainer_extra_is_gone_and_the_error_names_the_key_to_use(tmp_path, how):
+    text = (ROOT / "configs" / "tiny.yaml").read_text()
+    if how == "file":
+        p = tmp_path / "old.yaml"
+        p.write_text(text.replace("trainer:\n", "trainer:\n  extra: {activation_checkpointing: true, temperature: 0.5}\n", 1))
+        assert "extra:" in p.read_text()
+        args = (p, [])
+    else:
+        args = (ROOT / "configs" / "tiny.yaml", ["trainer.extra.activation_checkpointing=true"])
+    with pytest.raises(C.ConfigError) as e:
+        C.load(*args)
+    msg = str(e.value)
+    assert "trainer.extra: removed" in msg and "trainer.activation_checkpointing: True" in msg, msg
+    if how == "file":
+        assert "it exists as rollout.temperature" in msg, msg
+
+
+def test_help_config_lists_every_key_with_its_default_without_heavy_imports():
+    proc = _run_cli("train", "--help-config")
+    res = _result(proc)
+    assert res["rc"] == 0 and res["heavy"] == [], (res, proc.stderr)
+    listed = [ln.split(":", 1)[0] for ln in proc.stdout.splitlines() if ln and not ln.startswith((" ", "RESULT "))]
+    assert listed == [key for key, _, _ in C.describe()]
+    assert "trainer.activation_checkpointing: a bool (true/false) (default: false)\n    recompute" in proc.stdout
+    assert "trainer.moe_impl: one of 'megamoe', 'reference', 'stock' (default: \"megamoe\")" in proc.stdout
+
+
 def test_defaults_are_independent_instances():
     a, b = C.Config(), C.Config()
     a.reward.functions.append(C.RewardFnConfig(fn="numeric"))

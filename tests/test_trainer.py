@@ -9,6 +9,7 @@ FSDP2 across Ray actors is tests/test_trainer_fsdp.py.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 
@@ -18,7 +19,7 @@ import torch
 from megamoe.testing import assert_close
 from trainer import checkpoint as ckpt
 from trainer.batch import BatchError, validate_batch
-from trainer.config import TrainerConfigError, TrainerWorkerConfig
+from trainer.config import ConfigError, TrainerConfig, TrainerSettings, TrainerWorkerConfig
 from trainer.experts import MOE_CALLS, Fp32Router
 from trainer.loss import (finish_stats, group_advantages, grpo_loss, k3_kl, mismatch_correction, mismatch_metrics,
                           pad_lists, sequence_log_ratio, token_logprobs)
@@ -146,17 +147,36 @@ def test_token_logprobs_uses_temperature():
 # config and batch checks
 # ---------------------------------------------------------------------------------------------
 def test_config_errors_name_the_key():
-    with pytest.raises(TrainerConfigError, match="'lrr'.*did you mean 'lr'"):
+    with pytest.raises(ConfigError, match="'lrr'.*did you mean 'lr'"):
         TrainerWorkerConfig.from_dict({"lrr": 1e-3})
-    with pytest.raises(TrainerConfigError, match="is_correction: expected one of"):
+    with pytest.raises(ConfigError, match="is_correction: expected one of"):
         TrainerWorkerConfig.from_dict({"is_correction": "clip"})
-    with pytest.raises(TrainerConfigError, match="temperature: expected a finite float > 0"):
+    with pytest.raises(ConfigError, match="temperature: expected a float > 0, got 0.0"):
         TrainerWorkerConfig.from_dict({"temperature": 0.0})
-    # rl/config.py's trainer section, as it is, is accepted (orchestration keys are ignored)
-    c = TrainerWorkerConfig.from_dict({"world_size": 2, "checkpoint_every": 5, "keep_checkpoints": 2,
-                                       "cpus_per_rank": 1.0, "gpus_per_rank": 0.0, "moe_impl": "megamoe",
-                                       "extra": {"temperature": 0.8}, "clip_eps_high": 0.28})
+    with pytest.raises(ConfigError, match="minibatches: expected an int, got 1.5"):
+        TrainerWorkerConfig.from_dict({"minibatches": 1.5})
+    with pytest.raises(ConfigError, match="total_steps: expected an int > warmup_steps"):
+        TrainerWorkerConfig.from_dict({"lr_schedule": "cosine", "warmup_steps": 5, "total_steps": 5})
+    # moe_impl and world_size are TrainerWorker's own arguments: they travel once, never in cfg
+    for key, value in (("moe_impl", "megamoe"), ("world_size", 2)):
+        with pytest.raises(ConfigError, match=f"{key}: expected it as TrainerWorker's {key} argument"):
+            TrainerWorkerConfig.from_dict({key: value})
+    # the run's placement keys are not a rank's settings
+    with pytest.raises(ConfigError, match="unknown key 'checkpoint_every'"):
+        TrainerWorkerConfig.from_dict({"checkpoint_every": 5})
+    c = TrainerWorkerConfig.from_dict({"temperature": 0.8, "clip_eps_high": 0.28})
     assert c.temperature == 0.8 and c.clip_high == 0.28
+
+
+def test_worker_config_is_the_run_sections_settings_plus_three_named_values():
+    section = TrainerConfig(lr=3e-4, minibatches=2, activation_checkpointing=True, moe_impl="reference", world_size=4)
+    c = TrainerWorkerConfig.of(section, temperature=0.7, dtype="bfloat16", seed=3)
+    shared = [f.name for f in dataclasses.fields(TrainerSettings)]
+    assert {n: getattr(c, n) for n in shared} == {n: getattr(section, n) for n in shared}
+    assert (c.temperature, c.dtype, c.seed) == (0.7, "bfloat16", 3)
+    assert not hasattr(c, "moe_impl") and not hasattr(c, "world_size")
+    with pytest.raises(ConfigError, match="temperature: expected a float > 0"):
+        TrainerWorkerConfig.of(section, temperature=-1.0, dtype="float32", seed=0)
 
 
 def _check(batch, **kw):

@@ -1,168 +1,355 @@
-"""The TrainerWorker's settings: one flat, typed dataclass built from the `cfg` dict rl/ hands over.
+"""The trainer's settings, defined once: the run config's `trainer` section and what one rank gets.
+
+    TrainerSettings       what every TrainerWorker rank reads: optimizer, schedule, loss, batch,
+                          precision, device (trainer.lr, trainer.minibatches, ...)
+    TrainerConfig         = TrainerSettings + moe_impl, world_size, placement and checkpoint cadence;
+                          rl/config.py's `trainer` section is this class, as it is
+    TrainerWorkerConfig   = TrainerSettings + temperature, dtype, seed: what TrainerWorker gets; rl/
+                          passes those three explicitly from rollout.temperature, model.dtype, run.seed
 
     cfg = TrainerWorkerConfig.from_dict({"lr": 1e-5, "is_correction": "tis", "temperature": 0.8})
 
-Names match rl/config.py's `trainer` section where the two overlap, so rl/ can pass that section
-(plus `temperature` and `dtype`, which live in its rollout/model sections) as it is. Keys that only
-the orchestration reads (placement, checkpoint cadence) are accepted and ignored here; any other
-unknown key is an error that names it. Nothing here imports torch.
+TrainerWorker takes moe_impl and world_size as its own arguments, so they travel to a rank once.
+Below the classes, the typed loader rl/config.py builds its whole tree with (trainer/ cannot import
+rl/): `field` (a dataclass field whose one-line doc travels in `metadata["doc"]`), `build` (a
+mapping -> dataclass, every key and value checked; errors name the key, unknown keys suggest close
+matches), `describe`, `to_plain`. Nothing here imports torch, so the CLI validates without it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
+import types
+import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-MOE_IMPLS = ("megamoe", "reference", "stock")
+# The choices of the trainer's settings; trainer/loss.py and rl/config.py import them from here.
 IS_CORRECTIONS = ("none", "tis", "token_mask", "seq_mask", "metrics_only")
 LOSS_AGGS = ("token_mean", "seq_mean_token_mean")
 DTYPES = ("float32", "bfloat16")
-COMPUTE_DTYPES = ("auto",) + DTYPES
-DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("constant", "cosine")
+DEVICES = ("auto", "cpu", "cuda")
+# megamoe/contract.py's HOST_IMPLS (megamoe, reference, stock), which the config modules cannot import:
+# importing megamoe imports torch, and `--help` / `--dry-run` must not. tests/test_contract.py
+# checks that the two agree; once megamoe's package exports load lazily this becomes an import.
+MOE_IMPLS = ("megamoe", "reference", "stock")
+MoEImpl = Literal[MOE_IMPLS]
 
-# rl/config.py's trainer section carries these for the orchestration (placement groups, checkpoint
-# cadence); the worker does not need them but accepts a dict that holds them.
-ORCHESTRATION_KEYS = frozenset({"world_size", "checkpoint_every", "keep_checkpoints", "cpus_per_rank",
-                                "gpus_per_rank", "extra", "moe_impl"})
+
+class ConfigError(ValueError):
+    """A config file, override or cfg mapping that does not fit its dataclass; the message names the key."""
 
 
-class TrainerConfigError(ValueError):
-    """A cfg entry that does not fit TrainerWorkerConfig; the message names the key."""
+def field(default: Any = dataclasses.MISSING, doc: str = "", *, factory: Any = dataclasses.MISSING):
+    """A dataclass field whose one-line documentation travels with it (`metadata["doc"]`)."""
+    if not doc:
+        raise TypeError("every config field needs a doc string")
+    if factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=factory, metadata={"doc": doc})
+    return dataclasses.field(default=default, metadata={"doc": doc})
+
+
+def check(ok: bool, key: str, expected: str, got: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: expected {expected}, got {got!r}")
+
+
+def _key(at: str, name: str) -> str:
+    return f"{at}.{name}" if at else name
 
 
 @dataclass(frozen=True)
-class TrainerWorkerConfig:
-    seed: int = 0
-    """Seeds torch's RNG on every rank (same seed everywhere: the model is replicated math)."""
-    dtype: str = "auto"
-    """Compute dtype: "auto" (bfloat16 on CUDA, float32 on CPU), "float32" or "bfloat16". Master
-    weights, optimizer state and gradient reduction stay fp32; with "bfloat16" FSDP2 casts the
-    parameters to bf16 for forward/backward (MixedPrecisionPolicy)."""
-    device: str = "auto"
-    """"auto": cuda when available (one GPU per rank, NCCL), else cpu (gloo)."""
-    fsdp: bool = True
-    """Shard with FSDP2 `fully_shard`. False is allowed only for world_size 1 (the plain, unsharded
-    model: no process group at all; used as the ground truth FSDP is compared against)."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer in backward (transformers' gradient checkpointing, non-reentrant)."""
-    num_threads: int | None = None
-    """torch intra-op threads per rank (CPU); None leaves torch's default."""
-
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    lr_schedule: str = "constant"
-    """"constant" or "cosine" (to 0 at total_steps), both after linear warmup."""
-    warmup_steps: int = 0
-    total_steps: int = 0
-    """Length of the cosine schedule in optimizer steps (required > 0 for "cosine")."""
-    grad_clip: float = 1.0
-    """Max global gradient norm; 0 disables clipping (the norm is still measured and checked)."""
-
-    temperature: float = 1.0
-    """The sampler's temperature: trainer logprobs are log_softmax(logits / temperature)."""
-    clip_eps: float = 0.2
-    """PPO ratio clip, lower side 1 - clip_eps."""
-    clip_eps_high: float | None = None
-    """PPO ratio clip, upper side 1 + clip_eps_high; None = clip_eps."""
-    loss_agg: str = "token_mean"
-    """"token_mean": sum over all completion tokens / their number in the (mini)batch;
-    "seq_mean_token_mean": mean over sequences of each sequence's token mean (GRPO's original)."""
-    is_correction: str = "tis"
-    """Training-inference mismatch correction against the sampler's logprobs (ratio
-    r = pi_trainer_old / pi_sampler per token): "none"; "tis" (weight min(r, is_cap)); "token_mask"
-    (drop tokens with r outside [is_low, is_high]); "seq_mask" (drop sequences whose geometric-mean
-    ratio is outside); "metrics_only" (measure, do not correct). Metrics are logged in every mode."""
-    is_cap: float = 2.0
-    is_low: float = 0.5
-    is_high: float = 2.0
-    minibatches: int = 1
-    """Optimizer steps per train_step: the batch is split into this many minibatches; with more
-    than one, the old-policy logprobs of the PPO ratio are taken once before the first update."""
-    micro_batch_size: int = 8
-    """Sequences per forward/backward on one rank (gradient accumulation above it)."""
-    max_seq_len: int = 512
-    """Longest prompt + completion accepted, in tokens."""
-    truncate: bool = False
-    """Sequences longer than max_seq_len: cut the completion to fit (True) or reject the batch."""
-    export_dtype: str | None = None
-    """dtype of exported weights ("float32"/"bfloat16"); None = the master dtype (fp32)."""
-
-    def __post_init__(self) -> None:
-        def need(ok: bool, key: str, expected: str) -> None:
-            if not ok:
-                raise TrainerConfigError(f"{key}: expected {expected}, got {getattr(self, key)!r}")
-
-        def pos_int(key: str, allow_zero: bool = False) -> None:
-            v = getattr(self, key)
-            need(isinstance(v, int) and not isinstance(v, bool) and (v >= 0 if allow_zero else v >= 1),
-                 key, "an int >= 0" if allow_zero else "an int >= 1")
-
-        def fin(key: str, lo: float | None = None, lo_open: bool = False) -> None:
-            v = getattr(self, key)
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-            if ok and lo is not None:
-                ok = v > lo if lo_open else v >= lo
-            need(ok, key, "a finite float" + ("" if lo is None else f" {'>' if lo_open else '>='} {lo}"))
-
-        need(self.dtype in COMPUTE_DTYPES, "dtype", f"one of {COMPUTE_DTYPES}")
-        need(self.device in DEVICES, "device", f"one of {DEVICES}")
-        need(self.lr_schedule in LR_SCHEDULES, "lr_schedule", f"one of {LR_SCHEDULES}")
-        need(self.loss_agg in LOSS_AGGS, "loss_agg", f"one of {LOSS_AGGS}")
-        need(self.is_correction in IS_CORRECTIONS, "is_correction", f"one of {IS_CORRECTIONS}")
-        need(self.export_dtype is None or self.export_dtype in DTYPES, "export_dtype", f"None or one of {DTYPES}")
-        for key in ("fsdp", "activation_checkpointing", "truncate"):
-            need(isinstance(getattr(self, key), bool), key, "a bool")
-        pos_int("seed", allow_zero=True)
-        pos_int("warmup_steps", allow_zero=True)
-        pos_int("total_steps", allow_zero=True)
-        pos_int("minibatches")
-        pos_int("micro_batch_size")
-        pos_int("max_seq_len")
-        need(self.max_seq_len >= 2, "max_seq_len", "an int >= 2 (one prompt and one completion token)")
-        need(self.num_threads is None or (isinstance(self.num_threads, int) and self.num_threads >= 1),
-             "num_threads", "None or an int >= 1")
-        fin("lr", 0.0, lo_open=True)
-        fin("weight_decay", 0.0)
-        fin("adam_eps", 0.0, lo_open=True)
-        for key in ("adam_beta1", "adam_beta2"):
-            need(isinstance(getattr(self, key), (int, float)) and 0 <= getattr(self, key) < 1, key, "a float in [0, 1)")
-        fin("grad_clip", 0.0)
-        fin("temperature", 0.0, lo_open=True)
-        need(isinstance(self.clip_eps, (int, float)) and 0 < self.clip_eps < 1, "clip_eps", "a float in (0, 1)")
-        need(self.clip_eps_high is None or (isinstance(self.clip_eps_high, (int, float)) and self.clip_eps_high > 0),
-             "clip_eps_high", "None or a float > 0")
-        fin("is_cap", 1.0)
-        need(isinstance(self.is_low, (int, float)) and isinstance(self.is_high, (int, float))
-             and 0 <= self.is_low < 1 < self.is_high, "is_low", f"0 <= is_low < 1 < is_high (is_high={self.is_high!r})")
-        if self.lr_schedule == "cosine":
-            need(self.total_steps > self.warmup_steps, "total_steps",
-                 f"an int > warmup_steps ({self.warmup_steps}) for lr_schedule='cosine'")
+class TrainerSettings:
+    """What every TrainerWorker rank reads."""
+    lr: float = field(1e-5, "AdamW learning rate (the peak, after warmup)")
+    weight_decay: float = field(0.0, "AdamW weight decay")
+    adam_beta1: float = field(0.9, "AdamW beta1, in [0, 1)")
+    adam_beta2: float = field(0.999, "AdamW beta2, in [0, 1)")
+    adam_eps: float = field(1e-8, "AdamW epsilon, > 0")
+    lr_schedule: Literal[LR_SCHEDULES] = field("constant", "after linear warmup: constant, or cosine to 0 at total_steps")
+    warmup_steps: int = field(0, "optimizer steps of linear learning-rate warmup from 0")
+    total_steps: int = field(0, "optimizer steps of the cosine schedule (must exceed warmup_steps for cosine)")
+    grad_clip: float = field(1.0, "max global gradient norm; 0 disables clipping (the norm is still measured and checked)")
+    clip_eps: float = field(0.2, "PPO ratio clip epsilon (lower side: 1 - clip_eps)")
+    clip_eps_high: float | None = field(None, "upper PPO clip epsilon (1 + clip_eps_high); null = clip_eps")
+    loss_agg: Literal[LOSS_AGGS] = field(
+        "token_mean", "token_mean: sum over every completion token / their number in the minibatch; "
+                      "seq_mean_token_mean: mean over sequences of each one's token mean (GRPO's original)")
+    is_correction: Literal[IS_CORRECTIONS] = field(
+        "tis", "sampler-trainer importance correction, r = pi_trainer_old / pi_sampler per token: none; tis "
+               "(weight min(r, is_cap)); token_mask / seq_mask (drop tokens / sequences whose ratio leaves "
+               "[is_low, is_high]); metrics_only (measure, do not correct)")
+    is_cap: float = field(2.0, "tis: the cap C of the weight min(pi_train / pi_sampler, C)")
+    is_low: float = field(0.5, "token_mask / seq_mask: lower bound of the kept importance ratio")
+    is_high: float = field(2.0, "token_mask / seq_mask: upper bound of the kept importance ratio")
+    minibatches: int = field(1, "optimizer steps per RL step: the batch is split into this many (with more than "
+                                "one, the PPO ratio's old logprobs are taken once before the first update)")
+    micro_batch_size: int = field(8, "sequences per forward/backward on one rank (gradient accumulation above it)")
+    max_seq_len: int = field(512, "longest prompt + completion the trainer accepts, in tokens")
+    truncate: bool = field(False, "sequences longer than max_seq_len: cut the completion (true) or fail the step (false)")
+    activation_checkpointing: bool = field(False, "recompute each decoder layer in backward (transformers' "
+                                                  "non-reentrant gradient checkpointing): less memory, more compute")
+    fsdp: bool = field(True, "shard with FSDP2 fully_shard; false only with world_size 1 (one unsharded rank, "
+                             "no process group: the ground truth FSDP is compared against)")
+    device: Literal[DEVICES] = field("auto", "auto: cuda when available (one GPU per rank, NCCL), else cpu (gloo)")
+    num_threads: int | None = field(None, "torch intra-op threads per rank (CPU); null leaves torch's default")
+    export_dtype: Literal[DTYPES] | None = field(None, "dtype of exported weights when the caller names none; "
+                                                       "null = the fp32 master weights as held")
 
     @property
     def clip_high(self) -> float:
         return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
 
+    def validate(self, at: str = "") -> None:
+        """Range and cross-field checks (types are the loader's); ConfigError naming `at.key`."""
+        k = functools.partial(_key, at)
+        check(self.lr > 0, k("lr"), "a float > 0", self.lr)
+        check(self.weight_decay >= 0, k("weight_decay"), "a float >= 0", self.weight_decay)
+        for name in ("adam_beta1", "adam_beta2"):
+            check(0 <= getattr(self, name) < 1, k(name), "a float in [0, 1)", getattr(self, name))
+        check(self.adam_eps > 0, k("adam_eps"), "a float > 0", self.adam_eps)
+        check(self.warmup_steps >= 0, k("warmup_steps"), "an int >= 0", self.warmup_steps)
+        check(self.total_steps >= 0, k("total_steps"), "an int >= 0", self.total_steps)
+        if self.lr_schedule == "cosine":
+            check(self.total_steps > self.warmup_steps, k("total_steps"),
+                  f"an int > {k('warmup_steps')} ({self.warmup_steps}) for lr_schedule 'cosine'", self.total_steps)
+        check(self.grad_clip >= 0, k("grad_clip"), "a float >= 0", self.grad_clip)
+        check(0 < self.clip_eps < 1, k("clip_eps"), "a float in (0, 1)", self.clip_eps)
+        check(self.clip_eps_high is None or self.clip_eps_high > 0, k("clip_eps_high"),
+              "null or a float > 0", self.clip_eps_high)
+        check(self.is_cap >= 1, k("is_cap"), "a float >= 1", self.is_cap)
+        check(0 <= self.is_low < 1 < self.is_high, f"{k('is_low')}/{k('is_high')}",
+              "0 <= is_low < 1 < is_high", (self.is_low, self.is_high))
+        check(self.minibatches >= 1, k("minibatches"), "an int >= 1", self.minibatches)
+        check(self.micro_batch_size >= 1, k("micro_batch_size"), "an int >= 1", self.micro_batch_size)
+        check(self.max_seq_len >= 2, k("max_seq_len"), "an int >= 2 (one prompt and one completion token)",
+              self.max_seq_len)
+        check(self.num_threads is None or self.num_threads >= 1, k("num_threads"), "null or an int >= 1",
+              self.num_threads)
+
+
+@dataclass(frozen=True)
+class TrainerConfig(TrainerSettings):
+    """The run config's `trainer` section: every rank's settings plus what rl/ reads to place and drive the ranks."""
+    moe_impl: MoEImpl = field("megamoe", "MoE implementation in the trainer's experts: megamoe, reference, "
+                                         "or stock (transformers' own)")
+    world_size: int = field(1, "TrainerWorker ranks (one FSDP2 group; gloo on CPU, NCCL on GPU)")
+    checkpoint_every: int = field(10, "save a checkpoint every this many steps (and at the end); 0 = only at the end")
+    keep_checkpoints: int = field(2, "newest checkpoints kept in <run.out_dir>/checkpoints")
+    cpus_per_rank: float = field(1.0, "CPUs reserved per TrainerWorker in its placement-group bundle")
+    gpus_per_rank: float = field(0.0, "GPUs reserved per TrainerWorker (0 on CPU machines)")
+    worker: str = field("trainer.worker:TrainerWorker", "the trainer actor's class (module:Class); another class with "
+                                                        "TrainerWorker's interface may replace it")
+
+    def validate(self, at: str = "") -> None:
+        super().validate(at)
+        k = functools.partial(_key, at)
+        check(self.world_size >= 1, k("world_size"), "an int >= 1", self.world_size)
+        check(self.fsdp or self.world_size == 1, k("fsdp"),
+              f"true with {k('world_size')}={self.world_size} (false means one unsharded rank)", self.fsdp)
+        check(self.checkpoint_every >= 0, k("checkpoint_every"), "an int >= 0", self.checkpoint_every)
+        check(self.keep_checkpoints >= 1, k("keep_checkpoints"), "an int >= 1", self.keep_checkpoints)
+        check(self.cpus_per_rank >= 0, k("cpus_per_rank"), "a float >= 0", self.cpus_per_rank)
+        check(self.gpus_per_rank >= 0, k("gpus_per_rank"), "a float >= 0", self.gpus_per_rank)
+        check(self.cpus_per_rank + self.gpus_per_rank > 0, f"{k('cpus_per_rank')}/{k('gpus_per_rank')}",
+              "at least one of them > 0 (a placement-group bundle cannot be empty)",
+              (self.cpus_per_rank, self.gpus_per_rank))
+
+
+@dataclass(frozen=True)
+class TrainerWorkerConfig(TrainerSettings):
+    """What one TrainerWorker rank gets: its settings plus three values rl/ takes from other sections."""
+    temperature: float = field(1.0, "the sampler's temperature (rollout.temperature): trainer logprobs are "
+                                    "log_softmax(logits / temperature)")
+    dtype: Literal[("auto",) + DTYPES] = field(
+        "auto", "compute dtype (model.dtype): auto = bfloat16 on CUDA, float32 on CPU. Master weights, optimizer "
+                "state and gradient reduction stay fp32; bfloat16 is FSDP2's MixedPrecisionPolicy")
+    seed: int = field(0, "seed of torch's RNG on every rank (run.seed; the same everywhere)")
+
+    def validate(self, at: str = "") -> None:
+        super().validate(at)
+        check(self.temperature > 0, _key(at, "temperature"), "a float > 0", self.temperature)
+        check(self.seed >= 0, _key(at, "seed"), "an int >= 0", self.seed)
+
+    @classmethod
+    def of(cls, settings: TrainerSettings, *, temperature: float, dtype: str, seed: int) -> "TrainerWorkerConfig":
+        """A rank's config: `settings` (e.g. the run's TrainerConfig) and the three values named here."""
+        own = {f.name: getattr(settings, f.name) for f in dataclasses.fields(TrainerSettings)}
+        cfg = cls(**own, temperature=temperature, dtype=dtype, seed=seed)
+        cfg.validate()
+        return cfg
+
     @classmethod
     def from_dict(cls, cfg: dict[str, Any] | None) -> "TrainerWorkerConfig":
+        """A rank's config from a mapping of its field names (tests, scripts); ConfigError naming the key."""
         cfg = dict(cfg or {})
-        extra = cfg.pop("extra", None) or {}
-        if not isinstance(extra, dict):
-            raise TrainerConfigError(f"extra: expected a mapping, got {extra!r}")
-        cfg.update(extra)
-        names = [f.name for f in dataclasses.fields(cls)]
-        kwargs = {}
-        for key, value in cfg.items():
-            if key in names:
-                kwargs[key] = value
-            elif key not in ORCHESTRATION_KEYS:
-                close = difflib.get_close_matches(str(key), names, n=3, cutoff=0.6)
-                hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
-                raise TrainerConfigError(f"unknown trainer cfg key {key!r}{hint}; valid keys: {', '.join(names)}")
-        return cls(**kwargs)
+        for name in ("moe_impl", "world_size"):
+            if name in cfg:
+                raise ConfigError(f"{name}: expected it as TrainerWorker's {name} argument, not in cfg "
+                                  f"(got cfg[{name!r}]={cfg[name]!r})")
+        out = build(cls, cfg)
+        out.validate()
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The typed loader: a mapping (from YAML) -> a dataclass tree, every key and value checked.
+
+
+def suggest(word: str, choices) -> str:
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=3, cutoff=0.6)
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+
+
+def type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping ({tp.__name__})"
+    return {int: "an int", float: "a float", str: "a string", bool: "a bool (true/false)"}.get(tp, str(tp))
+
+
+def dataclass_in(tp):
+    """The dataclass inside `X` or `X | None`, else None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        dcs = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        return dcs[0] if dcs else None
+    return None
+
+
+def leaf_paths(cls, prefix: str = "") -> list[str]:
+    """Every dotted key of the tree rooted at `cls`, sections included."""
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{f.name}"
+        out.append(path)
+        inner = dataclass_in(hints[f.name])
+        if inner is not None:
+            out.extend(leaf_paths(inner, path + "."))
+    return out
+
+
+def unknown_key(cls, key: str, at: str, root=None) -> ConfigError:
+    """The error for `key` under `at` (a dotted prefix ending in '.', or ''), with close matches and,
+    when `root` is the tree's root, the other sections where a key of that name exists."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    msg = f"unknown key {at + key!r}" + (f" in {at[:-1]!r}" if at else "") + suggest(key, names)
+    # A key that exists in another section is a common slip (rollout.lr for trainer.lr): say where.
+    elsewhere = [p for p in leaf_paths(root) if p.rsplit(".", 1)[-1] == key] if root is not None else []
+    if elsewhere and "did you mean" not in msg:
+        msg += f" (it exists as {', '.join(elsewhere)})"
+    return ConfigError(msg + f"; valid keys: {', '.join(names)}")
+
+
+def coerce(value: Any, tp, key: str, root=None) -> Any:
+    """`value` (from YAML) as type `tp`, or a ConfigError naming `key`."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return coerce(value, a, key, root)
+            except ConfigError as e:
+                errors.append(e)
+        if len(errors) == 1:
+            raise errors[0]
+        raise ConfigError(f"{key}: expected {type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key}: expected one of {', '.join(map(repr, choices))}, got {value!r}"
+                              + suggest(value, choices))
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected {type_name(tp)}, got {value!r}")
+        return build(tp, value, key + ".", root)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected {type_name(tp)}, got {value!r}")
+        return [coerce(v, item, f"{key}.{i}", root) for i, v in enumerate(value)]
+    if origin is dict:
+        _, vt = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return {str(k): coerce(v, vt, f"{key}.{k}", root) for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a bool (true/false), got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an int, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads 1e-5 (no dot) as a string; take it as the number it obviously is.
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a float, got {value!r}")
+        if not math.isfinite(value):  # no setting means anything at inf or nan
+            raise ConfigError(f"{key}: expected a finite float, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"config type {tp} of {key} is not supported by the loader")
+
+
+def build(cls, data: dict, at: str = "", root=None):
+    """`cls(**data)` with every key and value checked; `at` prefixes the keys errors name."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k in data:
+        if k not in names:
+            raise unknown_key(cls, str(k), at, root)
+    return cls(**{k: coerce(v, hints[k], at + k, root) for k, v in data.items()})
+
+
+def to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, list):
+        return [to_plain(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: to_plain(v) for k, v in obj.items()}
+    return obj
+
+
+def describe(cls, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, type, doc) of every field of the tree rooted at `cls`."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        rows.append((prefix + f.name, type_name(tp), f.metadata.get("doc", "")))
+        inner = dataclass_in(tp)
+        if inner is not None:
+            rows.extend(describe(inner, prefix + f.name + "."))
+    return rows

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-IS_CORRECTIONS = ("none", "tis", "token_mask", "seq_mask", "metrics_only")
+from trainer.config import IS_CORRECTIONS, LOSS_AGGS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,7 +237,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str, *, total_to
     if agg == "seq_mean_token_mean":
         n = mask.sum(dim=1).clamp(min=1).to(per_token.dtype)
         return (per_token.sum(dim=1) / n).sum() / max(total_seqs, 1.0)
-    raise ValueError(f"loss_agg: expected 'token_mean' or 'seq_mean_token_mean', got {agg!r}")
+    raise ValueError(f"loss_agg: expected one of {LOSS_AGGS}, got {agg!r}")
 
 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, sampler_logp: torch.Tensor, advantages_B: torch.Tensor,

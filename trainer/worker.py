@@ -1,6 +1,7 @@
 """TrainerWorker: one rank of the FSDP2 trainer (a plain class; rl/ wraps it with ray.remote).
 
     Worker = ray.remote(num_cpus=1)(TrainerWorker)
+    cfg = TrainerWorkerConfig.from_dict({"lr": 1e-5, "temperature": 0.8})  # or a mapping of its fields
     ranks = [Worker.remote(r, W, "127.0.0.1", port, model_dir, "megamoe", cfg) for r in range(W)]
     metrics = ray.get([w.train_step.remote(batch) for w in ranks])[0]   # every rank gets the whole batch
     named = ray.get([w.export_weights.remote() for w in ranks])[0]       # rank 0 returns the tensors
@@ -29,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 from trainer import checkpoint as ckpt
+from megamoe.contract import HOST_IMPLS
 from trainer.batch import BatchError, collate, micro_batches, shard_bounds, split_even, validate_batch
-from trainer.config import MOE_IMPLS, TrainerConfigError, TrainerWorkerConfig
+from trainer.config import ConfigError, TrainerWorkerConfig
 from trainer.experts import MOE_CALLS
 from trainer.fsdp import apply_fsdp, buckets, iter_full_weights, nonfinite_weights, weight_metadata
 from trainer.loss import finish_stats, grpo_loss, token_logprobs
@@ -43,19 +45,20 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 class TrainerWorker:
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_dir: str,
-                 moe_impl: str, cfg: dict | None = None):
-        cfg = dict(cfg or {})
-        if moe_impl not in MOE_IMPLS:
-            raise ValueError(f"moe_impl: expected one of {MOE_IMPLS}, got {moe_impl!r}")
-        if "moe_impl" in cfg and cfg["moe_impl"] != moe_impl:
-            raise TrainerConfigError(f"cfg['moe_impl']: expected {moe_impl!r} (the moe_impl argument), got {cfg['moe_impl']!r}")
-        if "world_size" in cfg and cfg["world_size"] != world_size:
-            raise TrainerConfigError(f"cfg['world_size']: expected {world_size} (the world_size argument), got {cfg['world_size']!r}")
-        self.cfg = c = TrainerWorkerConfig.from_dict(cfg)
+                 moe_impl: str, cfg: TrainerWorkerConfig | dict | None = None):
+        """`cfg`: a TrainerWorkerConfig (rl/ builds it: rl.config.trainer_worker_config) or a mapping of
+        its fields; moe_impl and world_size are this constructor's own arguments, never cfg entries."""
+        if moe_impl not in HOST_IMPLS:
+            raise ValueError(f"moe_impl: expected one of {HOST_IMPLS}, got {moe_impl!r}")
+        if isinstance(cfg, TrainerWorkerConfig):
+            cfg.validate()
+        else:
+            cfg = TrainerWorkerConfig.from_dict(cfg)
+        self.cfg = c = cfg
         if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
             raise ValueError(f"rank, world_size: expected 0 <= rank < world_size, got rank={rank!r}, world_size={world_size!r}")
         if not c.fsdp and world_size != 1:
-            raise TrainerConfigError(f"fsdp: expected True for world_size={world_size} (False means one unsharded rank)")
+            raise ConfigError(f"fsdp: expected True for world_size={world_size} (False means one unsharded rank)")
         self.rank, self.world_size, self.moe_impl = rank, world_size, moe_impl
         if c.num_threads:
             torch.set_num_threads(c.num_threads)
@@ -63,8 +66,8 @@ class TrainerWorker:
         dtype = c.dtype if c.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" and c.fsdp else "float32")
         self.compute_dtype = _DTYPES[dtype]
         if not c.fsdp and self.compute_dtype != torch.float32:
-            raise TrainerConfigError(f"dtype: expected 'float32' or 'auto' with fsdp=False (bf16 compute over fp32 "
-                                     f"master weights is FSDP2's mixed precision), got {c.dtype!r}")
+            raise ConfigError(f"dtype: expected 'float32' or 'auto' with fsdp=False (bf16 compute over fp32 "
+                              f"master weights is FSDP2's mixed precision), got {c.dtype!r}")
         torch.manual_seed(c.seed)
 
         self._owns_pg = False
