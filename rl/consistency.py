@@ -35,8 +35,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-IMPLS = ("megamoe", "reference", "stock")
-DEFAULT_IMPLS = IMPLS
+from trainer.config import MOE_IMPLS
+
+DEFAULT_IMPLS = MOE_IMPLS
 
 log = logging.getLogger("megamoe.rl.consistency")
 
@@ -49,10 +50,10 @@ def parse_impls(text: str) -> tuple[str, ...]:
     """'megamoe,stock' -> ("megamoe", "stock"); unknown, empty or repeated names raise, naming --impls."""
     names = [p.strip() for p in str(text).split(",")]
     if not all(names):
-        raise ConsistencyError(f"--impls: expected a comma-separated list of {', '.join(IMPLS)}, got {text!r}")
-    unknown = [n for n in names if n not in IMPLS]
+        raise ConsistencyError(f"--impls: expected a comma-separated list of {', '.join(MOE_IMPLS)}, got {text!r}")
+    unknown = [n for n in names if n not in MOE_IMPLS]
     if unknown:
-        raise ConsistencyError(f"--impls: unknown implementation(s) {unknown}; expected names from {list(IMPLS)}")
+        raise ConsistencyError(f"--impls: unknown implementation(s) {unknown}; expected names from {list(MOE_IMPLS)}")
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ConsistencyError(f"--impls: {dup} listed more than once, got {text!r}")

@@ -20,7 +20,8 @@ import argparse
 
 
 def add_consistency_parser(subparsers) -> None:
-    from rl.consistency import DEFAULT_IMPLS, IMPLS
+    from rl.consistency import DEFAULT_IMPLS
+    from trainer.config import MOE_IMPLS
 
     p = subparsers.add_parser(
         "consistency", help="compare sampler and trainer logprobs per MoE implementation, per layer and end to end",
@@ -31,7 +32,7 @@ def add_consistency_parser(subparsers) -> None:
     p.add_argument("--prompts", type=int, default=None, help="prompts to generate from (default run.prompts_per_step)")
     p.add_argument("--n", type=int, default=None, help="samples per prompt (default rollout.n)")
     p.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
-                   help=f"comma-separated implementations from {','.join(IMPLS)}; the first generates "
+                   help=f"comma-separated implementations from {','.join(MOE_IMPLS)}; the first generates "
                         "(default %(default)s)")
     p.add_argument("--out", default=None, help="output folder (default <run.out_dir>/consistency)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),

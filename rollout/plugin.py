@@ -25,7 +25,6 @@ import logging
 import os
 
 ENV_VAR = "MEGAMOE_MOE_IMPL"
-MOE_IMPLS = ("megamoe", "reference", "stock")
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +37,22 @@ def configured_impl() -> str | None:
     value = os.environ.get(ENV_VAR, "").strip()
     if not value:
         return None
-    if value not in MOE_IMPLS:
-        raise ValueError(f"{ENV_VAR}: expected one of {MOE_IMPLS} (or unset to leave vLLM alone), "
+    from megamoe.contract import HOST_IMPLS  # here, not at import: see the module docstring
+
+    if value not in HOST_IMPLS:
+        raise ValueError(f"{ENV_VAR}: expected one of {HOST_IMPLS} (or unset to leave vLLM alone), "
                          f"got {value!r}")
     return value
+
+
+def __getattr__(name: str):
+    # rollout.worker reads plugin.MOE_IMPLS; the names are megamoe.contract.HOST_IMPLS, looked up
+    # when asked for so that importing this module stays standard library only.
+    if name == "MOE_IMPLS":
+        from megamoe.contract import HOST_IMPLS
+
+        return HOST_IMPLS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def register() -> None:

@@ -191,3 +191,23 @@ def test_route_check_finite_false_skips_the_scan():
     """check_finite=False (no host sync) lets a NaN row through: documented, not silently fixed."""
     w, _ = route(_poke(float("nan")), 2, check_finite=False)
     assert torch.isnan(w[2]).any() and torch.isfinite(w[[0, 1, 3, 4, 5]]).all()
+
+
+def test_implementation_names_are_one_vocabulary():
+    """megamoe.contract names them; the torch-free config modules mirror HOST_IMPLS (importing megamoe
+    imports torch, which `megamoe-rl train --dry-run` must not), so the mirror must agree."""
+    import typing
+
+    import rl.consistency
+    import trainer.config
+    from megamoe.contract import HOST_IMPLS, IMPLS, MEGAMOE, REFERENCE, STOCK
+    from rollout import plugin
+
+    assert IMPLS == (MEGAMOE, REFERENCE) and HOST_IMPLS == (MEGAMOE, REFERENCE, STOCK)
+    assert trainer.config.MOE_IMPLS == HOST_IMPLS
+    assert typing.get_args(trainer.config.MoEImpl) == HOST_IMPLS
+    assert rl.consistency.DEFAULT_IMPLS == HOST_IMPLS and plugin.MOE_IMPLS == HOST_IMPLS
+    for impl in IMPLS:
+        assert megamoe.check_impl(impl) == impl
+    with pytest.raises(ValueError, match="impl: expected one of"):
+        megamoe.check_impl(STOCK)  # the hosts' own MoE is not an implementation of this library
