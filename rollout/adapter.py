@@ -50,6 +50,7 @@ except ImportError:  # older vLLM (the H200 machine's 0.26): vLLM's own gate, se
 
 import megamoe
 from megamoe.router import router_logits as megamoe_router_logits
+from megamoe.routing import SCORINGS
 from rollout import archs, moe_method
 
 VLLM_VERSION = vllm.__version__
@@ -61,8 +62,10 @@ _REGISTERED: dict[str, str | None] = {"impl": None}
 
 _OOT_NAME = "UnquantizedFusedMoEMethod"
 _GATE_OOT_NAME = "GateLinear"
-# Models whose gate vLLM 0.26 builds as a plain ReplicatedLinear; re-registered from rollout/models.py.
-PLAIN_GATE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM")
+# Models re-registered from rollout/models.py: those whose gate vLLM 0.26 builds as a plain
+# ReplicatedLinear, and DeepSeek-V2/V3, whose shared experts compute through megamoe there.
+MEGAMOE_MODEL_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
+                               "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
 def trainer_routing() -> bool:
@@ -145,20 +148,31 @@ class MegaMoEMethod(UnquantizedFusedMoEMethod):
             raise NotImplementedError("megamoe rollout hook: apply_router_weight_on_input=True "
                                       "(Llama-4 style) is not supported; use moe_impl='stock'")
         if self.megamoe_impl != "stock":
-            self.self_routed = trainer_routing() and self._plain_softmax_topk(layer)
+            self.self_routed = trainer_routing() and self._megamoe_routes(layer)
             if not self.self_routed:
-                logger.info("megamoe rollout hook: %s routes with vLLM's router (grouped / biased / scaled "
-                            "top-k), not megamoe.route", getattr(layer, "layer_name", "MoE layer"))
+                logger.info("megamoe rollout hook: %s routes with vLLM's router (custom routing function or "
+                            "scaled top-k weights), not megamoe.route", getattr(layer, "layer_name", "MoE layer"))
 
     @staticmethod
-    def _plain_softmax_topk(layer) -> bool:
-        """The routing megamoe.route reproduces (Qwen3-MoE, Mixtral, OLMoE): softmax, top-k, and
-        renormalisation as the layer's `renormalize` says (vLLM builds OLMoE's with False)."""
-        return (getattr(layer, "scoring_func", "softmax") == "softmax"
-                and not getattr(layer, "use_grouped_topk", False)
+    def _megamoe_routes(layer) -> bool:
+        """The routings megamoe.route reproduces the way the trainer's Fp32Router computes them: softmax
+        top-k (Qwen3-MoE, Mixtral, OLMoE; renormalised as the layer's `renormalize` says, vLLM builds
+        OLMoE's with False), and DeepSeek's grouped top-k (sigmoid or softmax scores, the score-correction
+        bias, n_group / topk_group). The routed scaling factor must be vLLM's MoE runner's, applied to the
+        experts' output (DeepSeek's decoder asks for that: the layer's own factor is then 1.0), because the
+        trainer scales the output (trainer.experts.SharedExpertsMoE)."""
+        return (getattr(layer, "scoring_func", "softmax") in SCORINGS
                 and getattr(layer, "custom_routing_function", None) is None
-                and getattr(layer, "e_score_correction_bias", None) is None
                 and getattr(layer, "routed_scaling_factor", 1.0) == 1.0)
+
+    @staticmethod
+    def _groups(layer, num_experts: int) -> tuple[int, int]:
+        """(n_group, topk_group) as vLLM's GroupedTopKRouter applies them: grouping only when
+        use_grouped_topk and E splits into more than one expert per group, else plain top-k."""
+        n_group = getattr(layer, "num_expert_group", None) or 1
+        if not getattr(layer, "use_grouped_topk", False) or num_experts <= n_group or num_experts % n_group:
+            return 1, 1
+        return n_group, layer.topk_group or n_group
 
     def maybe_roundup_sizes(self, *args, **kwargs):
         if self.megamoe_impl == "stock":
@@ -204,7 +218,10 @@ class MegaMoEMethod(UnquantizedFusedMoEMethod):
     def select_experts(self, layer, router_logits):
         """(topk_weights fp32 [T,k], topk_ids int64 [T,k]) the way the trainer's Fp32Router routes."""
         # check_finite=False: the check would read the logits back to the host (no CUDA-graph capture).
-        return megamoe.route(router_logits, layer.top_k, "softmax", layer.renormalize, check_finite=False)
+        n_group, topk_group = self._groups(layer, router_logits.shape[-1])
+        return megamoe.route(router_logits, layer.top_k, getattr(layer, "scoring_func", "softmax"), layer.renormalize,
+                             e_score_correction_bias=getattr(layer, "e_score_correction_bias", None),
+                             n_group=n_group, topk_group=topk_group, check_finite=False)
 
     def apply_monolithic(self, layer, x, router_logits, input_ids=None):
         if self.megamoe_impl == "stock":
@@ -225,6 +242,15 @@ class MegaMoERouterMethod(UnquantizedLinearMethod):
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         logits = megamoe_router_logits(x.reshape(-1, x.shape[-1]), layer.weight)
         return logits.reshape(*x.shape[:-1], logits.shape[-1])
+
+
+class KeepWeightLinearMethod(UnquantizedLinearMethod):
+    """An unquantized linear method that keeps the weight as loaded (vLLM CPU would prepack it and drop
+    the [N, K] tensor): for linears whose module computes with the weight itself (rollout/models.py's
+    shared experts). Its own apply is vLLM's."""
+
+    def process_weights_after_loading(self, layer) -> None:
+        return None
 
 
 class MegaMoEGate(GateLinear or torch.nn.Module):  # the base only matters where GateLinear exists
@@ -256,12 +282,12 @@ def register_moe_method(impl: str) -> None:
                        "experts but routes with vLLM's router logits and top-k, which are not bitwise the "
                        "trainer's (megamoe.router + megamoe.route)", VLLM_VERSION, impl)
     if self_routing:
-        # vLLM versions that build these models' gates as plain ReplicatedLinear (0.26): vLLM's own
-        # classes whose gates compute megamoe.router's logits (rollout/models.py; a no-op where the
-        # gate is a GateLinear, which MegaMoEGate below replaces).
+        # vLLM's own classes whose plain ReplicatedLinear gates (0.26) compute megamoe.router's logits (a
+        # no-op where the gate is a GateLinear, which MegaMoEGate below replaces), and whose shared
+        # experts (DeepSeek) compute through megamoe (rollout/models.py).
         from vllm import ModelRegistry
 
-        for arch in PLAIN_GATE_ARCHITECTURES:
+        for arch in MEGAMOE_MODEL_ARCHITECTURES:
             ModelRegistry.register_model(arch, f"rollout.models:{arch}")
     _REGISTERED["impl"] = impl
     replacements = [(_OOT_NAME, MegaMoEMethod, CustomOp)]

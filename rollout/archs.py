@@ -6,8 +6,8 @@ rollout.worker) uses the same definitions."""
 from __future__ import annotations
 
 # The architectures (config.json `architectures`) whose MoE blocks the hook serves: SwiGLU experts
-# routed by softmax top-k (Qwen3-MoE, Mixtral, OLMoE) or by vLLM's DeepSeek router, gate rows first in
-# w13 (vLLM's layout for all of them). Defined here, without vLLM, so that a driver can check a
+# routed by softmax top-k (Qwen3-MoE, Mixtral, OLMoE) or DeepSeek's grouped sigmoid top-k with a
+# score-correction bias (megamoe.route on both sides), gate rows first in w13 (vLLM's layout for all). Defined here, without vLLM, so that a driver can check a
 # checkpoint before it starts anything.
 SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
@@ -26,6 +26,9 @@ SUPPORTED_ARCHITECTURES = (
 VLLM_FIXED_CONFIG: dict[str, dict[str, object]] = {
     **{arch: {"hidden_act": "silu"} for arch in SUPPORTED_ARCHITECTURES},
     "OlmoeForCausalLM": {"hidden_act": "silu", "clip_qkv": None, "rms_norm_eps": 1e-5},
+    # transformers' DeepseekV3 always routes by sigmoid scores with the score-correction bias; vLLM reads
+    # both from config.json (scoring_func, topk_method "noaux_tc") and otherwise uses softmax without it.
+    "DeepseekV3ForCausalLM": {"hidden_act": "silu", "scoring_func": "sigmoid", "topk_method": "noaux_tc"},
 }
 
 

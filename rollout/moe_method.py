@@ -1,14 +1,18 @@
 """The version-independent half of the vLLM MoE hook: what a routed-experts call computes, and a
 count of calls per implementation in the process that runs the model.
 
-The experts are chosen before this runs: by `megamoe.route` on megamoe's fp32 router logits where
-the routing is plain softmax top-k (Qwen3-MoE, Mixtral, OLMoE; see adapter.MegaMoEMethod), or by
-vLLM's router otherwise (grouped top-k, score-correction bias, scaling: DeepSeek). vLLM's MoE runner
+The experts are chosen before this runs: by `megamoe.route` on megamoe's fp32 router logits (softmax
+top-k: Qwen3-MoE, Mixtral, OLMoE; DeepSeek's grouped sigmoid top-k with its score-correction bias; see
+adapter.MegaMoEMethod), or by vLLM's router where megamoe.route cannot reproduce it. vLLM's MoE runner
 adds shared experts and applies `routed_scaling_factor` after we return. So the hook computes exactly
 the contract of `megamoe.fused_moe` on vLLM's weight layout:
 
     w13_weight [E, 2I, H]  gate rows first, then up rows  (= megamoe's w13)
     w2_weight  [E, H, I]                                  (= megamoe's w2)
+
+DeepSeek's shared experts (a dense SwiGLU MLP, run by vLLM's runner before the routed experts) are
+`shared_experts` below: megamoe.fused_moe with one expert that every token takes with weight 1, which
+is what the trainer computes for them (trainer.experts.shared_mlp_forward), so both sides agree bitwise.
 
 Shape legend: T tokens, H hidden, I expert intermediate, E experts, k top-k.
 """
@@ -52,3 +56,13 @@ def routed_experts(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Ten
     # the ids back to the host, which a CUDA-graph capture cannot contain.
     return megamoe.fused_moe(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk,
                              impl=impl, check_ids=False)
+
+
+@torch.compiler.disable
+def shared_experts(x_TH: torch.Tensor, w13_2IH: torch.Tensor, w2_HI: torch.Tensor, impl: str) -> torch.Tensor:
+    """y[T,H] = SwiGLU MLP of x with w13 = [gate; up] rows (vLLM's merged gate_up_proj) and w2, as
+    megamoe.fused_moe with one expert, weight 1 for every token (not counted in moe_calls)."""
+    T = x_TH.shape[0]
+    ones_T1 = torch.ones(T, 1, dtype=torch.float32, device=x_TH.device)
+    ids_T1 = torch.zeros(T, 1, dtype=torch.int64, device=x_TH.device)
+    return megamoe.fused_moe(x_TH, w13_2IH[None], w2_HI[None], ones_T1, ids_T1, impl=impl, check_ids=False)

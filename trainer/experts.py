@@ -21,6 +21,18 @@ block's `gate` is replaced by `Fp32Router`, which keeps the same `weight` parame
 same object), computes the logits with `megamoe.router.router_logits` (fp32 from upcast operands,
 batch invariant) and routes with `megamoe.route`: the functions the sampler side uses too. The block's own forward is unchanged: it calls
 `self.gate(h)` and hands the (weights, ids) to `self.experts`.
+
+DeepSeek-V3 (shared experts, sigmoid scores with a score-correction bias, group-limited top-k, a routed
+scaling factor). Its block is replaced as a whole by `SharedExpertsMoE` (same child modules, so the
+same parameter and buffer names), because two of its steps must be computed the way the sampler's
+vLLM computes them, bitwise:
+- vLLM (0.32) multiplies the routed experts' *output* by routed_scaling_factor (its MoE runner, with
+  the DeepSeek decoder's apply_routed_scale_to_output); transformers multiplies the top-k *weights*.
+  The same number, rounded differently: here the output is scaled, as vLLM does.
+- The shared experts are a dense SwiGLU MLP on every token. Each side's dense GEMMs round differently
+  (vLLM CPU: oneDNN with a prepacked weight; transformers: F.linear), so both sides compute it as
+  megamoe.fused_moe with one expert, weight 1 for every token (`shared_mlp_forward`): the same op,
+  the same weights ([gate; up] rows, the layout of vLLM's merged gate_up_proj).
 """
 
 from __future__ import annotations
@@ -90,19 +102,29 @@ def check_experts_eligible(module: nn.Module, name: str) -> None:
 
 
 class Fp32Router(nn.Module):
-    """Top-k softmax router with fp32 logits, routed by `megamoe.route`.
+    """Top-k router with fp32 logits, routed by `megamoe.route` (softmax top-k; or DeepSeek-V3's sigmoid
+    with a score-correction bias and group-limited top-k, see `megamoe.route`).
 
     Returns what transformers' TopKRouters return, `(router_logits fp32 [T,E], top_k_weights fp32
-    [T,k], top_k_index int64 [T,k])`, so the MoE block's forward uses it unchanged.
+    [T,k], top_k_index int64 [T,k])`, so the MoE block's forward uses it unchanged. The weights carry no
+    routed scaling factor: `SharedExpertsMoE` scales the experts' output instead (module docstring).
     """
 
-    def __init__(self, weight: nn.Parameter, top_k: int, renormalize: bool):
+    def __init__(self, weight: nn.Parameter, top_k: int, renormalize: bool, *, scoring: str = "softmax",
+                 e_score_correction_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1):
         super().__init__()
         self.weight = weight  # the stock router's Parameter itself: same name, same storage
         self.top_k = int(top_k)
         self.num_experts = weight.shape[0]
         self.hidden_dim = weight.shape[1]
         self.renormalize = bool(renormalize)
+        self.scoring = scoring
+        self.n_group, self.topk_group = int(n_group), int(topk_group)
+        if e_score_correction_bias is not None:
+            # The stock router's buffer itself (a buffer there too: same state_dict name, not trained).
+            self.register_buffer("e_score_correction_bias", e_score_correction_bias)
+        else:
+            self.e_score_correction_bias = None
 
     def forward(self, hidden_states: torch.Tensor):
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
@@ -111,30 +133,105 @@ class Fp32Router(nn.Module):
         router_logits = megamoe_router_logits(hidden_states, self.weight)
         # check_finite=False: a NaN here must reach the loss (the step is then skipped and counted)
         # instead of raising mid-step, and the check would synchronise a GPU once per layer.
-        weights, ids = megamoe.route(router_logits, self.top_k, "softmax", self.renormalize,
-                                     check_finite=False)
+        weights, ids = megamoe.route(router_logits, self.top_k, self.scoring, self.renormalize,
+                                     e_score_correction_bias=self.e_score_correction_bias, n_group=self.n_group,
+                                     topk_group=self.topk_group, check_finite=False)
         return router_logits, weights, ids
 
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, top_k={self.top_k}, renormalize={self.renormalize}, fp32 logits"
+        grouped = (f", scoring={self.scoring}, bias={self.e_score_correction_bias is not None}, "
+                   f"n_group={self.n_group}, topk_group={self.topk_group}") if self.scoring != "softmax" else ""
+        return f"experts={self.num_experts}, top_k={self.top_k}, renormalize={self.renormalize}{grouped}, fp32 logits"
 
 
-# transformers' softmax top-k routers whose semantics Fp32Router reproduces, and whether each one
-# renormalises its top-k weights to sum 1 (Mixtral always; Qwen3-MoE and OLMoE as norm_topk_prob says,
-# which OLMoE-1B-7B leaves False).
-ROUTER_RENORMALIZE = {
-    "MixtralTopKRouter": lambda gate: True,
-    "Qwen3MoeTopKRouter": lambda gate: bool(gate.norm_topk_prob),
-    "OlmoeTopKRouter": lambda gate: bool(gate.norm_topk_prob),
+def shared_mlp_forward(x_TH: torch.Tensor, w13_2IH: torch.Tensor, w2_HI: torch.Tensor, impl: str) -> torch.Tensor:
+    """A dense SwiGLU MLP (shared experts) as megamoe.fused_moe with one expert that every token takes
+    with weight 1: the same op and reduction order on the sampler and the trainer (module docstring)."""
+    T = x_TH.shape[0]
+    ones_T1 = torch.ones(T, 1, dtype=torch.float32, device=x_TH.device)
+    ids_T1 = torch.zeros(T, 1, dtype=torch.int64, device=x_TH.device)
+    return megamoe.fused_moe(x_TH, w13_2IH[None], w2_HI[None], ones_T1, ids_T1, impl=impl, check_ids=False)
+
+
+class SharedMLP(nn.Module):
+    """transformers' DeepseekV3MLP (shared experts) computed by `shared_mlp_forward`; its own Linear
+    modules, so the names stay `gate_proj` / `up_proj` / `down_proj`."""
+
+    def __init__(self, mlp: nn.Module, impl: str):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.impl = impl
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        w13 = torch.cat([self.gate_proj.weight, self.up_proj.weight])  # [gate; up]: vLLM's gate_up_proj
+        y = shared_mlp_forward(x.reshape(-1, shape[-1]), w13, self.down_proj.weight, self.impl)
+        return y.view(shape)
+
+
+class SharedExpertsMoE(nn.Module):
+    """DeepSeek-V3's MoE block on megamoe: y = shared_experts(x) + routed_scaling_factor * experts(x),
+    the routed part through the experts registry (megamoe) on Fp32Router's routing, the shared part
+    through `SharedMLP`, in vLLM's order of operations (module docstring)."""
+
+    def __init__(self, block: nn.Module, router: Fp32Router, routed_scaling_factor: float, impl: str):
+        super().__init__()
+        self.experts = block.experts
+        self.gate = router
+        self.shared_experts = SharedMLP(block.shared_experts, impl)
+        self.routed_scaling_factor = float(routed_scaling_factor)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        h_TH = hidden_states.reshape(-1, shape[-1])
+        _, weights, ids = self.gate(h_TH)
+        routed = self.experts(h_TH, ids, weights)
+        if self.routed_scaling_factor != 1.0:
+            routed = routed * self.routed_scaling_factor
+        return (self.shared_experts(h_TH) + routed).view(shape)
+
+
+def _deepseek_v3_router(gate: nn.Module) -> dict:
+    return dict(renormalize=bool(gate.norm_topk_prob), scoring="sigmoid",
+                e_score_correction_bias=gate.e_score_correction_bias, n_group=int(gate.num_group),
+                topk_group=int(gate.topk_group))
+
+
+# transformers' routers whose semantics Fp32Router reproduces, and Fp32Router's arguments for each:
+# softmax top-k renormalised to sum 1 (Mixtral always; Qwen3-MoE and OLMoE as norm_topk_prob says, which
+# OLMoE-1B-7B leaves False), or DeepSeek-V3's sigmoid top-k with its bias and groups.
+ROUTER_ARGS = {
+    "MixtralTopKRouter": lambda gate: dict(renormalize=True),
+    "Qwen3MoeTopKRouter": lambda gate: dict(renormalize=bool(gate.norm_topk_prob)),
+    "OlmoeTopKRouter": lambda gate: dict(renormalize=bool(gate.norm_topk_prob)),
+    "DeepseekV3TopkRouter": _deepseek_v3_router,
 }
+# MoE blocks whose own forward cannot run on megamoe bitwise like the sampler (see the module docstring),
+# replaced as a whole by SharedExpertsMoE.
+SHARED_EXPERTS_BLOCKS = ("DeepseekV3MoE",)
 
 
-def _router_renormalize(gate: nn.Module) -> bool:
+def _router_args(gate: nn.Module) -> dict:
     kind = type(gate).__name__
-    if kind not in ROUTER_RENORMALIZE:
-        raise ValueError(f"router {kind}: expected one of {tuple(ROUTER_RENORMALIZE)} (the softmax top-k "
-                         "routers whose semantics Fp32Router reproduces)")
-    return ROUTER_RENORMALIZE[kind](gate)
+    if kind not in ROUTER_ARGS:
+        raise ValueError(f"router {kind}: expected one of {tuple(ROUTER_ARGS)} (the routers whose semantics "
+                         "Fp32Router reproduces)")
+    return ROUTER_ARGS[kind](gate)
+
+
+def _check_block(block: nn.Module, name: str) -> None:
+    """A block with shared experts must be one SharedExpertsMoE computes (the SwiGLU MLP it reads)."""
+    shared = getattr(block, "shared_experts", None)
+    if shared is None or isinstance(block, SharedExpertsMoE):
+        return
+    kind = type(block).__name__
+    if kind not in SHARED_EXPERTS_BLOCKS:
+        raise ValueError(f"{name}: MoE block {kind} has shared experts; megamoe computes those of "
+                         f"{SHARED_EXPERTS_BLOCKS} only")
+    missing = [p for p in ("gate_proj", "up_proj", "down_proj") if not isinstance(getattr(shared, p, None), nn.Linear)]
+    if missing or any(getattr(shared, p).bias is not None for p in ("gate_proj", "up_proj", "down_proj")):
+        raise ValueError(f"{name}.shared_experts: {type(shared).__name__} cannot run on megamoe: expected bias-free "
+                         f"gate_proj/up_proj/down_proj nn.Linear layers (missing: {missing})")
 
 
 def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -153,8 +250,9 @@ def check_megamoe_eligible(model: nn.Module) -> list[tuple[str, nn.Module]]:
         raise ValueError(f"{type(model).__name__}: no MoE block (a module with `gate` and `experts.gate_up_proj`) found")
     for name, block in blocks:
         check_experts_eligible(block.experts, f"{name}.experts")
+        _check_block(block, name)
         if not isinstance(block.gate, Fp32Router):
-            _router_renormalize(block.gate)  # an unknown router raises, naming its class
+            _router_args(block.gate)  # an unknown router raises, naming its class
     return blocks
 
 
@@ -171,8 +269,15 @@ def install_megamoe(model: nn.Module, moe_impl: str) -> int:
     blocks = check_megamoe_eligible(model)
     for name, block in blocks:
         gate = block.gate
-        if not isinstance(gate, Fp32Router):
-            block.gate = Fp32Router(gate.weight, gate.top_k, _router_renormalize(gate))
+        if isinstance(gate, Fp32Router):
+            continue
+        router = Fp32Router(gate.weight, gate.top_k, **_router_args(gate))
+        if type(block).__name__ in SHARED_EXPERTS_BLOCKS:
+            parent_name, _, child = name.rpartition(".")
+            model.get_submodule(parent_name).register_module(
+                child, SharedExpertsMoE(block, router, gate.routed_scaling_factor, moe_impl))
+        else:
+            block.gate = router
     log.info("trainer MoE: %d blocks compute experts with megamoe impl=%r and route with megamoe.route (fp32)",
              len(blocks), moe_impl)
     return len(blocks)

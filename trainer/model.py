@@ -29,8 +29,8 @@ from trainer.experts import (EXPERTS_IMPLEMENTATION, check_megamoe_eligible, ins
                              register_experts_implementations)
 
 # On-disk per-expert names -> the fused in-memory tensors of transformers 5 (gate/up rows are
-# concatenated into gate_up_proj [E, 2I, H]; down_proj is [E, H, I]). OLMoE's checkpoints name their
-# experts as Qwen3-MoE's do (transformers converts both with the qwen2_moe mapping).
+# concatenated into gate_up_proj [E, 2I, H]; down_proj is [E, H, I]). OLMoE's and DeepSeek-V3's checkpoints
+# name their experts as Qwen3-MoE's do (transformers converts them with the qwen2_moe mapping).
 _QWEN_EXPERTS = (re.compile(r"^(?P<prefix>.+\.mlp)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"),
                  {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"})
 _PER_EXPERT = {
@@ -38,6 +38,7 @@ _PER_EXPERT = {
     "mixtral": (re.compile(r"^(?P<prefix>.+)\.block_sparse_moe\.experts\.(?P<e>\d+)\.(?P<proj>w1|w2|w3)\.weight$"),
                 {"w1": "gate", "w3": "up", "w2": "down"}),
     "olmoe": _QWEN_EXPERTS,
+    "deepseek_v3": _QWEN_EXPERTS,
 }
 SUPPORTED_ARCHS = tuple(_PER_EXPERT)
 """transformers model_type of every architecture the trainer loads (the authoritative list)."""
