@@ -37,6 +37,7 @@ def built(tmp_path_factory):
         "qwen_s1": make_model(root / "qwen-s1", seed=1),
         "mixtral": make_model(root / "mixtral-s0", arch="mixtral"),
         "olmoe": make_model(root / "olmoe-s0", arch="olmoe"),
+        "dsv3": make_model(root / "dsv3-s0", arch="deepseek_v3", layers=3),
     }
 
 
@@ -52,16 +53,21 @@ def _tokenizer(path):
 
 # --- transformers -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("key,arch", [("qwen", "qwen3_moe"), ("mixtral", "mixtral"), ("olmoe", "olmoe")])
+@pytest.mark.parametrize("key,arch", [("qwen", "qwen3_moe"), ("mixtral", "mixtral"), ("olmoe", "olmoe"),
+                                      ("dsv3", "deepseek_v3")])
 def test_transformers_forward(built, key, arch):
     model = _load(built[key])
     cfg = model.config
     assert cfg.model_type == arch
-    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_experts_per_tok) == (2, 64, 2)
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_experts_per_tok) == (3 if key == "dsv3" else 2, 64, 2)
     assert cfg.num_local_experts == 8 and cfg.vocab_size == mm.DEFAULT_VOCAB
-    # OLMoE's attention (transformers' and vLLM's) derives the head size from hidden / heads.
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    assert head_dim in mm.HEAD_DIMS and cfg.num_attention_heads * head_dim == cfg.hidden_size
+    # OLMoE's attention (transformers' and vLLM's) derives the head size from hidden / heads. DeepSeek's
+    # MLA has its own head sizes (qk_nope + qk_rope, v; vLLM CPU's MLA kernel: kv_lora_rank + qk_rope = 576).
+    if key == "dsv3":
+        assert cfg.kv_lora_rank + cfg.qk_rope_head_dim == 576
+    else:
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        assert head_dim in mm.HEAD_DIMS and cfg.num_attention_heads * head_dim == cfg.hidden_size
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (2, 7), generator=gen)
     with torch.no_grad():
@@ -139,6 +145,54 @@ def test_olmoe_config_and_trainer_route_without_renormalisation(built):
           f"renormalised routing instead: {err_renorm:.2e}")
     assert err <= TOL_LOGPROB_FP32
     assert err_renorm > 100 * TOL_LOGPROB_FP32
+
+
+def test_deepseek_v3_config_and_trainer_match_transformers(built):
+    """The tiny DeepSeek-V3: every feature the routing has is on (dense layer 0, a shared expert, sigmoid
+    scores, a non-zero seeded score-correction bias, 4 groups of which 2 are kept, routed scaling 2.5), and
+    the trainer (load_model: SharedExpertsMoE, megamoe experts, Fp32Router with bias and groups) computes
+    what transformers' own DeepseekV3 does, at std-0.1 weights (as the OLMoE test). The same model routed
+    without the bias must fall far outside the tolerance. Measured on a 2-core x86 CPU (torch 2.13.0+cpu):
+    max |Δ logprob| 9.8e-7, routing without the bias instead 1.08."""
+    from trainer.experts import Fp32Router, SharedExpertsMoE
+    from trainer.model import load_model
+
+    config = json.loads((built["dsv3"] / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV3ForCausalLM"]
+    want = {"first_k_dense_replace": 1, "n_shared_experts": 1, "n_group": 4, "topk_group": 2, "norm_topk_prob": True,
+            "routed_scaling_factor": mm.DSV3_ROUTED_SCALING_FACTOR, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+            "kv_lora_rank": 512, "qk_rope_head_dim": 64, "n_routed_experts": 8, "num_experts_per_tok": 2}
+    assert {k: config[k] for k in want} == want
+    stock = _load(built["dsv3"])
+    biases = [m.e_score_correction_bias for m in stock.modules() if hasattr(m, "e_score_correction_bias")]
+    assert len(biases) == 2 and all(bool((b != 0).all()) for b in biases)
+    assert 0.05 < float(torch.cat(biases).std()) < 0.2  # drawn with DSV3_BIAS_STD
+    ours = load_model(built["dsv3"], "megamoe").eval()
+    blocks = [m for m in ours.modules() if isinstance(m, SharedExpertsMoE)]
+    assert len(blocks) == 2 and all(isinstance(b.gate, Fp32Router) and b.gate.n_group == 4 for b in blocks)
+    assert sorted(ours.state_dict()) == sorted(stock.state_dict())
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in stock.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.1, generator=gen)
+        ours.load_state_dict(stock.state_dict())
+        ids = torch.randint(0, stock.config.vocab_size, (3, 11), generator=gen)
+        want_lp = torch.log_softmax(stock(ids).logits.double(), dim=-1)
+        err = float((torch.log_softmax(ours(ids).logits.double(), dim=-1) - want_lp).abs().max())
+        for b in blocks:
+            b.gate.e_score_correction_bias.zero_()
+        err_unbiased = float((torch.log_softmax(ours(ids).logits.double(), dim=-1) - want_lp).abs().max())
+    print(f"DeepSeek-V3 trainer (megamoe) vs transformers: max |Δ logprob| {err:.2e} (tolerance "
+          f"{TOL_LOGPROB_FP32:.0e}); routing without the bias instead: {err_unbiased:.2e}")
+    assert err <= TOL_LOGPROB_FP32
+    assert err_unbiased > 100 * TOL_LOGPROB_FP32
+
+
+def test_deepseek_groups():
+    assert mm.deepseek_groups(8, 2) == (4, 2) and mm.deepseek_groups(64, 6) == (4, 2)
+    assert mm.deepseek_groups(8, 6) == (4, 3)  # top-6 needs 3 groups of 2
+    assert mm.deepseek_groups(6, 2) == (2, 1) and mm.deepseek_groups(3, 2) == (1, 1)
 
 
 def test_weights_are_seeded(built):
