@@ -1,8 +1,9 @@
 """A/B of the megamoe Triton path in one process on a GPU: an earlier version vs the working tree's.
 
-The earlier version lives in abold/ (git-ignored; carry it to the GPU machine), made from a commit:
+The earlier version lives in abold/ (git-ignored; carry it to the GPU machine), made from a commit
+before megamoe/fused.py became a package (e9ecef6; for a later one, copy megamoe/fused/ instead):
 
-    C=f460e80; mkdir -p abold && touch abold/__init__.py
+    C=9cc384b; mkdir -p abold && touch abold/__init__.py
     git show $C:megamoe/kernels/moe_kernels.py > abold/moe_kernels.py
     git show $C:megamoe/fused.py | sed 's/from megamoe.kernels.moe_kernels import/from abold.moe_kernels import/' \
         | awk '/^# torch.library op/{exit} {print}' > abold/fused.py     # (its op registration clashes)
@@ -31,6 +32,7 @@ for name in ("qwen3", "olmoe"):
         yo = old.fused_moe_fwd(x, w13, w2, tw, ids, check=False); yn = new.fused_moe_fwd(x, w13, w2, tw, ids, check=False)
         go = old.fused_moe_bwd(dy, x, w13, w2, tw, ids); gn = new.fused_moe_bwd(dy, x, w13, w2, tw, ids)
         same = torch.equal(yo, yn)  # y; the gradients differ by design when the versions round (gate, up) differently
+        same_grads = all(torch.equal(a, b) for a, b in zip(go, gn))
         grad_err = max(float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(go, gn))
         t = {}
         for rnd in range(2):  # interleaved twice, keep the min of the two medians
@@ -50,4 +52,4 @@ for name in ("qwen3", "olmoe"):
         with torch.cuda.graph(g):
             yg = new.fused_moe_fwd(x, w13, w2, tw, ids, check=False)
         t["new_g"] = time_ms(g.replay, R)
-        print(f"{name} {T} | {t['old_f']:.3f} | {t['new_f']:.3f} | {t['new_l']:.3f} | {t['new_g']:.3f} | {t['old_fb']:.3f} | {t['new_fb']:.3f} | {t['new_fbs']:.3f} | y old==new: {same}, gradients max rel diff {grad_err:.1e}", flush=True)
+        print(f"{name} {T} | {t['old_f']:.3f} | {t['new_f']:.3f} | {t['new_l']:.3f} | {t['new_g']:.3f} | {t['old_fb']:.3f} | {t['new_fb']:.3f} | {t['new_fbs']:.3f} | y old==new: {same}, gradients old==new: {same_grads} (max rel diff {grad_err:.1e})", flush=True)
