@@ -270,7 +270,11 @@ def from_dict(data: dict | None) -> Config:
         raise ConfigError(f"config: expected a mapping at the top level, got {type(data).__name__}")
     trainer = data.get("trainer")
     if isinstance(trainer, dict) and "extra" in trainer:
-        raise _extra_removed(trainer["extra"])
+        # Every run's config.yaml written before trainer.extra went holds `extra: {}`; an empty one
+        # sets nothing, so those runs still resume and export.
+        if trainer["extra"]:
+            raise _extra_removed(trainer["extra"])
+        data = {**data, "trainer": {k: v for k, v in trainer.items() if k != "extra"}}
     return build(Config, data, root=Config)
 
 

@@ -171,6 +171,13 @@ def test_trainer_extra_is_gone_and_the_error_names_the_key_to_use(tmp_path, how)
         assert "it exists as rollout.temperature" in msg, msg
 
 
+def test_an_empty_trainer_extra_of_an_older_runs_config_yaml_still_loads():
+    data = yaml.safe_load(C.to_yaml(C.load(ROOT / "configs" / "tiny.yaml")))
+    data["trainer"]["extra"] = {}
+    assert C.from_dict(data) == C.from_dict({**data, "trainer": {k: v for k, v in data["trainer"].items()
+                                                                  if k != "extra"}})
+
+
 def test_help_config_lists_every_key_with_its_default_without_heavy_imports():
     proc = _run_cli("train", "--help-config")
     res = _result(proc)
