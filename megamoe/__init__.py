@@ -20,8 +20,21 @@ Routing (fp32 router logits -> softmax/sigmoid -> top-k -> optional renormalisat
 separate, differentiable `route` (megamoe/routing.py).
 """
 
-from megamoe.contract import IMPLS, check_impl, check_moe_inputs
-from megamoe.routing import route
-from megamoe.moe import fused_moe
+from megamoe.contract import HOST_IMPLS, IMPLS, MEGAMOE, REFERENCE, STOCK, check_impl, check_moe_inputs
 
-__all__ = ["IMPLS", "check_impl", "check_moe_inputs", "fused_moe", "route"]
+__all__ = ["HOST_IMPLS", "IMPLS", "MEGAMOE", "REFERENCE", "STOCK", "check_impl", "check_moe_inputs",
+           "fused_moe", "route"]
+
+
+def __getattr__(name: str):
+    # The operator and the routing import torch (and Triton); they load when first used (PEP 562),
+    # so that `from megamoe.contract import IMPLS` costs no torch import (the config loaders).
+    if name == "fused_moe":
+        from megamoe.moe import fused_moe
+
+        return fused_moe
+    if name == "route":
+        from megamoe.routing import route
+
+        return route
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

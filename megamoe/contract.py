@@ -6,13 +6,19 @@ Every check runs before any compute and raises ValueError/TypeError naming the a
 expected and the actual value. The id range check reads the ids (one reduction); it is the only
 check that looks at data, and it can be switched off with ``check_ids=False`` where a host
 synchronisation is unwanted (CUDA-graph capture).
+
+The implementation names below are the project's one definition of them; importing them does not
+import torch (the config loaders need them for `--help` / `--dry-run`), so torch is imported where
+a check runs and the dtype tuples are looked up on first use.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 MEGAMOE = "megamoe"
 """The fused Triton kernel on CUDA; on CPU a torch implementation with its semantics and reduction order."""
@@ -28,8 +34,21 @@ below megamoe; megamoe itself never runs it."""
 HOST_IMPLS = IMPLS + (STOCK,)
 """What a host's MoE layers can run (`rollout.moe_impl`, `trainer.moe_impl`, MEGAMOE_MOE_IMPL)."""
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _dtypes() -> dict[str, tuple]:
+    import torch
+
+    return {"FLOAT_DTYPES": (torch.float32, torch.bfloat16, torch.float16),
+            "INDEX_DTYPES": (torch.int32, torch.int64)}
+
+
+def __getattr__(name: str):
+    # FLOAT_DTYPES (float32, bfloat16, float16) and INDEX_DTYPES (int32, int64): torch's dtypes, made
+    # when first asked for (PEP 562) so that the names above import without torch.
+    if name in ("FLOAT_DTYPES", "INDEX_DTYPES"):
+        return _dtypes()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -51,6 +70,10 @@ def check_moe_inputs(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.T
                      topk_weights_Tk: torch.Tensor, topk_ids_Tk: torch.Tensor,
                      *, check_ids: bool = True) -> MoEShape:
     """Validate the contract's five tensors; return the sizes of the shape legend."""
+    import torch
+
+    dt = _dtypes()
+    FLOAT_DTYPES, INDEX_DTYPES = dt["FLOAT_DTYPES"], dt["INDEX_DTYPES"]  # noqa: N806 - the module's names
     named = {"x": x_TH, "w13": w13_E2IH, "w2": w2_EHI,
              "topk_weights": topk_weights_Tk, "topk_ids": topk_ids_Tk}
     for name, t in named.items():

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.config import MOE_IMPLS
+from megamoe.contract import HOST_IMPLS as MOE_IMPLS
 
 DEFAULT_IMPLS = MOE_IMPLS
 

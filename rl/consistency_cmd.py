@@ -21,7 +21,7 @@ import argparse
 
 def add_consistency_parser(subparsers) -> None:
     from rl.consistency import DEFAULT_IMPLS
-    from trainer.config import MOE_IMPLS
+    from megamoe.contract import HOST_IMPLS as MOE_IMPLS
 
     p = subparsers.add_parser(
         "consistency", help="compare sampler and trainer logprobs per MoE implementation, per layer and end to end",

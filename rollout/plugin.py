@@ -45,16 +45,6 @@ def configured_impl() -> str | None:
     return value
 
 
-def __getattr__(name: str):
-    # rollout.worker reads plugin.MOE_IMPLS; the names are megamoe.contract.HOST_IMPLS, looked up
-    # when asked for so that importing this module stays standard library only.
-    if name == "MOE_IMPLS":
-        from megamoe.contract import HOST_IMPLS
-
-        return HOST_IMPLS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def register() -> None:
     """vLLM's entry point. Raises (and so stops engine start-up) when misconfigured or broken."""
     STATE["called"] = True

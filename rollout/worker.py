@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from megamoe.contract import HOST_IMPLS
 from rollout import plugin, weights
 from rollout.sync import STREAMED
 
@@ -42,8 +43,8 @@ _SEED_RANGE = 2**62
 
 
 def _check_moe_impl(moe_impl: object) -> str:
-    if moe_impl not in plugin.MOE_IMPLS:
-        raise ValueError(f"moe_impl: expected one of {plugin.MOE_IMPLS}, got {moe_impl!r}")
+    if moe_impl not in HOST_IMPLS:
+        raise ValueError(f"moe_impl: expected one of {HOST_IMPLS}, got {moe_impl!r}")
     return moe_impl  # type: ignore[return-value]
 
 

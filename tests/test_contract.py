@@ -193,20 +193,37 @@ def test_route_check_finite_false_skips_the_scan():
     assert torch.isnan(w[2]).any() and torch.isfinite(w[[0, 1, 3, 4, 5]]).all()
 
 
-def test_implementation_names_are_one_vocabulary():
-    """megamoe.contract names them; the torch-free config modules mirror HOST_IMPLS (importing megamoe
-    imports torch, which `megamoe-rl train --dry-run` must not), so the mirror must agree."""
+def test_implementation_names_are_defined_once():
+    """megamoe.contract defines the names; the configs' types and the hosts' checks use them,
+    importing them costs no torch (`megamoe-rl train --dry-run` must not import it), and no module
+    of the project spells the tuple again."""
+    import ast
+    import subprocess
+    import sys
     import typing
+    from pathlib import Path
 
     import rl.consistency
     import trainer.config
     from megamoe.contract import HOST_IMPLS, IMPLS, MEGAMOE, REFERENCE, STOCK
-    from rollout import plugin
 
     assert IMPLS == (MEGAMOE, REFERENCE) and HOST_IMPLS == (MEGAMOE, REFERENCE, STOCK)
-    assert trainer.config.MOE_IMPLS == HOST_IMPLS
     assert typing.get_args(trainer.config.MoEImpl) == HOST_IMPLS
-    assert rl.consistency.DEFAULT_IMPLS == HOST_IMPLS and plugin.MOE_IMPLS == HOST_IMPLS
+    assert rl.consistency.DEFAULT_IMPLS == HOST_IMPLS
+    code = ("import sys, megamoe.contract, trainer.config, rl.config, rollout.plugin; "
+            "print(sorted(m for m in ('torch', 'triton', 'vllm') if m in sys.modules))")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    spelled = []
+    for package in ("megamoe", "rollout", "trainer", "rl"):
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                    words = {e.value for e in node.elts if isinstance(e, ast.Constant)}
+                    if {MEGAMOE, REFERENCE} <= words:
+                        spelled.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert spelled == [], f"the implementation names spelled again (import them from megamoe.contract): {spelled}"
     for impl in IMPLS:
         assert megamoe.check_impl(impl) == impl
     with pytest.raises(ValueError, match="impl: expected one of"):

@@ -27,17 +27,16 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from megamoe.contract import HOST_IMPLS
+
 # The choices of the trainer's settings; trainer/loss.py and rl/config.py import them from here.
 IS_CORRECTIONS = ("none", "tis", "token_mask", "seq_mask", "metrics_only")
 LOSS_AGGS = ("token_mean", "seq_mean_token_mean")
 DTYPES = ("float32", "bfloat16")
 LR_SCHEDULES = ("constant", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
-# megamoe/contract.py's HOST_IMPLS (megamoe, reference, stock), which the config modules cannot import:
-# importing megamoe imports torch, and `--help` / `--dry-run` must not. tests/test_contract.py
-# checks that the two agree; once megamoe's package exports load lazily this becomes an import.
-MOE_IMPLS = ("megamoe", "reference", "stock")
-MoEImpl = Literal[MOE_IMPLS]
+# What a trainer's MoE layers can run: megamoe/contract.py's names (importing them costs no torch).
+MoEImpl = Literal[HOST_IMPLS]
 
 
 class ConfigError(ValueError):
