@@ -203,6 +203,13 @@ class MegaMoEWorkerExtension:
 
         return probe.probe_in_worker(self, blob)
 
+    def megamoe_capture_ops(self, action: str) -> bytes:
+        """"start": hook every op boundary of the model; "collect": the activations recorded since
+        (safetensors bytes), hooks removed. rl/divergence.py drives it; see rollout.probe."""
+        from rollout import probe
+
+        return probe.capture_ops_in_worker(self, action)
+
 
 class _ExpectedMoEFallback:
     """Drops vLLM's layer-wise reload warning "<class>: Failed to load weights" for the MoE layer
