@@ -36,12 +36,20 @@ for name in ("qwen3", "olmoe"):
         grad_err = max(float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(go, gn))
         t = {}
         for rnd in range(2):  # interleaved twice, keep the min of the two medians
-            for key, fn in (("old_f", lambda: old.fused_moe_fwd(x, w13, w2, tw, ids, check=False)),
-                            ("new_f", lambda: new.fused_moe_fwd(x, w13, w2, tw, ids, check=False)),
-                            ("new_l", lambda: new.launch_persistent(False, x, w13, w2, tw, ids, None, T, H, I, E, k, new.config_for(x))),
-                            ("old_fb", lambda: (old.fused_moe_fwd(x, w13, w2, tw, ids, check=False), old.fused_moe_bwd(dy, x, w13, w2, tw, ids))),
-                            ("new_fb", lambda: (new.fused_moe_fwd(x, w13, w2, tw, ids, check=False), new.fused_moe_bwd(dy, x, w13, w2, tw, ids))),
-                            ("new_fbs", lambda: new.fused_moe_bwd(dy, x, w13, w2, tw, ids, gu=new.fused_moe_fwd(x, w13, w2, tw, ids, check=False, save_gu=True)[1]))):
+            # AB_NEW_FIRST=1 times the new version first in each round (an order effect shows as a swap)
+            cases = [("old_f", lambda: old.fused_moe_fwd(x, w13, w2, tw, ids, check=False)),
+                     ("new_f", lambda: new.fused_moe_fwd(x, w13, w2, tw, ids, check=False)),
+                     ("new_l", lambda: new.launch_persistent(False, x, w13, w2, tw, ids, None, T, H, I, E, k,
+                                                             new.config_for(x))),
+                     ("old_fb", lambda: (old.fused_moe_fwd(x, w13, w2, tw, ids, check=False),
+                                         old.fused_moe_bwd(dy, x, w13, w2, tw, ids))),
+                     ("new_fb", lambda: (new.fused_moe_fwd(x, w13, w2, tw, ids, check=False),
+                                         new.fused_moe_bwd(dy, x, w13, w2, tw, ids))),
+                     ("new_fbs", lambda: new.fused_moe_bwd(dy, x, w13, w2, tw, ids, gu=new.fused_moe_fwd(
+                         x, w13, w2, tw, ids, check=False, save_gu=True)[1]))]
+            if os.environ.get("AB_NEW_FIRST") == "1":
+                cases = [c for c in cases if c[0].startswith("new")] + [c for c in cases if c[0].startswith("old")]
+            for key, fn in cases:
                 v = time_ms(fn, R)
                 t[key] = min(v, t.get(key, 1e9))
         g = torch.cuda.CUDAGraph()
