@@ -35,12 +35,12 @@ rows go to their experts' owners again by all_to_all over the workspace's group 
 only its inputs), each owner runs the single-GPU fused backward on its received slots (K = 1), and
 each slot's dx row and d(topk_weights) come back by all_to_all; the token's rank sums its k dx rows
 in slot order in fp32, as the single-GPU op does (across 2 CPU processes every gradient is that
-op's bits, tests/test_ep_fused_multiproc.py; not yet compared on GPUs).
+op's bits, tests/megamoe/test_ep_fused_multiproc.py; not yet compared on GPUs).
 
 Status (2026-12-01). Workspaces: `linked_workspaces` (W ranks in one process; forward only),
 `ep_workspace` (a process group: /dev/shm files on CPU, `torch.distributed._symmetric_memory` on
-CUDA). Tested under the Triton interpreter on CPU, in one process (tests/test_ep_fused.py) and
-across 2 gloo processes sharing the /dev/shm workspaces (tests/test_ep_fused_multiproc.py: y and every
+CUDA). Tested under the Triton interpreter on CPU, in one process (tests/megamoe/test_ep_fused.py) and
+across 2 gloo processes sharing the /dev/shm workspaces (tests/megamoe/test_ep_fused_multiproc.py: y and every
 gradient bitwise equal to the single-process op, uneven routing, a rank with no tokens, repeated
 calls bitwise equal, bad input or differing requires_grad on one rank raised on both, a rank that
 never arrives reported by the other as a time-out naming it), and compiled for sm_90
@@ -272,7 +272,7 @@ def ep_fused_moe_fwd(x_TH: torch.Tensor, w13_L2IH: torch.Tensor, w2_LHI: torch.T
 
     programs: persistent programs per rank (default: one per SM). Fewer leave SMs free for a kernel
     that runs concurrently; the result does not depend on it, and a program that is not resident
-    yet is never waited for (tests/test_ep_fused.py runs them one after another)."""
+    yet is never waited for (tests/megamoe/test_ep_fused.py runs them one after another)."""
     s = _checked(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws, num_experts, check, programs)
     return _launch(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws, s, check, spin_max, programs)
 

@@ -12,8 +12,8 @@ import dataclasses
 import torch
 
 # Relative Frobenius error allowed against the fp32 ground truth (moe_ground_truth), per dtype of
-# the implementation's inputs. Evidence (seeded inputs over the edge cases of tests/test_ref.py,
-# tests/test_fused.py and tests/test_ep.py, 2026-11-30):
+# the implementation's inputs. Evidence (seeded inputs over the edge cases of tests/megamoe/test_ref.py,
+# tests/megamoe/test_fused.py and tests/megamoe/test_ep.py, 2026-11-30):
 # - fp32: implementations differ from the ground truth only by summation order. Worst seen on a
 #   2-core x86 CPU: 1.6e-7 forward, 3.9e-7 gradients (reference, EP, torch backend, Triton
 #   interpreter); on the H200 the Triton kernels use "ieee" fp32 dots (no TF32) and pass the same
@@ -22,7 +22,7 @@ import torch
 #   in bf16: worst seen 4.7e-3 forward and 5.1e-3 gradients (CPU), about 2^-8 as expected for two
 #   rounded intermediates. The d(topk_weights) gradient is one dot product over H per slot and can
 #   cancel: 1.05e-2 seen at T=1, k=1 with a condition number of 14 (7e-4 relative to the size of
-#   the terms); tests/test_ref.py scales that one tolerance by the condition number. The issue asks
+#   the terms); tests/megamoe/test_ref.py scales that one tolerance by the condition number. The issue asks
 #   for < 1e-2; we use that bound.
 TOLERANCES: dict[torch.dtype, float] = {
     torch.float32: 1e-5,

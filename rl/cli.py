@@ -17,7 +17,7 @@ default; `main` parses and calls the handler. Adding a subcommand, e.g. `train` 
 
 Every registered module is imported to build `--help`, so it must keep torch, vLLM, Ray and
 transformers imports inside its handler: `megamoe-rl --help` stays instant, and
-tests/test_make_model.py checks that it imports no torch. A handler reports a bad argument with
+tests/rl/test_make_model.py checks that it imports no torch. A handler reports a bad argument with
 `args.parser.error(message)` (usage + message, exit status 2) before doing any work. Exit status:
 0 done, 2 refused before any work, 1 failed while running, 130 interrupted (Ctrl-C).
 """

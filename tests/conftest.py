@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# tests/ mirrors the packages (tests/megamoe, tests/rollout, ...) and is not a package itself: test
+# modules share helpers by plain import (`from test_rl_loop import SMALL`), so every test folder is
+# on the path whichever file pytest was asked to run.
+for _folder in sorted(Path(__file__).parent.iterdir()):
+    if _folder.is_dir() and not _folder.name.startswith(("_", ".")):
+        sys.path.insert(0, str(_folder))
 
 # Without a GPU, Triton kernels run on the CPU through Triton's interpreter. The variable is read
 # when a kernel is decorated, so it is set here, before any test imports megamoe's kernels.

@@ -8,7 +8,7 @@ Uses the ptxas and cuobjdump that ship inside the Triton wheel. The kernels are 
 launchers' own compile-time arguments (megamoe.fused.persistent_constexprs / dw_constexprs, the
 CUDA default configs) and with the specialisation a real launch gets on an H200 (every pointer and
 H, I, E divisible by 16; the shapes below). Must run without TRITON_INTERPRET (the interpreter
-replaces the kernels by Python functions at import). tests/test_kernel_compile.py runs it.
+replaces the kernels by Python functions at import). tests/megamoe/test_kernel_compile.py runs it.
 """
 
 from __future__ import annotations

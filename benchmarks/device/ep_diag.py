@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-H, I, E, K, T_MAX = 24, 16, 6, 3, 12  # noqa: E741  (the shapes of tests/test_ep_fused_multiproc.py)
+H, I, E, K, T_MAX = 24, 16, 6, 3, 12  # noqa: E741  (the shapes of tests/megamoe/test_ep_fused_multiproc.py)
 
 
 def _say(rank, t0, msg):

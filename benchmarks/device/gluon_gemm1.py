@@ -22,7 +22,7 @@ The MMA partition also stores the tile (fp32 accumulator -> bf16).
     python benchmarks/device/gluon_gemm1.py --compile-only   # any machine: compile for sm_90, print resources
 
 Status (2026-12-01): compiled for sm_90 on the CPU machine (`--compile-only`, also
-tests/test_kernel_compile.py) and run on the H200 (seventh session,
+tests/megamoe/test_kernel_compile.py) and run on the H200 (seventh session,
 benchmarks/results/2026-12-01-h200-gluon-gemm1.log): the same largest error against torch as
 `plain_gathered_gemm` (the same tile as a plain Triton kernel, software-pipelined by the compiler),
 and 1.2-1.6x slower than it at Qwen3 / DeepSeek-V3 GEMM1 shapes, so the op keeps plain kernels

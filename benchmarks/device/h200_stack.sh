@@ -3,7 +3,7 @@
 #   bash benchmarks/device/h200_stack.sh STAGE...     (from the project root; logs under $OUT or runs/h200)
 # The vLLM / Ray / RL stages need the bundles built here first (../shared/device): .gpu-vllm/ and
 # .gpu-ray/ (carry both); the kernel stages (kernel_tests, bench, tune) run without them.
-# Stages: versions | rollout (tests/test_rollout_gpu.py) | sync_tests (tests/test_rollout_sync_gpu.py: the CUDA IPC
+# Stages: versions | rollout (tests/rollout/test_rollout_gpu.py) | sync_tests (tests/rollout/test_rollout_sync_gpu.py: the CUDA IPC
 # weight sync) | bench_sync (benchmarks/bench_weight_sync.py; SYNC_ARGS overrides its arguments) | consistency_tests (gpu tests of the
 # consistency issue) | invariance | consistency (the CLI, 8 layers H=1024 E=64 k=8 bf16) | rl_megamoe |
 # rl_reference | kernel_tests (the op's bf16 GPU tests + the trainer's) | kernel_tests_fp32 (the op's fp32
@@ -32,13 +32,13 @@ for stage in "$@"; do
   t0=$(date +%s)
   case "$stage" in
     versions) $PY -c "import torch, triton, vllm, ray, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"; rc=$? ;;
-    rollout) timeout 420 $PY -m pytest -p no:cacheprovider -q -s -m gpu tests/test_rollout_gpu.py; rc=$? ;;
-    sync_tests) timeout 500 $PY -m pytest -p no:cacheprovider -q -s -rA -m gpu tests/test_rollout_sync_gpu.py \
+    rollout) timeout 420 $PY -m pytest -p no:cacheprovider -q -s -m gpu tests/rollout/test_rollout_gpu.py; rc=$? ;;
+    sync_tests) timeout 500 $PY -m pytest -p no:cacheprovider -q -s -rA -m gpu tests/rollout/test_rollout_sync_gpu.py \
         > "$LOG/sync_tests.log" 2>&1; rc=$?; grep -E "^\[sync\]|^(PASSED|FAILED|ERROR)|passed|failed|Error" "$LOG/sync_tests.log" | tail -30 ;;
     bench_sync) read -r -a SYNC <<< "${SYNC_ARGS:---models h200_rl qwen3_dims --reps 5}"
       timeout 540 $PY benchmarks/bench_weight_sync.py "${SYNC[@]}" --out "$LOG/bench_weight_sync.md"; rc=$? ;;
-    consistency_tests) timeout 420 $PY -m pytest -p no:cacheprovider -q -s -m gpu tests/test_consistency.py tests/test_consistency_invariance.py; rc=$? ;;
-    invariance) timeout 300 $PY -m pytest -p no:cacheprovider -q -s -m gpu tests/test_consistency_invariance.py; rc=$? ;;
+    consistency_tests) timeout 420 $PY -m pytest -p no:cacheprovider -q -s -m gpu tests/rl/test_consistency.py tests/rl/test_consistency_invariance.py; rc=$? ;;
+    invariance) timeout 300 $PY -m pytest -p no:cacheprovider -q -s -m gpu tests/rl/test_consistency_invariance.py; rc=$? ;;
     consistency) timeout 480 $PY -m rl.cli consistency --config configs/tiny.yaml model.dtype=bfloat16 \
         model.make.layers=8 model.make.hidden=1024 model.make.experts=64 model.make.topk=8 \
         model.make.intermediate=512 rollout.max_tokens=16 rollout.max_model_len=128 trainer.max_seq_len=128 \
@@ -51,17 +51,17 @@ for stage in "$@"; do
         trainer.moe_impl=reference run.out_dir="$RUNS/rl-reference" run.progress=false --overwrite; rc=$?
       cp "$RUNS/rl-reference/metrics.jsonl" "$LOG/rl-reference-metrics.jsonl" ;;
     # the op's GPU tests outlast one call together: two stages, one per call (docs/CONTRIBUTING.md)
-    kernel_tests) timeout 540 $PY -m pytest -p no:cacheprovider -q -rA -m gpu tests/test_fused.py tests/test_trainer_gpu.py \
+    kernel_tests) timeout 540 $PY -m pytest -p no:cacheprovider -q -rA -m gpu tests/megamoe/test_fused.py tests/trainer/test_trainer_gpu.py \
         -k "bf16 or opcheck or graph or repeated or nan or dw_tma or trainer" > "$LOG/kernel_tests.log" 2>&1; rc=$?
       grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$LOG/kernel_tests.log" ;;
-    kernel_tests_fp32) timeout 540 $PY -m pytest -p no:cacheprovider -q -rA -m gpu tests/test_fused.py \
+    kernel_tests_fp32) timeout 540 $PY -m pytest -p no:cacheprovider -q -rA -m gpu tests/megamoe/test_fused.py \
         -k "not (bf16 or opcheck or graph or repeated or nan or dw_tma)" > "$LOG/kernel_tests_fp32.log" 2>&1; rc=$?
       grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$LOG/kernel_tests_fp32.log" ;;
     gpu_tests) # every -m gpu test of the op and the trainer (bf16 + fp32), 8 concurrent pytest processes
       # (shard_tests.py: compiling is most of their time and CPU work); shard logs stay on the machine
       # (8-file limit on $OUT), concatenated into one file
       timeout 590 $PY benchmarks/device/shard_tests.py --shards 8 --timeout 560 --out "$RUNS/gpu_tests" -- \
-        -m gpu tests/test_fused.py tests/test_trainer_gpu.py > "$LOG/gpu_tests.log" 2>&1; rc=$?
+        -m gpu tests/megamoe/test_fused.py tests/trainer/test_trainer_gpu.py > "$LOG/gpu_tests.log" 2>&1; rc=$?
       for f in "$RUNS"/gpu_tests/shard*.log; do echo "=== $f"; cat "$f"; done > "$LOG/gpu_tests_shards.log"
       cat "$LOG/gpu_tests.log" ;;
     bench) # Liger Kernel (the Triton peer) from a carried wheel folder: pip download liger-kernel==0.8.5 -d .whl
@@ -84,11 +84,11 @@ for stage in "$@"; do
       timeout 200 $PY benchmarks/device/trace_items.py --backward --cases qwen3:4096 qwen3:16384 mixtral:4096 \
         > "$LOG/trace_backward.log" 2>&1; rc=$?; grep -vE "^\s*$" "$LOG/trace_backward.log" | tail -40
       # the E=256 ground-truth cases (bf16, fp32)
-      timeout 200 $PY -m pytest -p no:cacheprovider -q -rA -m gpu tests/test_fused.py -k E256 \
+      timeout 200 $PY -m pytest -p no:cacheprovider -q -rA -m gpu tests/megamoe/test_fused.py -k E256 \
         > "$LOG/test_fused_e256.log" 2>&1 || rc=$?; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$LOG/test_fused_e256.log" ;;
     ep) # two or more GPUs (kind nvidia-h200-x2); whole outputs into files (the ranks' stderr says why a spawn failed)
       timeout 150 $PY benchmarks/device/ep_diag.py > "$LOG/ep_diag.log" 2>&1; echo "ep_diag rc=$?"; grep "^\[rank" "$LOG/ep_diag.log"
-      timeout 300 $PY -m pytest -p no:cacheprovider -q -rA -m multigpu tests/test_ep.py tests/test_ep_fused_multiproc.py \
+      timeout 300 $PY -m pytest -p no:cacheprovider -q -rA -m multigpu tests/megamoe/test_ep.py tests/megamoe/test_ep_fused_multiproc.py \
         > "$LOG/ep_tests.log" 2>&1; rc=$?; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$LOG/ep_tests.log"
       timeout 300 $PY benchmarks/bench_ep.py --reps 20 --out "$LOG/bench_ep.md" || rc=$? ;;
     *) echo "unknown stage $stage"; exit 2 ;;

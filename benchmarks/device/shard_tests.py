@@ -1,14 +1,14 @@
 """Run a pytest selection as N concurrent pytest processes and report every collected test's outcome.
 
     python3 benchmarks/device/shard_tests.py --shards 8 --timeout 500 --out runs/h200/gpu_tests -- \
-        -m gpu tests/test_fused.py tests/test_trainer_gpu.py
+        -m gpu tests/megamoe/test_fused.py tests/trainer/test_trainer_gpu.py
 
 (--out outside $OUT on the lent machine: two files per shard would pass the 8 files that come back;
 h200_stack.sh's `gpu_tests` stage concatenates the shards' logs into one.)
 
 Why: the op's GPU tests spend most of their time compiling (each ground-truth shape compiles the
 kernels anew, ~20-40 s on the H200 machine's CPU), one after another in one process, so the whole
-`-m gpu tests/test_fused.py` outlasted a 600 s device call. Compiling is CPU work and the machine has
+`-m gpu tests/megamoe/test_fused.py` outlasted a 600 s device call. Compiling is CPU work and the machine has
 16 cores: N processes, each running every N-th collected test, share the GPU (the tests time nothing).
 
 Each shard writes its log and a JUnit XML file under --out; the outcome of a test is read from the

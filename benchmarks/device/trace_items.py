@@ -17,7 +17,7 @@ tracing changes. --backward also traces the training backward's persistent launc
 forward's saved (gate, up); its items: phase 1 = d(gate, up) from dy, phase 2 = the dx rows, then
 the per-token gather of dx and d(topk_weights)); the weight-gradient kernel is a separate launch and
 not traced. Needs a CUDA GPU (the CPU test runs the same code under the interpreter, where "times"
-are ticket numbers: tests/test_trace.py).
+are ticket numbers: tests/megamoe/test_trace.py).
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def main():
     ap.add_argument("--backward", action="store_true", help="also trace the backward's persistent launch")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("trace_items.py needs a CUDA GPU (tests/test_trace.py runs the traced kernel on CPU)")
+        raise SystemExit("trace_items.py needs a CUDA GPU (tests/megamoe/test_trace.py runs the traced kernel on CPU)")
     from benchmarks.bench_moe import SHAPES, header, make_inputs, time_ms
     from megamoe import fused
 

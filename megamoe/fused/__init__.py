@@ -33,7 +33,7 @@ recomputes GEMM1 and rounds it the same way, and nothing beyond the inputs is sa
 `reference` path saves, per token, K rows of its permuted x, gate/up, silu(gate) and activation in
 the input dtype and two fp32 [H] rows (the expert output before and after the routing-weight scale):
 208 KiB per token for Qwen3 in bf16, measured by benchmarks/bench_memory.py (24 KiB for megamoe;
-tests/test_memory.py). Inference (no grad) writes no (gate, up). Transient backward
+tests/megamoe/test_memory.py). Inference (no grad) writes no (gate, up). Transient backward
 workspace, freed on return: per token K * (2I + I + H) elements of the input dtype (and K * 2H more
 while the weight gradients run: the token rows of x and dy in the sorted order) plus
 K * (ceil(I / BN1) + 1) fp32, and int32 routing metadata (2K per token, plus (E + 1) per block of

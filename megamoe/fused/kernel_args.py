@@ -1,7 +1,7 @@
 """What a launch of the megamoe kernels passes besides its tensors: compile-time constants, whether
 the weights (and the weight gradients' operands) go through TMA descriptors and those descriptors,
 the persistent launch's grid, lag, metadata buffers and counters (`persistent_setup`, shared by the
-single-GPU launcher and the EP one in megamoe/ep_fused.py). tests/test_kernel_compile.py and
+single-GPU launcher and the EP one in megamoe/ep_fused.py). tests/megamoe/test_kernel_compile.py and
 benchmarks/device/compile_check.py compile the kernels with these same functions."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def persistent_constexprs(cfg: KernelConfig, is_bwd: bool, dtype: torch.dtype, E: int, gu: bool = False,
                           ep: bool = False, tma_w: bool = False, poll_ns: int = 0) -> dict:
-    """The persistent kernel's compile-time arguments (tests/test_kernel_compile.py compiles with them).
+    """The persistent kernel's compile-time arguments (tests/megamoe/test_kernel_compile.py compiles with them).
     gu: the forward writes (gate, up) / the backward reads it instead of recomputing GEMM1.
     ep: the expert-parallel forward (megamoe/ep_fused.py), poll_ns its least time between two polls
     of a signal pad (0: no clock, the interpreter). tma_w: weights through TMA descriptors."""
@@ -84,7 +84,7 @@ def weights_through_tma(cfg: KernelConfig, w13: torch.Tensor, w2: torch.Tensor) 
     """Whether the persistent launch reads the weights through TMA descriptors: asked for by the
     config and possible (the hardware needs 16-byte aligned bases and row strides, i.e. H and I a
     multiple of 8 in bf16, of 4 in fp32). Either way the kernel reads the same values into the same
-    tiles and gives the same bits (tests/test_fused.py); TMA only moves them with fewer registers."""
+    tiles and gives the same bits (tests/megamoe/test_fused.py); TMA only moves them with fewer registers."""
     return cfg.tma_weights and tma_addressable((w13, w2))
 
 
@@ -92,7 +92,7 @@ def dw_through_tma(cfg: KernelConfig, tensors: tuple[torch.Tensor, ...]) -> bool
     """Whether the weight-gradient launch reads its experts' whole K blocks through TMA descriptors:
     asked for by the config and possible (16-byte aligned bases and row strides of dgu [N, 2I],
     hw [N, I], xs and dys [N, H], i.e. I and H a multiple of 8 in bf16). Either way the same values
-    reach the same tiles (tests/test_fused.py)."""
+    reach the same tiles (tests/megamoe/test_fused.py)."""
     return cfg.dw_tma and tma_addressable(tensors)
 
 

@@ -1,0 +1,197 @@
+"""The CPU-runnable benchmark tools run and print what they claim (their numbers are recorded in
+benchmarks/RESULTS.md; here only that they work, so they do not rot between GPU sessions)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(*args):
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_profile_step_lists_the_step_on_cpu():
+    out = _run("benchmarks/device/profile_step.py", "--shape", "tiny", "--tokens", "16")
+    assert re.search(r"tiny T=16 megamoe on cpu: \d+ events, span [\d.]+ ms", out), out
+    # the training forward and its backward node, in that order
+    assert "megamoe::fused_moe_train" in out and "GeneratedBackwardFor_megamoe_fused_moe_train" in out, out
+    assert out.index("megamoe::fused_moe_train") < out.index("GeneratedBackwardFor_megamoe_fused_moe_train"), out
+
+
+def test_host_overhead_times_each_wrapper():
+    out = _run("benchmarks/host_overhead.py")
+    for name in ("fused_moe_fwd (inference)", "fused_moe_fwd, saving (gate, up)", "fused_moe_bwd, from (gate, up)",
+                 "training step, public op + autograd", "training step, direct fwd + bwd calls"):
+        assert re.search(re.escape(name) + r"\s+\d+ us", out), out
+
+
+def test_bench_memory_reports_both_paths():
+    out = _run("benchmarks/bench_memory.py", "--shapes", "qwen3", "--tokens", "8", "--dtype", "float32")
+    # Qwen3 in fp32: megamoe saves exactly k * 2I fp32 per token = 8 * 1536 * 4 bytes = 48 KiB
+    assert re.search(r"\| qwen3 \(128, 2048, 768, 8\) \| 8 \| 48\.0 KiB \| [\d.]+ KiB \| 0\.\d\d \|", out), out
+
+
+def test_host_path_imports_and_refuses_without_a_gpu():
+    """host_path.py runs on a GPU only; here its imports and its refusal (the numbers are in RESULTS.md)."""
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal on a machine without a GPU")
+    proc = subprocess.run([sys.executable, "benchmarks/device/host_path.py"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0 and "host_path.py needs a CUDA GPU" in proc.stderr, proc.stderr[-2000:]
+    # a config change naming no KernelConfig field is refused before the GPU check, naming the flag
+    proc = subprocess.run([sys.executable, "benchmarks/device/host_path.py", "--set", "tma=False"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "--set: expected FIELD=VALUE" in proc.stderr and "'tma=False'" in proc.stderr, \
+        proc.stderr[-2000:]
+
+
+def test_ep_diag_runs_every_step_on_gloo():
+    """ep_diag.py --cpu: two gloo processes, the kernels under the interpreter (the conftest sets
+    TRITON_INTERPRET=1, the subprocess inherits it); every step reports the single-process op's bits."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the --cpu run needs the Triton interpreter (CPU machines; conftest sets it)")
+    out = _run("benchmarks/device/ep_diag.py", "--cpu", "--timeout", "200")
+    for rank, peer in ((0, 2.0), (1, 1.0)):
+        assert f"[rank {rank} " in out and re.search(rf"\[rank {rank} .*\] p2p: own result buffer holds \[{peer}\]", out), out
+        for step, epoch in (("fwd1", 1), ("fwd", 2)):
+            assert re.search(rf"\[rank {rank} .*\] {step}: kernel done, err \[0, 0\], epoch {epoch}", out), out
+            assert re.search(rf"\[rank {rank} .*\] {step}: equal True", out), out
+        assert re.search(rf"\[rank {rank} .*\] bwd: y equal True; dx, dw13, dw2, dtw equal \[True, True, True, True\]",
+                         out), out
+    assert "FAILED" not in out, out
+
+
+def test_compile_check_refuses_an_unknown_config_field():
+    proc = subprocess.run([sys.executable, "benchmarks/device/compile_check.py", "--set", "BM=64", "nope=1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert proc.returncode != 0 and "--set: expected FIELD=VALUE" in proc.stderr and "'nope=1'" in proc.stderr, \
+        proc.stderr[-2000:]
+
+
+def test_liger_warm_gives_each_worker_a_slice_and_together_every_config():
+    """liger_warm.keep_slice over a module holding Triton autotuners (built here; nothing compiles):
+    worker i keeps configurations i, i+n, ...; a worker past the end keeps one; the workers together
+    keep every configuration, so the benchmark's autotune finds all of them compiled."""
+    import types
+
+    import triton
+    import triton.language as tl
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "device"))
+    from liger_warm import keep_slice
+
+    def fresh():
+        mod = types.ModuleType("fake_liger")
+
+        def body(x_ptr, B: tl.constexpr):
+            tl.store(x_ptr + tl.arange(0, B), tl.zeros((B,), tl.float32))
+
+        mod.five = triton.autotune([triton.Config({"B": 16 * (i + 1)}) for i in range(5)], key=[])(triton.jit(body))
+        mod.two = triton.autotune([triton.Config({"B": 16 * (i + 1)}) for i in range(2)], key=[])(triton.jit(body))
+        mod.not_a_kernel = [1, 2, 3]
+        return mod
+
+    n = 3
+    kept = {"five": [], "two": []}
+    for i in range(n):
+        mod = fresh()
+        assert keep_slice(mod, i, n) == {"five": len(range(i, 5, n)), "two": 1}
+        kept["five"] += [c.kwargs["B"] for c in mod.five.configs]
+        kept["two"] += [c.kwargs["B"] for c in mod.two.configs]
+    assert sorted(kept["five"]) == [16, 32, 48, 64, 80]
+    assert set(kept["two"]) == {16, 32}  # worker 2 of 3 keeps configuration 2 % 2 = 0 again
+
+
+def test_bench_moe_rounds_go_round_robin_and_keep_every_median():
+    """bench_moe.py --rounds: every (implementation, mode) timer once per round, in order, round
+    after round, so the implementations meet the same drifts; each keeps all of its medians."""
+    sys.path.insert(0, ROOT)
+    from benchmarks.bench_moe import interleaved_ms
+
+    calls, clock = [], iter(range(100))
+
+    def timer(key):
+        def run():
+            calls.append(key)
+            return float(next(clock))
+        return run
+
+    keys = [("megamoe", "fwd"), ("megamoe", "fb"), ("liger", "fwd"), ("liger", "fb")]
+    out = interleaved_ms({k: timer(k) for k in keys}, 3)
+    assert calls == keys * 3
+    assert out == {k: [float(i), float(i + 4), float(i + 8)] for i, k in enumerate(keys)}
+    with pytest.raises(ValueError, match="rounds: expected an int >= 1, got 0"):
+        interleaved_ms({k: timer(k) for k in keys}, 0)
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_bench_moe_rows_on_cpu(monkeypatch, rounds):
+    """bench_shape end to end on a tiny shape on CPU (the torch backend; CUDA-event timing replaced
+    by a call that returns a fixed time): each implementation's forward and forward+backward run
+    `rounds` times and the table rows name both modes, with Liger's columns n/a when not installed."""
+    sys.path.insert(0, ROOT)
+    from benchmarks import bench_moe as bm
+
+    calls = []
+
+    def fake_time(fn, reps, warmup=0):
+        calls.append(fn)
+        fn()
+        return 2.0
+
+    make = bm.make_inputs
+    monkeypatch.setitem(bm.SHAPES, "tiny", (4, 32, 16, 2))
+    monkeypatch.setattr(bm, "make_inputs", lambda *a, **kw: make(*a, device="cpu", dtype=torch.float32))
+    monkeypatch.setattr(bm, "time_ms", fake_time)
+    monkeypatch.setattr(bm, "graph_ms", lambda fn, reps: fake_time(fn, reps))
+    lines, records = [], []
+    bm.bench_shape("tiny", 16, 1, ["megamoe", "reference"], 1e12, lines, records, rounds=rounds)
+    assert len(calls) == 4 * rounds + 1  # (2 impls x 2 modes) per round + megamoe's graph forward (T <= 512)
+    row = records[0]
+    assert row["rounds"] == rounds and row["megamoe_fb_rounds_ms"] == [2.0] * rounds
+    assert [ln.split("|")[0].split()[-1] for ln in lines] == ["fwd", "fb"]
+    assert all("megamoe    2.000 ms" in ln and "1.00x vs reference" in ln for ln in lines), lines
+
+
+def test_bench_moe_graph_rows_on_cpu(monkeypatch):
+    """--graph: each implementation's forward also timed as a replayed graph, once per round, in a
+    third row; one whose capture fails gets n/a there with the reason in its record, and the other
+    rows stay."""
+    sys.path.insert(0, ROOT)
+    from benchmarks import bench_moe as bm
+
+    graphed = []
+
+    def fake_graph(fn, reps):
+        graphed.append(fn)
+        if len(graphed) == 2:  # the reference's forward (megamoe's comes first in the round)
+            raise RuntimeError("operation not permitted when stream is capturing\nmore")
+        return 1.0
+
+    make = bm.make_inputs
+    monkeypatch.setitem(bm.SHAPES, "tiny", (4, 32, 16, 2))
+    monkeypatch.setattr(bm, "make_inputs", lambda *a, **kw: make(*a, device="cpu", dtype=torch.float32))
+    monkeypatch.setattr(bm, "time_ms", lambda fn, reps, warmup=0: (fn(), 2.0)[1])
+    monkeypatch.setattr(bm, "graph_ms", fake_graph)
+    lines, records = [], []
+    bm.bench_shape("tiny", 1024, 1, ["megamoe", "reference"], 1e12, lines, records, rounds=2, graph=True)
+    assert len(graphed) == 3  # megamoe in both rounds, the reference once (not retried after failing)
+    row = records[0]
+    assert row["megamoe_graph_rounds_ms"] == [1.0, 1.0] and row["megamoe_graph_ms"] == 1.0
+    assert row["reference_graph_ms"] is None
+    assert row["reference_graph_note"] == "RuntimeError: operation not permitted when stream is capturing"
+    assert [ln.split("|")[0].split()[-1] for ln in lines] == ["fwd", "fb", "graph"]
+    assert "megamoe    1.000 ms" in lines[2] and "reference      n/a" in lines[2] and "vs reference" not in lines[2]
+    assert "2.000 ms" in lines[0] and "1.00x vs reference" in lines[0]
+    # at decode sizes the floor comparison reuses megamoe's graph time instead of timing it again
+    graphed.clear()
+    bm.bench_shape("tiny", 16, 1, ["megamoe"], 1e12, lines, records, rounds=1, graph=True)
+    assert len(graphed) == 1 and records[-1]["megamoe_graph_fwd_ms"] == records[-1]["megamoe_graph_ms"] == 1.0

@@ -1,0 +1,143 @@
+"""rl/divergence.py: the op-by-op comparison of sampler and trainer.
+
+The comparison logic on synthetic captures (equal captures part nowhere; a perturbed op is the
+first to part and what follows inherits it; an attention input that differs only in an earlier
+row of the causal context counts); the trainer-side replay reproduces the trainer's own forward bit
+for bit (else "own" would measure the replay, not the kernels); and one tiny vLLM CPU engine
+(module-scoped, ~40 s of the file's time on 2 cores): megamoe's router and MoE layers are bitwise
+equal to the trainer's on the same inputs in both views, and the captures line up with vLLM's own
+reported logprobs.
+
+    .venv/bin/python -m pytest -q tests/rl/test_divergence.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl import divergence as D
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from rl.make_model import make_model
+
+    return make_model(tmp_path_factory.mktemp("div") / "m", arch="qwen3_moe", layers=2, hidden=64, experts=8,
+                      topk=2, intermediate=32)
+
+
+@pytest.fixture(scope="module")
+def trainer_model(model_dir):
+    from trainer.model import load_model
+
+    return load_model(model_dir, "megamoe", dtype=torch.float32).eval()
+
+
+IDS = [5, 17, 300, 42, 9, 128, 77, 3, 250, 61, 11]
+
+
+@pytest.fixture(scope="module")
+def trainer_caps(trainer_model):
+    caps = D.trainer_capture(trainer_model, IDS)
+    caps["logprobs"] = caps["logprobs@1"]
+    return caps
+
+
+def _ops(model):
+    return D.op_graph(len(model.model.layers))
+
+
+def _case(s, t, n, **kw):
+    return D.Case(s, t, list(range(n)), {"logprobs": list(range(n - 1))}, **kw)
+
+
+def _next_float(t: torch.Tensor, row: int) -> torch.Tensor:
+    """t with one element of `row` moved to the next float32: the smallest possible change."""
+    t = t.clone()
+    flat = t[row].view(-1)
+    flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf")))
+    return t
+
+
+def test_capture_covers_every_op(trainer_model, trainer_caps):
+    names = [op.name for op in _ops(trainer_model)]
+    assert [n for n in names if n not in trainer_caps] == []
+    for n in names:
+        assert trainer_caps[n].shape[0] == len(IDS), n
+    assert torch.isnan(trainer_caps["logprobs"][-1]) and torch.isfinite(trainer_caps["logprobs"][:-1]).all()
+
+
+def test_equal_captures_part_nowhere(trainer_model, trainer_caps):
+    same = {k: v.clone() for k, v in trainer_caps.items()}
+    result = D.compare([_case(same, trainer_caps, len(IDS))], _ops(trainer_model))
+    assert result["first_parting"] is None
+    assert all(r["bitwise"] and r["inputs_equal"] and r["max_abs"] == 0 for r in result["ops"])
+
+
+@pytest.mark.parametrize("op", ["L0.q_proj", "L1.o_proj", "L1.moe", "logits"])
+def test_perturbed_op_is_the_first_to_part(trainer_model, trainer_caps, op):
+    """One ulp in one element of `op` (and, as in a real forward, everything downstream of it
+    differing too): `op` is where the sides part; every later differing op has unequal inputs."""
+    ops = _ops(trainer_model)
+    downstream = {op}
+    for o in ops:  # forward order: an op reading a perturbed output is perturbed too
+        if set(o.inputs + o.context) & downstream:
+            downstream.add(o.name)
+    sampler = {k: v.clone() for k, v in trainer_caps.items()}
+    for n in downstream:
+        sampler[n] = _next_float(sampler[n], 2)
+    result = D.compare([_case(sampler, trainer_caps, len(IDS))], ops)
+    assert result["first_parting"] == op
+    by_op = {r["op"]: r for r in result["ops"]}
+    assert by_op[op]["parts_here"] and not by_op[op]["bitwise"] and by_op[op]["max_abs"] > 0
+    assert by_op[op]["rel"] < 1e-6  # one ulp
+    assert all(r["bitwise"] for r in result["ops"] if r["op"] not in downstream)
+    assert all(not by_op[n]["inputs_equal"] for n in downstream - {op})
+    assert not any(r["parts_here"] for r in result["ops"] if r["op"] != op)
+
+
+def test_attention_reads_its_causal_context(trainer_model, trainer_caps):
+    """A key that differs only in row 1 makes attention's inputs unequal for a compared row 5, and
+    not for rows 0 (outside row 0's context nothing is read)."""
+    ops = _ops(trainer_model)
+    sampler = {k: v.clone() for k, v in trainer_caps.items()}
+    sampler["L0.k_rope"] = _next_float(sampler["L0.k_rope"], 1)
+    row5 = {r["op"]: r for r in D.compare([D.Case(sampler, trainer_caps, [5])], ops)["ops"]}
+    row0 = {r["op"]: r for r in D.compare([D.Case(sampler, trainer_caps, [0])], ops)["ops"]}
+    assert not row5["L0.attn"]["inputs_equal"]
+    assert row0["L0.attn"]["inputs_equal"]
+
+
+def test_replay_reproduces_the_trainer_forward(trainer_model, trainer_caps):
+    """Every op of the trainer replayed on the trainer's own inputs is bitwise its forward's output,
+    so an "own" difference against the sampler is the sampler's kernel, not the replay."""
+    own = D.replay_ops(trainer_model, trainer_caps, IDS, 1.0)
+    result = D.compare([_case(trainer_caps, trainer_caps, len(IDS), own=own)], _ops(trainer_model))
+    bad = [(r["op"], r["own_max_abs"]) for r in result["ops"] if not r["own_bitwise"]]
+    assert bad == []
+
+
+@pytest.fixture(scope="module")
+def report(model_dir):
+    return D.measure(model_dir, prompts=D.DEFAULT_PROMPTS[:2], max_tokens=3)
+
+
+@pytest.mark.parametrize("view", ["prefill", "decode"])
+def test_megamoe_layers_bitwise_on_the_same_inputs(report, view):
+    print(D.format_report(report))
+    rows = {r["op"]: r for r in report["views"][view]["ops"]}
+    moe = [n for n in rows if n.endswith((".moe", ".router_logits"))]
+    assert len(moe) == 4
+    assert [(n, rows[n]["own_max_abs"]) for n in moe if not rows[n]["own_bitwise"]] == []
+    # The tokens are the same on both sides, so the embedding (a row gather) is equal.
+    assert rows["embed"]["bitwise"]
+
+
+def test_vllm_logprobs_land_on_their_rows(report):
+    """vLLM's reported logprobs sit at the rows of their logits: the trainer's log-softmax of the
+    sampler's own logits reproduces them (to rounding), in both views."""
+    for view in ("prefill", "decode"):
+        rows = {r["op"]: r for r in report["views"][view]["ops"]}
+        assert rows["logprobs"]["own_max_abs"] is not None and rows["logprobs"]["own_max_abs"] < 1e-5, view
+        assert rows["logprobs"]["max_abs"] < 1e-3, view

@@ -1,0 +1,165 @@
+"""Faults of the RL loop on the CPU stack: a TrainerWorker killed mid-step, `--resume`, Ctrl-C.
+
+    .venv/bin/python -m pytest -q tests/rl/test_rl_faults.py
+
+Two runs of `megamoe-rl train` in one run folder, the faults injected by the test's reward
+function (tests/rl/test_rl_loop.py, REWARD_MODULE) at exact points:
+1. checkpoint every 2 steps; during step 3 the trainer's process is killed (SIGKILL): the run ends
+   with exit 1 and one paragraph, in train.log and on the terminal, naming the actor, the step, the
+   cause, the last checkpoint (step 2, intact) and the command that continues the run.
+2. that command (`... --resume`): continues at step 3 from that checkpoint (metrics.jsonl keeps
+   steps 1-2 and goes on); during step 4 the driver gets SIGINT (Ctrl-C): step 4 finishes, a
+   checkpoint is written, every actor is stopped, exit 130, and the run is resumable from step 4.
+The paragraph's root cause for an actor that raises (rather than dies) is tested on Ray's own
+exception objects below, without a cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+
+import pytest
+
+from test_rl_loop import (STEP_KEYS, explain, numeric_finite, run_cli, run_train, two_checkpoints,  # noqa: F401
+                          write_reward_module)
+from rl.metrics import read_jsonl
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _latest(run_dir):
+    return json.loads((run_dir / "checkpoints" / "latest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    work = tmp_path_factory.mktemp("rl_faults")
+    reward = write_reward_module(work)
+    run_dir = work / "run"
+    common = ("trainer.checkpoint_every=2", "--reward", reward)
+    killed = run_train(run_dir, "run.steps=6", *common, action="kill_trainer@3", cwd=work)
+    after_kill = {"metrics": read_jsonl(run_dir / "metrics.jsonl"), "latest": _latest(run_dir),
+                  "pids": json.loads((run_dir / "actors.json").read_text()),
+                  "log": (run_dir / "train.log").read_text()}
+    # The run is continued with the command its failure paragraph gives.
+    said = [ln for ln in killed.stderr.splitlines() if "continue the run with: " in ln]
+    if not said:
+        pytest.fail("the killed run printed no command to continue it\n" + explain(killed))
+    words = shlex.split(said[-1].split("continue the run with: ", 1)[1])
+    assert words[:2] == ["megamoe-rl", "train"], said
+    resumed = run_cli([sys.executable, "-m", "rl.cli", *words[1:]], run_dir, action="sigint@2", cwd=work)
+    return {"dir": run_dir, "killed": killed, "after_kill": after_kill, "resumed": resumed, "resume_argv": words}
+
+
+def test_dead_trainer_ends_the_run_with_one_paragraph(runs):
+    p = runs["killed"]
+    a = runs["after_kill"]
+    assert p.returncode == 1, explain(p)
+    ckpt = runs["dir"] / "checkpoints" / "step_000002"
+    said = [ln for ln in p.stderr.splitlines() if "The run failed:" in ln]
+    assert len(said) == 1, explain(p)
+    text = said[0].split(" ERROR ", 1)[1]
+    assert text.startswith(f"The run failed: TrainerWorker rank 0 died in train_step at step 3: ActorDiedError: "
+                           f"the actor's process (pid {a['pids']['trainer'][0]}) is gone"), text
+    assert f"(tracebacks: {runs['dir'] / 'traceback.txt'}). The last complete checkpoint is step 2 ({ckpt}); " \
+           f"continue the run with: megamoe-rl train --config " in text, text
+    assert text.endswith(" --reward loop_test_rewards:first_char_is_answer --resume"), text
+    assert "Traceback" not in text and "ray::" not in text
+    logged = [ln for ln in a["log"].splitlines() if "The run failed:" in ln]
+    assert len(logged) == 1 and logged[0].endswith(text), a["log"][-3000:]
+    assert "Traceback" in (runs["dir"] / "traceback.txt").read_text()
+    assert a["latest"] == {"step": 2, "path": "step_000002"}
+    assert [r["step"] for r in a["metrics"]] == [1, 2]
+    assert (runs["dir"] / "checkpoints" / "step_000002" / "meta.json").is_file()
+    # The surviving rollout actor was stopped with the run.
+    assert not any(_alive(pid) for pid in a["pids"]["rollout"])
+
+
+def test_resume_continues_the_step_count_and_the_metrics_file(runs):
+    p = runs["resumed"]
+    assert "--resume" in runs["resume_argv"] and f"run.out_dir={runs['dir']}" in runs["resume_argv"]
+    records = read_jsonl(runs["dir"] / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4], explain(p)
+    for r in records:
+        assert not numeric_finite(r, STEP_KEYS), r
+    # The trainer's own counter came back from the checkpoint: its 3rd train_step is loop step 3.
+    assert [r["train/step"] for r in records] == [1, 2, 3, 4]
+    assert "resumed from" in (runs["dir"] / "train.log").read_text()
+    assert "step_000002" in (runs["dir"] / "train.log").read_text()
+
+
+def test_ctrl_c_stops_every_actor_and_leaves_a_resumable_run(runs):
+    p = runs["resumed"]
+    assert p.returncode == 130, explain(p)
+    assert "stopped by Ctrl-C after step 4" in p.stderr
+    assert _latest(runs["dir"]) == {"step": 4, "path": "step_000004"}
+    assert (runs["dir"] / "checkpoints" / "step_000004" / "meta.json").is_file()
+    pids = json.loads((runs["dir"] / "actors.json").read_text())
+    assert not any(_alive(pid) for pid in pids["trainer"] + pids["rollout"]), pids
+
+
+# ---- the failure paragraph, from Ray's own exception objects (no cluster) ----------------------
+
+def _ray_errors() -> dict:
+    """What ray.get raises for an actor method that raised, a constructor that raised and a process
+    that died, built the way Ray builds them."""
+    import ray
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext
+
+    def task_error(fn, exc):
+        tb = f'Traceback (most recent call last):\n  File "w.py", line 3, in {fn}\n    raise\n{type(exc).__name__}: {exc}'
+        return ray.exceptions.RayTaskError(f"WorkerHost.{fn}", tb, exc, pid=4321)
+
+    gone = ActorDiedErrorContext(
+        error_message="The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker "
+                      "exit detail: Worker unexpectedly exits with a connection error code 2. End of file. Some "
+                      "common causes include: (1) the process was killed by the OOM killer", pid=4321,
+        class_name="WorkerHost", actor_id=b"\x01" * 16)
+    return {"raised": task_error("call", ValueError("sequence 3: 70 tokens > max_seq_len=64")).as_instanceof_cause(),
+            "init": ray.exceptions.ActorDiedError(task_error("__init__", RuntimeError("no GPU\nfound"))),
+            "died": ray.exceptions.ActorDiedError(gone)}
+
+
+@pytest.mark.parametrize("kind, died, root", [
+    pytest.param("raised", False, ("ValueError", "sequence 3: 70 tokens > max_seq_len=64"), id="method-raised"),
+    pytest.param("init", False, ("RuntimeError", "no GPU found"), id="constructor-raised"),
+    pytest.param("died", True, ("ActorDiedError", "the actor's process (pid 4321) is gone: Worker unexpectedly exits "
+                                "with a connection error code 2. End of file. (killed, out of memory, or crashed)"),
+                 id="process-died"),
+])
+def test_root_cause_is_what_happened_in_the_actor_without_rays_wrapping(kind, died, root):
+    from rl.failures import ActorError, root_cause
+
+    e = _ray_errors()[kind]
+    assert root_cause(e) == root
+    err = ActorError("TrainerWorker rank 1", "train_step", "step 7", e)
+    assert err.died is died and (err.root_type, err.root_message) == root
+
+
+def test_failure_paragraph_names_actor_step_cause_checkpoint_and_the_command(two_checkpoints, tmp_path):
+    import shutil
+
+    from rl.failures import ActorError, failure_paragraph
+
+    e = ActorError("TrainerWorker rank 1", "train_step", "step 3", _ray_errors()["raised"])
+    run = tmp_path / "run"
+    shutil.copytree(two_checkpoints, run)
+    (run / "checkpoints" / "latest.json").write_text(json.dumps({"step": 2, "path": "step_000002"}))
+    cmd = "megamoe-rl train --config c.yaml run.out_dir=x"
+    text = failure_paragraph(e, run, cmd, trace=run / "traceback.txt")
+    assert text == (f"The run failed: TrainerWorker rank 1 raised an exception in train_step at step 3: ValueError: "
+                    f"sequence 3: 70 tokens > max_seq_len=64 (tracebacks: {run / 'traceback.txt'}). The last complete "
+                    f"checkpoint is step 2 ({run / 'checkpoints' / 'step_000002'}); continue the run with: {cmd} --resume")
+    assert "\n" not in text and "Ray" not in text
+    fresh = failure_paragraph(RuntimeError("placement group was not placed"), tmp_path / "fresh", cmd, "start")
+    assert fresh == (f"The run failed: the driver failed at start: RuntimeError: placement group was not placed. "
+                     f"No checkpoint was written; start the run again with: {cmd} --overwrite")

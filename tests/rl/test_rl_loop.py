@@ -1,0 +1,289 @@
+"""The RL loop end to end on the CPU stack (Ray, vLLM CPU rollouts, the FSDP2 trainer, megamoe on
+both sides), plus its placement and run-folder logic.
+
+    .venv/bin/python -m pytest -q tests/rl/test_rl_loop.py
+
+The end-to-end run is a few tiny steps of configs/tiny.yaml with a custom reward loaded by dotted
+path. That reward also drives the fault: on its 2nd call it kills the RolloutWorker's process
+(SIGKILL, pid from the run's actors.json), so the loop must replace the worker with the current
+weights and finish the run. Helpers here are shared with tests/rl/test_rl_faults.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rl import config as C
+from rl.cluster import plan_bundles
+from rl.run_dir import RunDirError, prepare_run_dir, remove_run
+from rl.metrics import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "tiny.yaml"
+CLI = [sys.executable, "-m", "rl.cli", "train", "--config", str(TINY)]
+# Small enough to be quick on 2 shared cores, large enough that every group is a real group.
+SMALL = ["rollout.n=4", "run.prompts_per_step=4", "run.progress=false"]
+RUN_TIMEOUT_S = 420
+
+REWARD_MODULE = textwrap.dedent('''
+    """A user reward for the loop tests; RL_TEST_ACTION=<what>@<call>[,<what>@<call>...] also injects faults."""
+    import json, os, signal
+
+    CALLS = {"n": 0}
+
+
+    def _act():
+        for action in filter(None, os.environ.get("RL_TEST_ACTION", "").split(",")):
+            what, _, at = action.partition("@")
+            if CALLS["n"] != int(at):
+                continue
+            pids = json.loads(open(os.path.join(os.environ["RL_TEST_RUN_DIR"], "actors.json")).read())
+            if what == "kill_rollout":
+                os.kill(pids["rollout"][0], signal.SIGKILL)
+            elif what == "kill_trainer":
+                os.kill(pids["trainer"][0], signal.SIGKILL)
+            elif what == "sigint":
+                os.kill(os.getpid(), signal.SIGINT)
+            else:
+                raise ValueError(what)
+
+
+    def first_char_is_answer(prompts, completions, answer):
+        CALLS["n"] += 1
+        _act()
+        return [float(c.strip()[:1] == str(a)) for c, a in zip(completions, answer)]
+''')
+
+
+def write_reward_module(folder: Path) -> str:
+    (folder / "loop_test_rewards.py").write_text(REWARD_MODULE)
+    return "loop_test_rewards:first_char_is_answer"
+
+
+def run_train(run_dir: Path, *args: str, action: str = "", cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`megamoe-rl train` on configs/tiny.yaml in a subprocess (its own session, as from a terminal)."""
+    return run_cli(CLI + [f"run.out_dir={run_dir}", *SMALL, *args], run_dir, action=action, cwd=cwd)
+
+
+def run_cli(argv: list[str], run_dir: Path, *, action: str = "", cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """A command line (`argv`) in a subprocess, with the test reward's fault `action` for `run_dir`."""
+    env = dict(os.environ, RL_TEST_RUN_DIR=str(run_dir), RL_TEST_ACTION=action)
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.run(argv, cwd=cwd or run_dir.parent, env=env, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S, start_new_session=True)
+
+
+def explain(proc: subprocess.CompletedProcess) -> str:
+    return f"exit {proc.returncode}\n--- stderr (tail) ---\n{proc.stderr[-6000:]}"
+
+
+def numeric_finite(record: dict, keys) -> list[str]:
+    """The keys of `keys` that are missing from a metrics record or not finite numbers."""
+    bad = []
+    for k in keys:
+        v = record.get(k)
+        if not isinstance(v, (int, float)) or not math.isfinite(v):
+            bad.append(f"{k}={v!r}")
+    return bad
+
+
+STEP_KEYS = ("reward/mean", "reward/std", "mismatch/k3_kl", "mismatch/abs_logp_diff_mean",
+             "mismatch/abs_logp_diff_max", "mismatch/is_ratio_mean", "mismatch/is_ratio_min",
+             "mismatch/is_ratio_max", "mismatch/masked_frac", "throughput/rollout_tokens_per_s",
+             "throughput/train_tokens_per_s", "time/step_s", "train/loss", "train/grad_norm")
+
+
+# ---- placement and the run folder (no Ray) ----------------------------------------------------
+
+def _cfg(*overrides):
+    return C.load(TINY, list(overrides))
+
+
+def test_colocated_plan_puts_rollouts_into_the_trainer_bundles():
+    plan = plan_bundles(_cfg("trainer.world_size=2", "rollout.num_workers=3", "rollout.cpus_per_worker=0.5",
+                             "trainer.gpus_per_rank=0.5", "rollout.gpus_per_worker=0.25"))
+    assert plan["rollout"] is None
+    assert plan["rollout_bundles"] == [0, 1, 0]
+    assert plan["trainer"] == [{"CPU": 2.0, "GPU": 1.0}, {"CPU": 1.5, "GPU": 0.75}]
+
+
+def test_disaggregated_plan_has_separate_bundles():
+    plan = plan_bundles(_cfg("ray.placement=disaggregated", "trainer.world_size=2", "rollout.num_workers=2",
+                             "rollout.gpus_per_worker=1", "trainer.gpus_per_rank=1", "trainer.cpus_per_rank=4"))
+    assert plan["trainer"] == [{"CPU": 4.0, "GPU": 1.0}] * 2
+    assert plan["rollout"] == [{"CPU": 1.0, "GPU": 1.0}] * 2
+    assert plan["trainer_bundles"] == [0, 1] and plan["rollout_bundles"] == [0, 1]
+
+
+def test_run_folder_rules(tmp_path):
+    cfg = _cfg(f"run.out_dir={tmp_path / 'r'}")
+    with pytest.raises(RunDirError, match="holds no checkpoint"):
+        prepare_run_dir(cfg, resume=True)
+    run_dir, step = prepare_run_dir(cfg, resume=False)
+    assert step == 0 and run_dir.is_dir()
+    (run_dir / "metrics.jsonl").write_text("")  # what a start that failed before its first step leaves
+    (run_dir / "train.log").write_text("The run failed: ...\n")
+    assert prepare_run_dir(cfg, resume=False) == (run_dir, 0)  # not taken for a run
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(RunDirError, match="already holds a run.*--resume.*--overwrite"):
+        prepare_run_dir(cfg, resume=False)
+    with pytest.raises(RunDirError, match="not a run folder"):
+        remove_run(cfg)  # no config.yaml: --overwrite must not delete an arbitrary folder
+    (run_dir / "config.yaml").write_text("{}")
+    remove_run(cfg)
+    assert not run_dir.exists()
+
+
+# ---- end to end -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def e2e(tmp_path_factory):
+    work = tmp_path_factory.mktemp("rl_e2e")
+    reward = write_reward_module(work)
+    run_dir = work / "run"
+    # cwd=work: the reward module is importable from the working directory, like a user's own file.
+    proc = run_train(run_dir, "run.steps=4", "trainer.checkpoint_every=2", "--reward", reward,
+                     action="kill_rollout@2", cwd=work)
+    return proc, run_dir
+
+
+def test_e2e_run_completes(e2e):
+    proc, run_dir = e2e
+    assert proc.returncode == 0, explain(proc)
+
+
+def test_e2e_metrics_are_finite_every_step(e2e):
+    proc, run_dir = e2e
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4], explain(proc)
+    for r in records:
+        assert not numeric_finite(r, STEP_KEYS + ("reward/first_char_is_answer/mean",)), (r["step"], r)
+        assert 0.0 <= r["reward/mean"] <= 1.0
+        assert r["reward/first_char_is_answer/errors"] == 0  # per-function failure count, every step
+        assert r["mismatch/k3_kl"] >= 0.0
+        # Both sides run megamoe in fp32: the sampler-trainer mismatch is tiny (ANCHORS: ~1e-6 in fp32).
+        assert r["mismatch/abs_logp_diff_max"] < 1e-3, r["mismatch/abs_logp_diff_max"]
+
+
+def test_e2e_rollout_worker_killed_mid_step_is_restarted(e2e):
+    proc, run_dir = e2e
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    # Killed while step 2's rewards were scored: step 2's weight push found it dead.
+    assert [r["rollout/restarts_total"] for r in records] == [0, 1, 1, 1], explain(proc)
+    log = (run_dir / "train.log").read_text()
+    assert "RolloutWorker 0 died" in log and "restarting it with the current weights" in log
+    # The replacement samples from the trained weights: the mismatch stays tiny after the restart.
+    assert records[2]["mismatch/abs_logp_diff_max"] < 1e-3
+
+
+def test_e2e_run_folder_holds_config_plot_and_checkpoint(e2e):
+    proc, run_dir = e2e
+    cfg = C.load(run_dir / "config.yaml")
+    assert cfg.run.steps == 4 and [f.fn for f in cfg.reward.functions] == ["loop_test_rewards:first_char_is_answer"]
+    png = run_dir / "plot.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", explain(proc)
+    assert json.loads((run_dir / "checkpoints" / "latest.json").read_text()) == {"step": 4, "path": "step_000004"}
+    assert (run_dir / "checkpoints" / "step_000004" / "meta.json").is_file()
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_000002", "step_000004"]
+    # run.tensorboard (default): the same metrics as TensorBoard events
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*")), explain(proc)
+    # run.export_final: the last step's policy as a Hugging Face folder (tests/rl/test_rl_export.py checks one)
+    assert json.loads((run_dir / "final" / "megamoe_export.json").read_text())["step"] == 4
+    assert (run_dir / "final" / "model.safetensors").is_file() and (run_dir / "final" / "config.json").is_file()
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["run"]["out_dir"] == str(run_dir)
+
+
+def test_e2e_vllm_logs_go_to_the_run_folder_and_its_warnings_once_to_the_terminal(e2e):
+    import re
+
+    proc, run_dir = e2e
+    vllm_log = (run_dir / "vllm.log").read_text()
+    assert re.search(r"vllm pid=\d+ INFO .*Initializing a V1 LLM engine", vllm_log), explain(proc)
+    terminal = (proc.stdout + proc.stderr).splitlines()
+    # Neither the run's format, nor vLLM's own, nor a vllm.* logger through the actor's root logger.
+    assert not [ln for ln in terminal if re.search(r"vllm pid=\d+ INFO |\) INFO \d\d-\d\d | vllm\.[\w.]+ INFO ", ln)], \
+        explain(proc)
+    warnings = [ln.split("] ", 1)[-1] for ln in terminal if re.search(r"vllm pid=\d+ WARNING ", ln)]
+    assert len(warnings) == len(set(warnings)), warnings  # each distinct message once, over every process
+    assert all(w in vllm_log for w in warnings)
+
+
+@pytest.mark.parametrize("cfg_address, env_address, joins", [
+    pytest.param("10.0.0.5:6379", None, "10.0.0.5:6379", id="config"),
+    pytest.param(None, "auto", "auto", id="RAY_ADDRESS"),
+    pytest.param(None, None, None, id="local"),
+])
+def test_start_ray_joins_or_starts(monkeypatch, cfg_address, env_address, joins):
+    import ray
+
+    from rl.cluster import start_ray
+
+    seen = {}
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))
+    if env_address:
+        monkeypatch.setenv("RAY_ADDRESS", env_address)
+    else:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = _cfg("ray.env={OMP_NUM_THREADS: '1'}") if cfg_address is None else \
+        _cfg(f"ray.address={cfg_address}", "ray.env={OMP_NUM_THREADS: '1'}")
+    started = start_ray(cfg, plan_bundles(cfg), env={"VLLM_LOGGING_CONFIG_PATH": "/run/x.json", "OMP_NUM_THREADS": "2"})
+    assert started is (joins is None)
+    assert seen.get("address") == joins
+    # The run's vLLM logging reaches every actor; ray.env has the last word.
+    assert seen["runtime_env"]["env_vars"] == {"VLLM_LOGGING_CONFIG_PATH": "/run/x.json", "OMP_NUM_THREADS": "1"}
+    if joins is None:
+        assert seen["num_cpus"] >= 2  # the tiny plan needs 2 CPUs (trainer + colocated rollout)
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    """A run folder with the trainer's checkpoints of steps 1 and 2 (latest.json -> step 2)."""
+    from rl.make_model import make_model
+    from trainer.testing import free_port, make_batch
+    from trainer.worker import TrainerWorker
+
+    root = tmp_path_factory.mktemp("resume")
+    model = make_model(root / "model", seed=4)
+    w = TrainerWorker(0, 1, "127.0.0.1", free_port(), str(model), "megamoe", {"dtype": "float32", "device": "cpu"})
+    try:
+        for step in (1, 2):
+            w.train_step(make_batch(8, seed=step))
+            w.save_checkpoint(str(root / "run" / "checkpoints" / f"step_{step:06d}"))
+    finally:
+        w.close()
+    return root / "run"
+
+
+@pytest.mark.parametrize("how, what", [("truncated", "is truncated"), ("no_metadata", "unreadable"),
+                                       ("no_distcp", "is missing")])
+def test_resume_falls_back_to_the_newest_intact_checkpoint(two_checkpoints, tmp_path, caplog, how, what):
+    import logging
+    import shutil
+
+    from rl.run_dir import resume_checkpoint
+    from trainer.testing import damage_checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(two_checkpoints, run)
+    pointer = run / "checkpoints" / "latest.json"
+    pointer.write_text(json.dumps({"step": 2, "path": "step_000002"}))
+    assert resume_checkpoint(run) == 2  # intact: the latest
+    damage_checkpoint(run / "checkpoints" / "step_000002", how)
+    caplog.set_level(logging.WARNING, logger="megamoe")
+    assert resume_checkpoint(run) == 1
+    assert json.loads(pointer.read_text()) == {"step": 1, "path": "step_000001"}
+    msg = " ".join(r.getMessage() for r in caplog.records)
+    assert what in msg and "step_000002" in msg and "step_000001" in msg
+    damage_checkpoint(run / "checkpoints" / "step_000001", how)
+    pointer.write_text(json.dumps({"step": 2, "path": "step_000002"}))
+    with pytest.raises(RunDirError, match="no older checkpoint .* is intact"):
+        resume_checkpoint(run)

@@ -1,0 +1,262 @@
+"""RolloutWorker on real vLLM (CPU, fp32) with the tiny Qwen3-MoE model, MoE layers through megamoe.
+
+One engine for the whole module (starting one costs ~25 s on 2 cores). Tests that change the
+engine's weights put the original weights back before they return.
+
+    .venv/bin/python -m pytest -q tests/rollout/test_rollout.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from rollout import moe_method
+from rollout.testing import max_abs_diff, processed_logprobs, top_k_top_p_mask
+
+# fp32 vLLM CPU vs a transformers fp32 forward of the same sequences. The issue's bound; measured
+# worst on a 2-core x86 CPU (2026-11-30): ~1e-6 (summation order only).
+LOGPROB_TOL_FP32 = 1e-4
+PROMPTS = ["1 + 2 =", "What is 7 * 8?", "the cat sat on the", "Question: 12 - 5 = ? Answer:"]
+N = 2
+SAMPLING = {"temperature": 0.7, "max_tokens": 12, "seed": 1234}
+LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from rl.make_model import make_model
+
+    root = tmp_path_factory.mktemp("rollout_models")
+    return (make_model(root / "qwen_a", arch="qwen3_moe", layers=LAYERS, seed=0),
+            make_model(root / "qwen_b", arch="qwen3_moe", layers=LAYERS, seed=1))
+
+
+@pytest.fixture(scope="module")
+def hf(models):
+    from transformers import AutoModelForCausalLM
+
+    return tuple(AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for d in models)
+
+
+@pytest.fixture(scope="module")
+def worker(models):
+    from rollout.worker import RolloutWorker
+
+    w = RolloutWorker(models[0], "megamoe", dtype="float32", seed=0, max_model_len=128,
+                      kv_cache_memory_bytes=64 << 20)
+    yield w
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def baseline(worker):
+    """Samples of model A with SAMPLING; tests that touch weights must leave these reproducible."""
+    return worker.generate(PROMPTS, N, SAMPLING)
+
+
+def _hf_logprobs(model, samples, temperature, top_p=None):
+    return [processed_logprobs(model, s["prompt_ids"], s["completion_ids"], temperature, top_p) for s in samples]
+
+
+def _assert_same_samples(a, b, what):
+    assert [s["completion_ids"] for s in a] == [s["completion_ids"] for s in b], f"{what}: completions differ"
+    assert [s["logprobs"] for s in a] == [s["logprobs"] for s in b], \
+        f"{what}: logprobs not bitwise equal (max diff {max_abs_diff([s['logprobs'] for s in a], [s['logprobs'] for s in b])})"
+
+
+def _disk_state(model_dir):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(model_dir, "model.safetensors"))
+
+
+# -- the hook -----------------------------------------------------------------------------------
+
+def test_megamoe_runs_in_the_engine_worker_process(worker):
+    (status,) = worker.status()
+    assert status["pid"] != os.getpid(), "the model must run in vLLM's worker process, not the driver"
+    assert status["registered"] and status["impl"] == "megamoe"
+    assert status["hooked_moe_layers"] == LAYERS and status["layer_impls"] == ["megamoe"]
+    # Every layer routes itself from megamoe.router's logits (the trainer's router), gate by gate.
+    assert status["self_routed_moe_layers"] == LAYERS and status["megamoe_router_gates"] == LAYERS, status
+
+    worker.reset_moe_calls()
+    samples = worker.generate(PROMPTS, N, SAMPLING)
+    calls = worker.moe_calls()
+    # Every forward pass runs each MoE layer once: at least one pass per generated token position.
+    generated = max(len(s["completion_ids"]) for s in samples)
+    assert set(calls) == {"megamoe"}, f"expected calls of megamoe only, got {calls}"
+    assert calls["megamoe"] >= LAYERS * generated and calls["megamoe"] % LAYERS == 0, calls
+    assert moe_method.moe_calls() == {}, "the driver process must not compute the MoE"
+
+
+def test_samples_have_the_interface_keys(worker, baseline):
+    assert len(baseline) == len(PROMPTS) * N
+    assert [s["prompt_index"] for s in baseline] == [i for i in range(len(PROMPTS)) for _ in range(N)]
+    for s in baseline:
+        assert set(s) >= {"prompt_index", "prompt_ids", "completion_ids", "text", "logprobs"}
+        assert len(s["logprobs"]) == len(s["completion_ids"]) >= 1
+        assert all(lp <= 0.0 for lp in s["logprobs"])
+
+
+def test_seeded_generation_is_reproducible(worker, baseline):
+    _assert_same_samples(worker.generate(PROMPTS, N, SAMPLING), baseline, "same seed")
+    other = worker.generate(PROMPTS, N, {**SAMPLING, "seed": 99})
+    assert [s["completion_ids"] for s in other] != [s["completion_ids"] for s in baseline], \
+        "another seed drew the same completions"
+
+
+# -- numbers the trainer must reproduce ---------------------------------------------------------
+
+def test_processed_logprobs_match_transformers_fp32(worker, baseline, hf):
+    ours = [s["logprobs"] for s in baseline]
+    ref = _hf_logprobs(hf[0], baseline, SAMPLING["temperature"])
+    err = max_abs_diff(ours, ref)
+    print(f"[rollout] megamoe fp32 vs transformers fp32, T={SAMPLING['temperature']}: max |dlogp| = {err:.2e}")
+    assert err <= LOGPROB_TOL_FP32
+    # The comparison can tell models and processing apart: raw (T=1) logprobs and another model's
+    # logprobs of the same tokens are far outside the tolerance.
+    assert max_abs_diff(ours, _hf_logprobs(hf[0], baseline, 1.0)) > 100 * LOGPROB_TOL_FP32
+    assert max_abs_diff(ours, _hf_logprobs(hf[1], baseline, SAMPLING["temperature"])) > 100 * LOGPROB_TOL_FP32
+
+
+def test_top_p_logprobs_match_transformers_fp32(worker, hf):
+    """top-p: compared where the nucleus boundary is unambiguous (random tiny models are nearly uniform,
+    so a token can sit within rounding of the cut-off; fp32 summation order then decides)."""
+    temperature, top_p = 0.8, 0.9
+    samples = worker.generate(PROMPTS, N, {"temperature": temperature, "top_p": top_p, "max_tokens": 12, "seed": 7})
+    compared, skipped, worst = 0, 0, 0.0
+    for s in samples:
+        ids = torch.tensor([s["prompt_ids"] + s["completion_ids"]])
+        with torch.no_grad():
+            logits = hf[0](input_ids=ids).logits[0].float()
+        start = len(s["prompt_ids"]) - 1
+        for j, (tok, lp) in enumerate(zip(s["completion_ids"], s["logprobs"])):
+            row = logits[start + j: start + j + 1] / temperature
+            cum = row.softmax(-1).sort(dim=-1).values.cumsum(-1)
+            if float((cum - (1 - top_p)).abs().min()) < 1e-5:
+                skipped += 1
+                continue
+            ref = torch.log_softmax(top_k_top_p_mask(row, None, top_p), -1)[0, tok].item()
+            unfiltered = torch.log_softmax(row, -1)[0, tok].item()
+            assert lp > unfiltered + 1e-3, "top-p renormalisation missing from the processed logprob"
+            worst = max(worst, abs(lp - ref))
+            compared += 1
+    print(f"[rollout] top-p={top_p}: max |dlogp| = {worst:.2e} over {compared} tokens ({skipped} at the boundary)")
+    assert compared >= 0.9 * (compared + skipped)
+    assert worst <= LOGPROB_TOL_FP32
+
+
+# -- weight updates -----------------------------------------------------------------------------
+
+def test_update_with_identical_weights_is_bitwise_identical(worker, models, baseline):
+    info = worker.update_weights(_disk_state(models[0]))  # on-disk, per-expert names
+    assert info["tensors"] == len(_disk_state(models[0]))
+    _assert_same_samples(worker.generate(PROMPTS, N, SAMPLING), baseline, "after reloading identical weights")
+
+
+def test_update_with_changed_weights_gives_the_new_model(worker, models, hf, baseline):
+    state_b = hf[1].state_dict()  # transformers names: fused experts.gate_up_proj [E,2I,H], down_proj [E,H,I]
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state_b)
+    try:
+        worker.update_weights(list(state_b.items()))
+        # The layer holds the trainer's fused tensors as they are: the kernel's layout.
+        w13, w2 = worker.read_experts(0)
+        assert torch.equal(w13, state_b["model.layers.0.mlp.experts.gate_up_proj"])
+        assert torch.equal(w2, state_b["model.layers.0.mlp.experts.down_proj"])
+        samples = worker.generate(PROMPTS, N, SAMPLING)
+        err = max_abs_diff([s["logprobs"] for s in samples], _hf_logprobs(hf[1], samples, SAMPLING["temperature"]))
+        print(f"[rollout] after update to model B: max |dlogp| vs transformers(B) = {err:.2e}")
+        assert err <= LOGPROB_TOL_FP32
+        assert max_abs_diff([s["logprobs"] for s in samples],
+                            _hf_logprobs(hf[0], samples, SAMPLING["temperature"])) > 100 * LOGPROB_TOL_FP32
+    finally:
+        worker.update_weights(hf[0].state_dict())
+    _assert_same_samples(worker.generate(PROMPTS, N, SAMPLING), baseline, "after updating back to model A")
+
+
+def _bad_update(kind, state):
+    state = dict(state)
+    if kind == "missing":
+        name = "model.layers.1.mlp.experts.down_proj"
+        del state[name]
+    elif kind == "extra":
+        name = "model.layers.0.mlp.experts.bias"
+        state[name] = torch.randn(8, 64)
+    elif kind == "misshaped":
+        name = "model.layers.0.mlp.experts.gate_up_proj"
+        state[name] = state[name][:, :-2]
+    elif kind == "nonfinite":
+        name = "model.layers.1.self_attn.q_proj.weight"
+        state[name] = state[name].clone()
+        state[name][0, 0] = float("nan")
+    return name, state
+
+
+@pytest.mark.parametrize("kind", ["missing", "extra", "misshaped", "nonfinite"])
+def test_bad_update_names_the_tensor_and_keeps_the_previous_weights(worker, models, hf, baseline, kind):
+    # Model B's values, so that a half-applied update could not hide behind identical weights.
+    name, state = _bad_update(kind, hf[1].state_dict())
+    with pytest.raises((ValueError, TypeError), match=name.replace(".", r"\.")) as e:
+        worker.update_weights(state)
+    print(f"[rollout] {kind}: {e.value}")
+    _assert_same_samples(worker.generate(PROMPTS, N, SAMPLING), baseline, f"after the rejected {kind} update")
+
+
+def test_worker_process_validates_too(worker, baseline, hf):
+    """The worker re-validates what arrives (the driver's check is not the only line)."""
+    from rollout import weights
+
+    plan = [(n, t) for n, t in hf[1].state_dict().items() if n != "model.norm.weight"]
+    folder = weights.bucket_folder(1 << 20)
+    try:
+        paths = weights.write_buckets(plan, folder, bucket_bytes=1 << 16)
+        assert len(paths) > 1  # exercises several buckets
+        for i, path in enumerate(paths):
+            worker.llm.collective_rpc("megamoe_stage_weights", args=("bad", i, path))
+        (result,) = worker.llm.collective_rpc("megamoe_commit_weights", args=("bad", len(paths)))
+    finally:
+        import shutil
+        shutil.rmtree(folder)
+    assert not result["ok"] and result["stage"] == "validate" and "model.norm.weight" in result["error"], result
+    _assert_same_samples(worker.generate(PROMPTS, N, SAMPLING), baseline, "after a worker-side rejection")
+
+
+# -- argument errors (no engine needed) ---------------------------------------------------------
+
+def test_unknown_moe_impl_is_rejected(models):
+    from rollout.worker import RolloutWorker
+
+    with pytest.raises(ValueError, match="moe_impl: expected one of .*'megamoe'.*got 'fused'"):
+        RolloutWorker(models[0], "fused")
+
+
+def test_unsupported_architecture_is_rejected(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    from rollout.worker import RolloutWorker
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    save_file({"model.norm.weight": torch.ones(4)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"architecture \['LlamaForCausalLM'\] is not supported"):
+        RolloutWorker(tmp_path, "megamoe")
+
+
+def test_unknown_sampling_key_is_rejected(worker):
+    with pytest.raises(ValueError, match=r"sampling: unknown key\(s\) \['presence_penalty'\]"):
+        worker.generate(PROMPTS, 1, {"presence_penalty": 0.5})
+
+
+def test_reference_with_cuda_graphs_is_refused_on_gpu(models, monkeypatch):
+    # The unfused reference reads routing counts to the host: not capturable in a CUDA graph. The
+    # refusal comes before any engine starts (torch.cuda.is_available is faked: this is a CPU test).
+    from rollout.worker import RolloutWorker
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="enforce_eager: expected True or None with moe_impl='reference'"):
+        RolloutWorker(models[0], "reference", enforce_eager=False)

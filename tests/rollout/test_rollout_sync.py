@@ -1,0 +1,427 @@
+"""CPU: the weight-sync seam (rollout/sync.py): transport selection, the metadata plan of a streamed
+update, the streamed translation to on-disk names, and the config keys that choose them. The CUDA
+IPC transfer itself runs in tests/rollout/test_rollout_sync_gpu.py (H200)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rl import config
+from rollout.sync import resolve
+from rollout.weights import CheckpointSpec, plan_metadata, to_checkpoint_names
+
+
+@pytest.mark.parametrize("mode, colocated, on_gpu, same_gpu, want", [
+    ("auto", True, True, True, "ipc"),
+    ("auto", True, False, True, "files"),
+    ("auto", False, True, False, "files"),  # nccl is opt-in until it has run on two GPUs
+    ("ipc", True, True, True, "ipc"),
+    ("nccl", False, True, False, "nccl"),
+    ("nccl", True, True, False, "nccl"),  # colocated bundles, but each side with its own GPU
+    ("files", True, True, True, "files"),
+    ("files", False, False, False, "files"),
+])
+def test_resolve_picks_the_transport(mode, colocated, on_gpu, same_gpu, want):
+    assert resolve(mode, colocated=colocated, on_gpu=on_gpu, same_gpu=same_gpu) == want
+
+
+@pytest.mark.parametrize("mode, colocated, on_gpu, same_gpu, match", [
+    ("ipc", True, False, True, "needs CUDA GPUs"),
+    ("nccl", True, False, True, "needs CUDA GPUs"),
+    ("ipc", False, True, False, "same GPU"),
+    ("ipc", True, True, False, "same GPU"),
+    ("nccl", True, True, True, "different GPUs"),
+    ("shm", True, True, True, "expected one of"),
+])
+def test_resolve_refuses_what_the_placement_cannot_run(mode, colocated, on_gpu, same_gpu, match):
+    with pytest.raises(ValueError, match=match) as e:
+        resolve(mode, colocated=colocated, on_gpu=on_gpu, same_gpu=same_gpu)
+    assert "rollout.weight_sync" in str(e.value) and repr(mode) in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["rollout.weight_sync=ipc"], "rollout.weight_sync: 'ipc' needs CUDA"),
+    (["rollout.weight_sync=nccl"], "rollout.weight_sync: 'nccl' needs CUDA"),
+    (["rollout.sleep_level=1"], "rollout.sleep_level"),
+    (["rollout.sleep_level=3"], "rollout.sleep_level"),
+    (["rollout.ipc_bucket_bytes=10"], "rollout.ipc_bucket_bytes"),
+])
+def test_config_refuses_bad_sync_settings_on_cpu(overrides, match):
+    with pytest.raises(config.ConfigError, match=match):
+        config.load("configs/tiny.yaml", overrides)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["rollout.weight_sync=nccl"], "different GPUs"),
+    (["ray.placement=disaggregated", "rollout.weight_sync=ipc"], "same GPU"),
+    (["rollout.gpus_per_worker=1", "rollout.weight_sync=ipc"], "same GPU"),
+])
+def test_config_refuses_bad_sync_settings_on_gpu_placements(overrides, match):
+    with pytest.raises(config.ConfigError, match=match):
+        config.load("configs/h200_rl.yaml", overrides)
+
+
+def test_config_takes_nccl_for_separate_gpus():
+    cfg = config.load("configs/h200_rl.yaml", ["ray.placement=disaggregated", "rollout.weight_sync=nccl"])
+    assert config.resolve_weight_sync(cfg) == "nccl"
+
+
+def test_config_auto_resolves_per_placement():
+    assert config.resolve_weight_sync(config.load("configs/tiny.yaml")) == "files"
+    assert config.resolve_weight_sync(config.load("configs/h200_rl.yaml")) == "ipc"
+    assert config.resolve_weight_sync(config.load("configs/qwen3_30b_a3b_8gpu.yaml")) == "files"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from rl.make_model import make_model
+
+    d = make_model(tmp_path_factory.mktemp("sync") / "m", arch="qwen3_moe", seed=5)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    return d, CheckpointSpec.from_dir(d), model.state_dict(), load_file(str(d / "model.safetensors"))
+
+
+def _metas(state, dtype="bfloat16"):
+    return [(n, list(t.shape), dtype) for n, t in state.items()]
+
+
+def test_plan_metadata_lists_every_disk_tensor_once(ckpt):
+    _, spec, state, disk = ckpt
+    plan = plan_metadata(spec, _metas(state))
+    assert set(plan) == set(disk)
+    assert all(plan[n] == (tuple(disk[n].shape), "bfloat16") for n in disk)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda m: m[:-1], "missing"),
+    (lambda m: m + [("model.extra.weight", [2, 2], "bfloat16")], "unexpected tensor"),
+    (lambda m: [(n, [s[0] + 1] + s[1:], d) if ".experts.down_proj" in n else (n, s, d) for n, s, d in m], "expected shape"),
+    (lambda m: [(n, s, "int8" if i == 0 else d) for i, (n, s, d) in enumerate(m)], "floating dtype"),
+    (lambda m: [(n, s, "float99") for n, s, d in m], "torch dtype name"),
+])
+def test_plan_metadata_refuses_bad_updates_naming_the_tensor(ckpt, edit, match):
+    _, spec, state, _ = ckpt
+    with pytest.raises((ValueError, TypeError), match=match):
+        plan_metadata(spec, edit(_metas(state)))
+
+
+def test_streamed_translation_equals_the_disk_tensors_as_views(ckpt):
+    _, spec, state, disk = ckpt
+    out = list(to_checkpoint_names(spec, state.items()))
+    assert sorted(n for n, _ in out) == sorted(disk)
+    fused = {t.untyped_storage().data_ptr() for n, t in state.items() if n.endswith("gate_up_proj")}
+    for name, t in out:
+        assert torch.equal(t, disk[name]), name
+        if ".experts." in name and (name.endswith("gate_proj.weight") or name.endswith("up_proj.weight")):
+            assert t.untyped_storage().data_ptr() in fused  # a view of the fused tensor, no copy
+
+
+def test_kernel_format_plan_keeps_each_layers_experts_whole(ckpt):
+    _, spec, state, disk = ckpt
+    plan = plan_metadata(spec, _metas(state), kernel_experts=True)
+    groups = spec.expert_groups
+    assert groups
+    for prefix, g in groups.items():
+        assert plan.pop(f"{prefix}.w13_weight") == ((g.num_experts, 2 * g.intermediate, g.hidden), "bfloat16")
+        assert plan.pop(f"{prefix}.w2_weight") == ((g.num_experts, g.hidden, g.intermediate), "bfloat16")
+    # everything else exactly as on disk, every expert tensor accounted for by the fused ones
+    assert plan == {n: (tuple(t.shape), "bfloat16") for n, t in disk.items() if ".experts." not in n}
+
+
+def test_kernel_format_stream_is_the_trainers_fused_tensors(ckpt):
+    from rollout.weights import is_fused_experts, is_kernel_expert_name
+
+    _, spec, state, disk = ckpt
+    out = dict(to_checkpoint_names(spec, state.items(), kernel_experts=True))
+    for prefix, g in spec.expert_groups.items():
+        w13, w2 = out[f"{prefix}.w13_weight"], out[f"{prefix}.w2_weight"]
+        assert w13.data_ptr() == state[f"{prefix}.gate_up_proj"].data_ptr()  # the tensor itself, no copy
+        for e in range(g.num_experts):  # gate rows then up rows, as vLLM's w13 and megamoe read them
+            assert torch.equal(w13[e, :g.intermediate], disk[g.name(e, g.gate)])
+            assert torch.equal(w13[e, g.intermediate:], disk[g.name(e, g.up)])
+            assert torch.equal(w2[e], disk[g.name(e, g.down)])
+    assert {n for n in out if is_kernel_expert_name(n)} == {f"{p}.{s}" for p in spec.expert_groups
+                                                           for s in ("w13_weight", "w2_weight")}
+    assert {n for n in state if is_fused_experts(spec, n)} == {f"{p}.{k}" for p in spec.expert_groups
+                                                              for k in ("gate_up_proj", "down_proj")}
+
+
+class _FakeLLM:
+    """vLLM's LLM as the streamed protocol sees it: records the calls, holds kernel parameters."""
+
+    def __init__(self, params):
+        self.params, self.calls = params, []
+
+    def collective_rpc(self, method, args=()):
+        self.calls.append(method)
+        return [self.params if method == "megamoe_kernel_expert_params" else None]
+
+    def start_weight_update(self):
+        self.calls.append("start")
+
+    def finish_weight_update(self):
+        self.calls.append("finish")
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset")
+
+
+def _protocol_worker(spec, engine_params, weight_sync="ipc", tensor_parallel_size=1):
+    """A RolloutWorker's streamed-update protocol over a fake engine (the real methods, no vLLM)."""
+    from rollout.worker import RolloutWorker
+
+    w = object.__new__(RolloutWorker)
+    w.__dict__.update(weight_sync=weight_sync, moe_impl="megamoe", tensor_parallel_size=tensor_parallel_size,
+                      kernel_experts=weight_sync == "ipc",
+                      spec=spec, _plan=None, _received=set(), _updating=False, _session=False,
+                      _kernel_params=None, _kernel_names={}, _last_plan=None, _asleep=set(), sleep_mode=False, _seconds={},
+                      _transfer_group=None,
+                      _weights_broken=None, llm=_FakeLLM(engine_params))
+    return w
+
+
+def _engine_params(spec, below="routed_experts"):
+    return {f"{p}.{below}.{s}": (shape, "bfloat16") for p, g in spec.expert_groups.items()
+            for s, shape in (("w13_weight", (g.num_experts, 2 * g.intermediate, g.hidden)),
+                             ("w2_weight", (g.num_experts, g.hidden, g.intermediate)))}
+
+
+def _chunk(names, plan):
+    return {"names": names, "shapes": [list(plan[n][0]) for n in names], "dtype_names": [plan[n][1] for n in names],
+            "tensor_sizes": [0] * len(names), "ipc_handles": {}}
+
+
+def test_streamed_update_sends_kernel_experts_first_to_the_engines_own_parameters(ckpt):
+    _, spec, state, _ = ckpt
+    w = _protocol_worker(spec, _engine_params(spec))
+    info = w.plan_weight_update(_metas(state))
+    assert info["kernel_experts"] and info["tensors"] == len(w._plan)
+    kernel = [n for n in w._plan if n.endswith(("w13_weight", "w2_weight"))]
+    rest = [n for n in w._plan if n not in kernel]
+    # plan names map to the engine's parameters below each experts module
+    assert all(w._kernel_names[n] == n.rsplit(".", 1)[0] + ".routed_experts." + n.rsplit(".", 1)[1] for n in kernel)
+    w.start_weight_update()
+    w.update_weight_chunk(_chunk(kernel, w._plan))
+    w.update_weight_chunk(_chunk(rest, w._plan))
+    done = w.finish_weight_update()
+    assert done["tensors"] == len(w._kernel_names) + len(rest)
+    # the engine's time per phase of this update, one entry per kind of engine call it made
+    assert set(done["seconds"]) == {"wake", "kernel", "session_start", "reload", "session_finish",
+                                    "reset_prefix_cache"} and all(v >= 0 for v in done["seconds"].values())
+    assert w.llm.calls == ["megamoe_kernel_expert_params", "megamoe_receive_kernel_chunk", "start",
+                           "megamoe_update_weights", "finish", "reset"]
+
+
+@pytest.mark.parametrize("order, match", [
+    ("mixed", "mixes kernel-format"),
+    ("kernel_last", "must come first"),
+    ("missing", "never arrived"),
+])
+def test_streamed_update_out_of_protocol_breaks_the_engine_until_a_complete_one(ckpt, order, match):
+    _, spec, state, _ = ckpt
+    w = _protocol_worker(spec, _engine_params(spec))
+    w.plan_weight_update(_metas(state))
+    kernel = [n for n in w._plan if n.endswith(("w13_weight", "w2_weight"))]
+    rest = [n for n in w._plan if n not in kernel]
+    w.start_weight_update()
+    with pytest.raises(RuntimeError, match=match):
+        if order == "mixed":
+            w.update_weight_chunk(_chunk(kernel[:1] + rest[:1], w._plan))
+        elif order == "kernel_last":
+            w.update_weight_chunk(_chunk(rest, w._plan))
+            w.update_weight_chunk(_chunk(kernel, w._plan))
+        else:
+            w.update_weight_chunk(_chunk(kernel, w._plan))
+            w.finish_weight_update()
+    assert w._weights_broken and not w._updating
+    assert w.llm.calls.count("start") == w.llm.calls.count("finish")  # vLLM's session never left open
+
+
+@pytest.mark.parametrize("engine, match", [
+    (lambda p: {}, "found none"),
+    (lambda p: {**p, **{k.replace("routed_experts", "other"): v for k, v in p.items()}}, "expected one"),
+    (lambda p: {k: ((1,) + v[0][1:], v[1]) for k, v in p.items()}, "the update brings"),
+])
+def test_kernel_plan_refuses_engine_parameters_that_do_not_fit(ckpt, engine, match):
+    _, spec, state, _ = ckpt
+    w = _protocol_worker(spec, engine(_engine_params(spec)))
+    with pytest.raises(ValueError, match=match):
+        w.plan_weight_update(_metas(state))
+    assert w._plan is None and w.llm.calls == ["megamoe_kernel_expert_params"]  # nothing else happened
+
+
+class _CheckedTrainer:
+    """What rollout.sync.send_ipc asks of a trainer before any byte moves (one rank)."""
+
+    rank = 0
+
+    def __init__(self, metas, bad=()):
+        self.metas, self.bad = metas, list(bad)
+
+    def sync_dtype(self, dtype):
+        return dtype
+
+    def nonfinite_weights(self, dtype):
+        return self.bad
+
+    def weight_metadata(self, dtype):
+        return self.metas
+
+    def iter_device_weights(self, select=None):
+        raise AssertionError("a refused sync must not read the weights")
+
+
+@pytest.mark.parametrize("case, match", [
+    ("nonfinite", "hold NaN/Inf in bfloat16"),
+    ("shape", "model.layers.0.self_attn.o_proj.weight"),
+    ("bucket", "rollout.ipc_bucket_bytes"),
+])
+def test_ipc_sync_refuses_before_the_engine_starts_an_update(ckpt, case, match):
+    from rollout.sync import LocalClient, send_ipc
+
+    _, spec, state, _ = ckpt
+    metas = _metas(state)
+    if case == "shape":
+        metas = [(n, [s[0] + 1] + s[1:] if n == "model.layers.0.self_attn.o_proj.weight" else s, d)
+                 for n, s, d in metas]
+    trainer = _CheckedTrainer(metas, bad=["model.layers.1.mlp.experts.down_proj"] if case == "nonfinite" else ())
+    w = _protocol_worker(spec, _engine_params(spec))
+    with pytest.raises(ValueError, match=match):
+        send_ipc(trainer, LocalClient(w), model_dir=str(spec.model_dir), dtype="bfloat16",
+                 bucket_bytes=1024 if case == "bucket" else 1 << 30)
+    assert not w._updating and "start" not in w.llm.calls and not any("receive" in c for c in w.llm.calls)
+
+
+def test_engine_reuses_a_plan_only_for_the_same_update(ckpt):
+    _, spec, state, _ = ckpt
+    w = _protocol_worker(spec, _engine_params(spec))
+    first = w.plan_weight_update(_metas(state))
+    calls = list(w.llm.calls)
+    assert w.plan_weight_update(_metas(state)) == first and w.llm.calls == calls
+    bad = [(n, [s[0] + 1] + s[1:] if n.endswith("o_proj.weight") else s, d) for n, s, d in _metas(state)]
+    with pytest.raises(ValueError, match="o_proj.weight"):
+        w.plan_weight_update(bad)
+    with pytest.raises(ValueError, match="o_proj.weight"):  # the refused one was not remembered
+        w.plan_weight_update(bad)
+    assert w.plan_weight_update(_metas(state)) == first
+
+
+# -- nccl: what the CPU can check of the separate-GPU path (its run needs two GPUs) ------------------
+
+def test_nccl_world_puts_the_trainer_first_then_each_engines_workers():
+    from rollout.sync_nccl import nccl_world
+
+    assert nccl_world([{"workers": 1}]) == (2, [1])
+    assert nccl_world([{"workers": 2}, {"workers": 1}, {"workers": 4}]) == (8, [1, 3, 4])
+
+
+def test_nccl_stream_metadata_is_the_checkpoint_stream_in_order(ckpt):
+    from rollout.sync_nccl import checkpoint_metadata
+
+    _, spec, state, disk = ckpt
+    got = checkpoint_metadata(spec, _metas(state, "bfloat16"))
+    want = [(n, list(t.shape), "bfloat16") for n, t in to_checkpoint_names(spec, state.items())]
+    assert got == want
+    assert sorted(n for n, _, _ in got) == sorted(disk)  # every on-disk tensor once, per expert
+
+
+class _NcclFakeLLM(_FakeLLM):
+    """The engine's side of an NCCL sync: its init handshake and receive calls, recorded."""
+
+    def init_weight_transfer_engine(self, request):
+        self.calls.append(("init", request["init_info"]["master_port"], request["init_info"]["rank_offset"]))
+
+
+class _StreamTrainer(_CheckedTrainer):
+    def __init__(self, state, bad=()):
+        super().__init__(None, bad)
+        self.state = state
+
+    def weight_metadata(self, dtype):
+        return _metas(self.state, dtype or "float32")
+
+    def iter_device_weights(self, select=None):
+        return iter(self.state.items())
+
+
+@pytest.fixture
+def nccl_wire(monkeypatch):
+    """rollout.adapter's NCCL calls replaced by recorders: the group rank 0 opens, what it broadcasts."""
+    from rollout import adapter, sync_nccl
+
+    sent, groups = [], []
+    monkeypatch.setattr(adapter, "nccl_init_info", lambda a, p, off, ws, b, n: {
+        "master_address": a, "master_port": p, "rank_offset": off, "world_size": ws})
+    monkeypatch.setattr(adapter, "nccl_update_info", lambda metas, b, n: {
+        "names": [m[0] for m in metas], "shapes": [m[1] for m in metas], "dtype_names": [m[2] for m in metas]})
+    monkeypatch.setattr(adapter, "nccl_trainer_group", lambda a, p, ws: groups.append((p, ws)) or f"group{len(groups)}")
+    monkeypatch.setattr(adapter, "nccl_send", lambda g, stream, dt, b, n: sent.append(
+        (g, [(name, t.to(dt) if dt else t) for name, t in stream])))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(sync_nccl, "_NCCL", {})
+    return sent, groups
+
+
+def test_nccl_sync_joins_once_then_streams_the_checkpoint_to_every_engine(ckpt, nccl_wire):
+    from rollout.sync import LocalClient
+    from rollout.sync_nccl import send_nccl
+
+    _, spec, state, disk = ckpt
+    sent, groups = nccl_wire
+    engines = [_protocol_worker(spec, {}, "nccl", tensor_parallel_size=tp) for tp in (1, 2)]
+    for w in engines:
+        w.llm = _NcclFakeLLM({})
+    trainer = _StreamTrainer(state)
+    out = send_nccl(trainer, LocalClient(*engines), model_dir=str(spec.model_dir), dtype="bfloat16")
+    (port, world), = groups
+    assert world == 4  # the trainer, then engine 0's one worker, then engine 1's two
+    assert [c for c in engines[0].llm.calls if isinstance(c, tuple)] == [("init", port, 1)]
+    assert [c for c in engines[1].llm.calls if isinstance(c, tuple)] == [("init", port, 2)]
+    (group, tensors), = sent
+    assert group == "group1"
+    # what rank 0 broadcast is the checkpoint, per expert, cast to the sampler's dtype, bit for bit
+    assert sorted(n for n, _ in tensors) == sorted(disk)
+    for name, t in tensors:
+        assert t.dtype == torch.bfloat16 and torch.equal(t, disk[name].to(torch.bfloat16)), name
+    for w in engines:  # the engines' protocol: one update through vLLM's session, then reset
+        assert [c for c in w.llm.calls if not isinstance(c, tuple)] == ["start", "megamoe_update_weights",
+                                                                         "finish", "reset"]
+        assert not w._updating and w._weights_broken is None
+    assert out["kernel_experts"] is False and out["bytes"] == sum(t.numel() * 2 for _, t in tensors)
+    assert {"check", "plan", "start", "send", "finish"} <= set(out["seconds"])
+
+    send_nccl(trainer, LocalClient(*engines), model_dir=str(spec.model_dir), dtype="bfloat16")
+    assert len(groups) == 1 and sent[1][0] == "group1"  # the group is kept between syncs
+
+    # a restarted engine (never joined) and a sync to a subset: a new group each time, never a stale one
+    engines[1] = _protocol_worker(spec, {}, "nccl", tensor_parallel_size=2)
+    engines[1].llm = _NcclFakeLLM({})
+    send_nccl(trainer, LocalClient(*engines), model_dir=str(spec.model_dir), dtype="bfloat16")
+    assert len(groups) == 2 and groups[1][1] == 4 and sent[2][0] == "group2"
+    send_nccl(trainer, LocalClient(engines[0]), model_dir=str(spec.model_dir), dtype="bfloat16")
+    assert len(groups) == 3 and groups[2][1] == 2
+
+
+@pytest.mark.parametrize("case, match", [
+    ("nonfinite", "hold NaN/Inf in bfloat16"),
+    ("kernel", "kernel-format experts"),
+    ("bucket", "rollout.ipc_bucket_bytes"),
+])
+def test_nccl_sync_refuses_before_any_group_or_update(ckpt, nccl_wire, case, match):
+    from rollout.sync import LocalClient
+    from rollout.sync_nccl import send_nccl
+
+    _, spec, state, _ = ckpt
+    sent, groups = nccl_wire
+    w = _protocol_worker(spec, _engine_params(spec), "ipc" if case == "kernel" else "nccl")
+    w.llm = _NcclFakeLLM(_engine_params(spec))
+    trainer = _StreamTrainer(state, bad=["model.layers.0.mlp.gate.weight"] if case == "nonfinite" else ())
+    with pytest.raises(ValueError, match=match):
+        send_nccl(trainer, LocalClient(w), model_dir=str(spec.model_dir), dtype="bfloat16",
+                  bucket_bytes=1024 if case == "bucket" else 1 << 30)
+    assert not groups and not sent and not w._updating
+    assert not [c for c in w.llm.calls if c != "megamoe_kernel_expert_params"]
