@@ -31,6 +31,9 @@ op's inputs were bitwise equal; "parts here" when they were but the output is no
 kernels differ); the first such op in forward order. "own": the trainer's implementation of the op
 run on the sampler's own inputs against the sampler's output, which measures every op's own kernel
 difference at every layer, even downstream of the first parting, where inputs already differ.
+
+Over 500 lines, on purpose: the op graph of a decoder layer, the trainer-side capture and replay, and
+the comparison belong together (each names the same ops); the vLLM-side capture is in rollout/probe.py.
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 class Loop:
     """State of one `train` invocation; `run()` drives it (see the module docstring)."""
 
-    def __init__(self, cfg: Config, run_dir: Path, start_step: int, model_dir: Path):
+    def __init__(self, cfg: Config, run_dir: Path, start_step: int, model_dir: Path, rewards: list | None = None):
         from rl.data import PromptSource
         from rl.rewards import RewardScorer, load_rewards
 
@@ -85,7 +85,7 @@ class Loop:
         self.run_dir = run_dir
         self.step = start_step
         self.model_dir = model_dir
-        self.scorer = RewardScorer(load_rewards(cfg.reward))
+        self.scorer = RewardScorer(load_rewards(cfg.reward) if rewards is None else rewards)
         if cfg.run.tensorboard:
             from rl.metrics import check_tensorboard
 
@@ -562,8 +562,10 @@ class _Created:
                     p.unlink(missing_ok=True)
 
 
-def train(cfg: Config, *, resume: bool = False, command: str | None = None) -> int:
-    """Run (or resume) the RL loop described by `cfg`; returns the exit code (EXIT_*).
+def train(cfg: Config, *, resume: bool = False, command: str | None = None, rewards: list | None = None) -> int:
+    """Run (or resume) the RL loop described by `cfg`; returns the exit code (EXIT_*). `rewards`: the
+    functions `rl.rewards.load_rewards(cfg.reward)` returned, where the caller loaded them already
+    (the CLI does, to refuse a bad one first); None loads them here.
 
     Every check happens before Ray starts: the run folder, the checkpoint to resume, the model
     (check_model), the rewards, the dataset and every prompt's length (Loop). A refused start
@@ -584,7 +586,7 @@ def train(cfg: Config, *, resume: bool = False, command: str | None = None) -> i
             if start_step >= cfg.run.steps:  # finished: say so, change nothing (not even config.yaml)
                 log.info("the run already has %d steps (run.steps=%d); nothing to do", start_step, cfg.run.steps)
                 return EXIT_OK
-        loop = Loop(cfg, run_dir, start_step, resolve_model(cfg, run_dir))
+        loop = Loop(cfg, run_dir, start_step, resolve_model(cfg, run_dir), rewards)
         if resume:
             log_config_changes(run_dir, cfg)
         write_atomic(run_dir / "config.yaml", to_yaml(cfg))

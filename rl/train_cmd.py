@@ -69,7 +69,7 @@ def run_train(args: argparse.Namespace) -> int:
         cfg = resolve_config(args)
         if cfg.data.task is not None:
             check_task(cfg.data.task)
-        load_rewards(cfg.reward)  # a reward that cannot load fails here, before any actor starts
+        rewards = load_rewards(cfg.reward)  # a reward that cannot load fails here, before any actor starts
     except (C.ConfigError, RewardLoadError, ValueError) as e:
         args.parser.error(str(e))
     if args.dry_run:
@@ -83,7 +83,7 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         if args.overwrite:
             remove_run(cfg)
-        return train(cfg, resume=args.resume, command=start_command(args))
+        return train(cfg, resume=args.resume, command=start_command(args), rewards=rewards)
     except (RunDirError, DataError, C.ConfigError) as e:
         args.parser.error(str(e))
 

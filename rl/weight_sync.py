@@ -3,7 +3,7 @@
     push_streamed("ipc", trainers, rollouts, dtype="bfloat16", model_dir=..., bucket_bytes=1 << 30)
 
 ipc / nccl: one call into every trainer rank's actor, which runs rollout.sync.send_ipc (or
-send_nccl) there (its GPU tensors cannot leave the process as tensors): the NaN/Inf check on every
+rollout.sync_nccl.send_nccl) there (its GPU tensors cannot leave the process as tensors): the NaN/Inf check on every
 rank's GPU, the engines' plan of the whole update, then the stream through the rank's CUDA IPC
 buffer (or rank 0's NCCL broadcast) into vLLM's weight-transfer engine, rank 0 driving the engines
 through `RayClient`. Nothing is applied before both checks passed for the whole update.
@@ -56,7 +56,7 @@ def send_from_trainer(trainer, mode: str, rollout_hosts: list, model_dir: str, d
                       bucket_bytes: int) -> dict:
     """Runs in a TrainerWorker's actor (WorkerHost.run): rollout.sync.send_ipc / send_nccl on this
     rank (nccl: the engines reach rank 0 at this node's address)."""
-    from rollout import sync
+    from rollout import sync, sync_nccl
 
     client = RayClient(rollout_hosts)
     if mode == "ipc":
@@ -64,7 +64,7 @@ def send_from_trainer(trainer, mode: str, rollout_hosts: list, model_dir: str, d
     if mode == "nccl":
         import ray
 
-        return sync.send_nccl(trainer, client, model_dir=model_dir, dtype=dtype, bucket_bytes=bucket_bytes,
+        return sync_nccl.send_nccl(trainer, client, model_dir=model_dir, dtype=dtype, bucket_bytes=bucket_bytes,
                               address=ray.util.get_node_ip_address())
     raise ValueError(f"mode: expected one of {sync.STREAMED}, got {mode!r}")
 

@@ -14,12 +14,9 @@ Transports (`rollout.weight_sync`):
   reads and the trainer holds, copied straight into the engine's parameters), then the rest in
   checkpoint format through vLLM's update session (its layer-wise reload). Otherwise everything in
   checkpoint format. The version-specific calls are in rollout/adapter.py.
-- `nccl`: trainer and sampler on different GPUs, through vLLM's NCCL weight-transfer engine (backend
-  "nccl"): trainer rank 0 and every engine worker join one NCCL group (rank 0 the trainer, then each
-  engine's workers; joined once per run, again when an engine was restarted), and rank 0 broadcasts
-  the update in checkpoint format with vLLM's packed producer while each engine receives it with
-  the matching consumer into its layer-wise reload (`send_nccl`). Not yet run on two GPUs: opt in
-  with rollout.weight_sync=nccl (`auto` keeps files for separate GPUs until it has been).
+- `nccl`: trainer and sampler on different GPUs, through vLLM's NCCL weight-transfer engine
+  (rollout/sync_nccl.py). Not yet run on two GPUs: opt in with rollout.weight_sync=nccl (`auto`
+  keeps files for separate GPUs until it has been).
 - `files`: safetensors buckets in /dev/shm (rollout/weights.py): the CPU transport.
 
 Every update is checked before any byte is applied: names, shapes and dtypes of the whole update
@@ -263,7 +260,7 @@ def send_ipc(trainer, client, *, model_dir: str, dtype: str | None,
     from rollout import adapter, weights as wts
 
     rank = trainer.rank
-    clock = _Clock()
+    clock = Clock()
     dtype = trainer.sync_dtype(dtype)
     metas = trainer_checked_metas(trainer, dtype, clock)
 
@@ -272,9 +269,9 @@ def send_ipc(trainer, client, *, model_dir: str, dtype: str | None,
         plans = client.plan_weight_update(metas)
         return {"buffer_bytes": buffer_bytes, "kernel": agreed_kernel_experts(plans), "bytes": plans[0]["bytes"]}
 
-    decision = _rank0_decides(rank, decide, client)
+    decision = rank0_decides(rank, decide, client)
     clock.lap("plan")
-    spec = _checkpoint_spec(model_dir)
+    spec = checkpoint_spec(model_dir)
     out_dtype = getattr(torch, dtype) if dtype else None
     buf = ipc_buffer(decision["buffer_bytes"])
     kernel = decision["kernel"]
@@ -299,11 +296,11 @@ def send_ipc(trainer, client, *, model_dir: str, dtype: str | None,
             clock.lap("send")
             sent["bytes"] += sum(chunk["tensor_sizes"])
             sent["chunks"] += 1
-    return _finished(rank, client, clock, bytes=decision["bytes"], sent_bytes=sent["bytes"], chunks=sent["chunks"],
+    return finished_report(rank, client, clock, bytes=decision["bytes"], sent_bytes=sent["bytes"], chunks=sent["chunks"],
                      kernel_experts=kernel)
 
 
-def trainer_checked_metas(trainer, dtype: str | None, clock: "_Clock") -> list:
+def trainer_checked_metas(trainer, dtype: str | None, clock: "Clock") -> list:
     """The trainer's (name, shape, dtype name) per tensor, once its NaN/Inf check passed on every
     rank's GPU (ValueError naming the tensors otherwise, before anything moves)."""
     refuse_nonfinite(trainer.nonfinite_weights(dtype), dtype)
@@ -311,7 +308,7 @@ def trainer_checked_metas(trainer, dtype: str | None, clock: "_Clock") -> list:
     return trainer.weight_metadata(dtype)
 
 
-def _rank0_decides(rank: int, decide, client) -> dict:
+def rank0_decides(rank: int, decide, client) -> dict:
     """`decide(client)` on rank 0 (the engines' plan of the update), its dict on every rank; a
     failure there raises on every rank (ValueError for a refusal), so no rank waits for another."""
     decision, failure = None, None
@@ -330,124 +327,7 @@ def _rank0_decides(rank: int, decide, client) -> dict:
     return decision
 
 
-# -- nccl ------------------------------------------------------------------------------------------
-
-# vLLM's packed broadcast keeps this many buffers in flight on each side (its default).
-NCCL_NUM_BUFFERS = 2
-_NCCL: dict = {}  # this trainer process's NCCL group: {"key": (world size, buffer), "token", "group"}
-
-
-def nccl_world(plans: list[dict]) -> tuple[int, list[int]]:
-    """(world size, rank offset of each engine) of the trainer-engines NCCL group: the trainer is
-    rank 0, then each engine's workers (its plan's `workers`: tensor-parallel ranks) in turn."""
-    offsets, nxt = [], 1
-    for p in plans:
-        offsets.append(nxt)
-        nxt += int(p["workers"])
-    return nxt, offsets
-
-
-def checkpoint_metadata(spec, metas: list) -> list[tuple[str, list[int], str]]:
-    """(on-disk name, shape, dtype name) of the checkpoint-format stream the trainer's tensors
-    (`metas`) become, in the order `to_checkpoint_names` yields them (computed on meta tensors: no
-    data); an NCCL receiver needs it before the first byte."""
-    import torch
-
-    from rollout import weights as wts
-
-    meta = ((n, torch.empty(shape, dtype=getattr(torch, dt), device="meta")) for n, shape, dt in metas)
-    return [(n, list(t.shape), str(t.dtype).removeprefix("torch."))
-            for n, t in wts.to_checkpoint_names(spec, meta, kernel_experts=False)]
-
-
-def _free_port(address: str) -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
-
-
-def _nccl_group(client, decision: dict, address: str):
-    """The NCCL group of this trainer process and the engines: the one joined before when every
-    engine reports its token (address:port) and the size and buffer are unchanged; else a new one
-    on a fresh port (a new or restarted engine, another set of engines), every engine joining while
-    rank 0 opens its end (a rendezvous)."""
-    from rollout import adapter
-
-    key = (decision["world_size"], decision["buffer_bytes"])
-    if _NCCL.get("key") == key and all(g == _NCCL["token"] for g in decision["groups"]):
-        return _NCCL["group"]
-    _NCCL.clear()
-    port = _free_port(address)
-    infos = [(adapter.nccl_init_info(address, port, off, decision["world_size"], decision["buffer_bytes"],
-                                     NCCL_NUM_BUFFERS),) for off in decision["offsets"]]
-    pending = client.begin("init_weight_transfer_engine", infos)
-    group = adapter.nccl_trainer_group(address, port, decision["world_size"])
-    client.wait(pending)
-    _NCCL.update(key=key, token=f"{address}:{port}", group=group)
-    return group
-
-
-def send_nccl(trainer, client, *, model_dir: str, dtype: str | None,
-              bucket_bytes: int = DEFAULT_IPC_BUCKET_BYTES, address: str = "127.0.0.1") -> dict:
-    """One NCCL sync of `trainer`'s weights into the engines behind `client` (on other GPUs), run
-    in the trainer's process on every trainer rank (each gathers the full tensors; rank 0 sends).
-    `address`: rank 0's address the engines reach for the rendezvous. Returns what send_ipc does.
-
-    The same checks as send_ipc before anything moves (NaN/Inf on every rank's GPU; the engines'
-    plan from metadata alone, which for nccl is the checkpoint format: vLLM's NCCL engine loads
-    what it receives through the model's load_weights). Then one update: the engines enter their
-    receive (vLLM's packed consumer) with the stream's metadata while rank 0 broadcasts the same
-    stream, cast to the sampler's dtype, with vLLM's packed producer (`bucket_bytes` per buffer,
-    NCCL_NUM_BUFFERS in flight). A failure inside the broadcast cannot be undone: the engines then
-    refuse to sample until a later update completes (as for ipc)."""
-    import torch
-
-    from rollout import adapter, weights as wts
-
-    rank = trainer.rank
-    clock = _Clock()
-    dtype = trainer.sync_dtype(dtype)
-    metas = trainer_checked_metas(trainer, dtype, clock)
-    spec = _checkpoint_spec(model_dir)
-    stream_metas: list = []
-
-    def decide(client):
-        plans = client.plan_weight_update(metas)
-        if agreed_kernel_experts(plans):
-            raise ValueError("rollout.weight_sync: 'nccl' streams checkpoint format; these engines expect "
-                             "kernel-format experts (built for weight_sync='ipc')")
-        stream_metas[:] = checkpoint_metadata(spec, metas)
-        world_size, offsets = nccl_world(plans)
-        return {"buffer_bytes": plan_buffer_bytes(stream_metas, bucket_bytes), "bytes": plans[0]["bytes"],
-                "world_size": world_size, "offsets": offsets,
-                "groups": [p.get("transfer_group") for p in plans]}
-
-    decision = _rank0_decides(rank, decide, client)
-    clock.lap("plan")
-    out_dtype = getattr(torch, dtype) if dtype else None
-    group = None
-    if rank == 0:
-        group = _nccl_group(client, decision, address)
-        client.start_weight_update()
-    clock.lap("start")
-    stream = wts.to_checkpoint_names(spec, trainer.iter_device_weights(), kernel_experts=False)
-    if rank == 0:
-        info = adapter.nccl_update_info(stream_metas, decision["buffer_bytes"], NCCL_NUM_BUFFERS)
-        pending = client.begin("update_weight_chunk", [(info,)] * len(decision["offsets"]))
-        adapter.nccl_send(group, stream, out_dtype, decision["buffer_bytes"], NCCL_NUM_BUFFERS)
-        torch.cuda.synchronize()  # the broadcasts read live parameters: done before the next step
-        client.wait(pending)
-    else:
-        for _ in stream:  # the full tensors are gathered collectively: every rank takes part
-            pass
-    clock.lap("send")
-    return _finished(rank, client, clock, bytes=decision["bytes"], sent_bytes=decision["bytes"], chunks=1,
-                     kernel_experts=False)
-
-
-def _finished(rank: int, client, clock: "_Clock", **result) -> dict:
+def finished_report(rank: int, client, clock: "Clock", **result) -> dict:
     """End the engines' update (rank 0) and return the sync's report: `result` plus the seconds per
     phase, the engines' own as engine_* (RolloutWorker.finish_weight_update)."""
     engine = {}
@@ -459,7 +339,7 @@ def _finished(rank: int, client, clock: "_Clock", **result) -> dict:
 
 
 @functools.lru_cache(maxsize=4)
-def _checkpoint_spec(model_dir: str):
+def checkpoint_spec(model_dir: str):
     """The base checkpoint's layout (read once per folder: its safetensors headers; a run's base
     model does not change while it runs)."""
     from rollout import weights as wts
@@ -467,7 +347,7 @@ def _checkpoint_spec(model_dir: str):
     return wts.CheckpointSpec.from_dir(model_dir)
 
 
-class _Clock:
+class Clock:
     """Seconds per named phase, summed over laps (a phase may recur, e.g. pack/send per chunk)."""
 
     def __init__(self):

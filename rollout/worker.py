@@ -14,6 +14,10 @@ process vLLM spawns runs rollout.plugin.register() with it; the plugin swaps vLL
 method for rollout.adapter.MegaMoEMethod. After start-up the worker asks the engine's worker
 process (collective_rpc into rollout.extension) which implementation its MoE layers really use and
 refuses to continue if that is not what was asked for.
+
+Over 500 lines, on purpose: one actor class whose sampling, file updates and streamed updates (ipc,
+nccl) share one engine and one state (the plan being received, the broken flag, sleep); the
+transports themselves are in rollout/sync.py, rollout/sync_nccl.py and rollout/weights.py.
 """
 
 from __future__ import annotations
