@@ -72,10 +72,11 @@ class RolloutConfig:
     max_restarts: int = field(3, "times a dead RolloutWorker is restarted (with the current weights) before the run fails")
     weight_sync: Literal["auto", "ipc", "nccl", "files"] = field(
         "auto", "how trainer weights reach the engines (rollout/sync.py): ipc (vLLM's CUDA IPC engine; trainer "
-                "rank and engine on one GPU), nccl (separate GPUs; not provided yet, refused), files "
-                "(safetensors buckets in /dev/shm; CPU); auto = ipc when colocated on CUDA, files on CPU")
+                "rank and engine on one GPU), nccl (separate GPUs, vLLM's NCCL engine; opt-in, not yet run on "
+                "two GPUs), files (safetensors buckets in /dev/shm; CPU); auto = ipc when colocated on CUDA, files on CPU")
     ipc_bucket_bytes: int = field(1 << 30, "weight_sync=ipc: bytes of the one GPU buffer the trainer packs each "
-                                           "chunk into (vLLM's packed IPC transfer; its default, 1 GiB)")
+                                           "chunk into (vLLM's packed IPC transfer; its default, 1 GiB); nccl: "
+                                           "bytes of each of vLLM's packed broadcast buffers")
     sleep_level: int = field(0, "vLLM sleep mode while the trainer trains (CUDA): 0 = the engine stays awake; "
                                 "1 = KV cache freed, weights moved to host memory; 2 = both freed (the sync "
                                 "after the step delivers every weight again)")
