@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from megamoe.contract import clamped_swiglu  # noqa: E402
 from megamoe.fused import fused_moe_fwd  # noqa: E402
 from megamoe.moe import fused_moe  # noqa: E402
 from megamoe.ref import moe_unfused  # noqa: E402
@@ -40,7 +41,13 @@ SHAPES = {  # name: (E, H, I, k)
     "olmoe": (64, 2048, 1024, 8),      # OLMoE-1B-7B
     "mixtral": (8, 4096, 14336, 2),    # Mixtral-8x7B
     "dsv3": (32, 7168, 2048, 8),       # DeepSeek-V3 slice
+    "dsv2_lite": (64, 2048, 1408, 6),  # DeepSeek-V2-Lite's routed experts (Moonlight's are alike)
+    "gpt_oss_20b": (32, 2880, 2880, 4),  # gpt-oss-20b: experts with biases and the clamped SwiGLU
 }
+# Shapes whose experts have biases and gpt-oss's clamped SwiGLU: megamoe and the reference run them
+# with those; "megamoe_plain" is the bias-free silu kernel at the same shape (the options' cost) and
+# Liger, which has neither option, runs that plain problem too.
+GPT_OSS_SHAPES = ("gpt_oss_20b",)
 
 
 def header() -> str:
@@ -140,31 +147,48 @@ def bench_shape(name, T, reps, impls, bw, lines, records, rounds: int = 1, graph
     liger, liger_err = liger_fn()
     ids32 = ids.to(torch.int32)
     tw_bf = tw.to(x.dtype)
+    opts = {}  # the experts' options of this shape (megamoe and the reference)
+    if name in GPT_OSS_SHAPES:
+        g = torch.Generator(device=x.device).manual_seed(1)
+        opts = dict(b13=(0.1 * torch.randn(E, 2 * I, device=x.device, generator=g)).to(x.dtype),
+                    b2=(0.1 * torch.randn(E, H, device=x.device, generator=g)).to(x.dtype),
+                    activation=clamped_swiglu())
+        impls = list(impls) + (["megamoe_plain"] if "megamoe" in impls else [])
+    ref_opts = {"b13_E2I": opts["b13"], "b2_EH": opts["b2"], "activation": opts["activation"]} if opts else {}
 
     fwd = {
-        "megamoe": lambda: fused_moe_fwd(x, w13, w2, tw, ids, check=False),
-        "reference": lambda: moe_unfused(x, w13, w2, tw, ids, check_ids=False),
+        "megamoe": lambda: fused_moe_fwd(x, w13, w2, tw, ids, check=False, **opts),
+        "megamoe_plain": lambda: fused_moe_fwd(x, w13, w2, tw, ids, check=False),
+        "reference": lambda: moe_unfused(x, w13, w2, tw, ids, check_ids=False, **ref_opts),
     }
     if liger is not None:
         fwd["liger"] = lambda: liger.apply(x, w13, w2, ids32, tw_bf)
 
     leaves = [t.detach().clone().requires_grad_(True) for t in (x, w13, w2)] + [tw.clone().requires_grad_(True)]
+    bias_leaves = [opts[n].detach().clone().requires_grad_(True) for n in ("b13", "b2")] if opts else [None, None]
 
     def fb(impl):
         def run():
-            for t in leaves:
+            for t in leaves + [b for b in bias_leaves if b is not None]:
                 t.grad = None
             lx, lw13, lw2, ltw = leaves
+            lb13, lb2 = bias_leaves
             if impl == "megamoe":
+                y = fused_moe(lx, lw13, lw2, ltw, ids, impl="megamoe", check_ids=False, b13=lb13, b2=lb2,
+                              **({"activation": opts["activation"]} if opts else {}))
+            elif impl == "megamoe_plain":
                 y = fused_moe(lx, lw13, lw2, ltw, ids, impl="megamoe", check_ids=False)
             elif impl == "reference":
-                y = moe_unfused(lx, lw13, lw2, ltw, ids, check_ids=False)
+                y = moe_unfused(lx, lw13, lw2, ltw, ids, check_ids=False,
+                                **({"b13_E2I": lb13, "b2_EH": lb2, "activation": opts["activation"]} if opts else {}))
             else:
                 y = liger.apply(lx, lw13, lw2, ids32, ltw.to(lx.dtype))
             y.backward(dy)
         return run
 
-    row = {"shape": name, "T": T, "E": E, "H": H, "I": I, "k": k, "rounds": rounds}
+    row = {"shape": name, "T": T, "E": E, "H": H, "I": I, "k": k, "rounds": rounds,
+           "options": "biases + clamped SwiGLU (megamoe, reference); megamoe_plain and liger: bias-free silu"
+           if opts else "bias-free silu"}
     timers = {}
     uncapturable = {}  # impl: why its forward could not be captured in a CUDA graph
 

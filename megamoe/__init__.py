@@ -2,10 +2,13 @@
 
 The contract (every implementation computes this):
 
-    fused_moe(x[T,H], w13[E,2I,H], w2[E,H,I], topk_weights[T,k], topk_ids[T,k], impl=...) -> y[T,H]
+    fused_moe(x[T,H], w13[E,2I,H], w2[E,H,I], topk_weights[T,k], topk_ids[T,k], impl=...,
+              b13[E,2I]=None, b2[E,H]=None, activation=SWIGLU) -> y[T,H]
 
-    y[t] = sum_j topk_weights[t,j] * W2[e] @ ( silu(G[e] @ x[t]) * (U[e] @ x[t]) ),  e = topk_ids[t,j]
-    w13[e] = [G[e]; U[e]]   gate rows first, then up rows (vLLM's and transformers' layout)
+    y[t] = sum_j topk_weights[t,j] * (W2[e] @ act(G[e] @ x[t] + bg[e], U[e] @ x[t] + bu[e]) + b2[e]),
+           e = topk_ids[t,j]
+    w13[e] = [G[e]; U[e]]   gate rows first, then up rows (vLLM's and transformers' layout); b13 alike
+    act: SWIGLU, silu(gate) * up; or clamped_swiglu(alpha, limit), gpt-oss's (megamoe/contract.py)
     topk_ids[t,j] == -1  ->  that slot contributes nothing
 
 Shape legend (suffixes in names): T tokens, H hidden, I expert intermediate, E experts, k top-k,

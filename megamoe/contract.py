@@ -1,6 +1,11 @@
 """The MoE contract's input checks, shared by every implementation.
 
-    fused_moe(x[T,H], w13[E,2I,H], w2[E,H,I], topk_weights[T,k], topk_ids[T,k]) -> y[T,H]
+    fused_moe(x[T,H], w13[E,2I,H], w2[E,H,I], topk_weights[T,k], topk_ids[T,k],
+              b13[E,2I] = None, b2[E,H] = None, activation = SWIGLU) -> y[T,H]
+
+    gu   = w13[e] @ x[t] + b13[e]          (gate = gu[:I], up = gu[I:]; no bias: + 0)
+    h    = activation(gate, up)            (`Activation` below)
+    y[t] = sum_j topk_weights[t,j] * (w2[e] @ h + b2[e]),   e = topk_ids[t,j]
 
 Every check runs before any compute and raises ValueError/TypeError naming the argument, the
 expected and the actual value. The id range check reads the ids (one reduction); it is the only
@@ -14,6 +19,7 @@ a check runs and the dtype tuples are looked up on first use.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,6 +40,82 @@ below megamoe; megamoe itself never runs it."""
 HOST_IMPLS = IMPLS + (STOCK,)
 """What a host's MoE layers can run (`rollout.moe_impl`, `trainer.moe_impl`, MEGAMOE_MOE_IMPL)."""
 
+
+
+SILU = "silu"
+"""SwiGLU: h = silu(gate) * up (Qwen3-MoE, Mixtral, OLMoE, DeepSeek)."""
+CLAMPED_SWIGLU = "clamped_swiglu"
+"""gpt-oss's SwiGLU: gate' = min(gate, limit), up' = clamp(up, -limit, limit),
+h = (up' + 1) * gate' * sigmoid(alpha * gate') (transformers' GptOssExperts, vLLM's "swigluoai")."""
+ACTIVATIONS = (SILU, CLAMPED_SWIGLU)
+"""The expert activations the contract computes (`Activation.name`)."""
+
+
+@dataclass(frozen=True)
+class Activation:
+    """The experts' activation h = f(gate, up): `SWIGLU`, or `clamped_swiglu(alpha, limit)`.
+
+    alpha and limit belong to CLAMPED_SWIGLU only (None for SILU). Gradients follow torch's
+    autograd of the formulas above: clamp passes the gradient where the input lies inside
+    [min, max], bounds included."""
+    name: str = SILU
+    alpha: float | None = None
+    limit: float | None = None
+
+    def __post_init__(self):
+        if self.name not in ACTIVATIONS:
+            raise ValueError(f"activation.name: expected one of {ACTIVATIONS}, got {self.name!r}")
+        if self.name == SILU:
+            if self.alpha is not None or self.limit is not None:
+                raise ValueError(f"activation: {SILU!r} takes no alpha or limit, got alpha={self.alpha!r}, "
+                                 f"limit={self.limit!r}")
+            return
+        for field in ("alpha", "limit"):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"activation.{field}: expected a finite number > 0 for {CLAMPED_SWIGLU!r}, "
+                                 f"got {v!r}")
+        object.__setattr__(self, "alpha", float(self.alpha))
+        object.__setattr__(self, "limit", float(self.limit))
+
+
+SWIGLU = Activation(SILU)
+"""The default activation: silu(gate) * up."""
+
+
+def clamped_swiglu(alpha: float = 1.702, limit: float = 7.0) -> Activation:
+    """gpt-oss's activation (defaults: gpt-oss-20b/120b's swiglu_alpha and swiglu_limit)."""
+    return Activation(CLAMPED_SWIGLU, alpha=alpha, limit=limit)
+
+
+def check_activation(activation) -> Activation:
+    if not isinstance(activation, Activation):
+        raise TypeError(f"activation: expected a megamoe.contract.Activation (SWIGLU or clamped_swiglu(...)), "
+                        f"got {type(activation).__name__}")
+    return activation
+
+
+def check_biases(b13, b2, s: "MoEShape", x) -> bool:
+    """Both expert biases or neither: b13 [E, 2I] (gate biases, then up, as w13's rows) and
+    b2 [E, H], in x's dtype and on its device. Returns whether they are given."""
+    import torch
+
+    if b13 is None and b2 is None:
+        return False
+    if (b13 is None) != (b2 is None):
+        raise ValueError(f"b13, b2: expected both expert biases or neither, got b13={'None' if b13 is None else 'a tensor'}"
+                         f", b2={'None' if b2 is None else 'a tensor'} (pass zeros for a missing one)")
+    for name, t, want in (("b13", b13, (s.E, 2 * s.I)), ("b2", b2, (s.E, s.H))):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name}: expected shape {list(want)} ([E, {'2I' if name == 'b13' else 'H'}]), "
+                             f"got {tuple(t.shape)}")
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name}: expected the dtype of x ({x.dtype}), got {t.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"{name}: expected the device of x ({x.device}), got {t.device}")
+    return True
 
 
 def _dtypes() -> dict[str, tuple]:

@@ -304,6 +304,7 @@ def _launch(x_TH, w13_L2IH, w2_LHI, topk_weights_Tk, topk_ids_Tk, ws: EPWorkspac
     with launch_device(x.device):
         _moe_persistent_kernel[(setup.programs,)](
             x_ptr=ws.recv_x, w13_ptr=w13, w2_ptr=w2, tw_ptr=ws.recv_w, ids_ptr=ws.recv_id, dy_ptr=ws.recv_x,
+            b13_ptr=ws.recv_x, b2_ptr=ws.recv_x, ALPHA=0.0, LIMIT=0.0,  # EP: silu experts without biases
             **dict(zip(WEIGHT_ARGS, weight_args(w13, w2, setup.consts, False, False))),
             **dict(zip(METADATA_ARGS, setup.meta)),
             act_ptr=act, hw_ptr=act, gu_ptr=act, dtw_part_ptr=ws.recv_w, dtw_ptr=ws.recv_w, slot_out_ptr=ws.out,

@@ -1,25 +1,31 @@
-"""The public entry point: `fused_moe(..., impl=...)` (the contract is in megamoe/__init__.py)."""
+"""The public entry point: `fused_moe(..., impl=...)` (the contract is in megamoe/contract.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from megamoe.contract import check_impl, check_moe_inputs
+from megamoe.contract import SWIGLU, Activation, check_activation, check_biases, check_impl, check_moe_inputs
 
 
 def fused_moe(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor,
               topk_weights_Tk: torch.Tensor, topk_ids_Tk: torch.Tensor,
-              impl: str = "megamoe", *, check_ids: bool = True) -> torch.Tensor:
-    """y[T,H] = sum_j topk_weights[t,j] * W2[e] (silu(G[e] x[t]) * U[e] x[t]), e = topk_ids[t,j].
+              impl: str = "megamoe", *, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+              activation: Activation = SWIGLU, check_ids: bool = True) -> torch.Tensor:
+    """y[t] = sum_j topk_weights[t,j] * (W2[e] act(G[e] x[t] + bg[e], U[e] x[t] + bu[e]) + b2[e]),
+    e = topk_ids[t,j]; w13[e] = [G[e]; U[e]], b13[e] = [bg[e]; bu[e]] (both biases or neither);
+    act: `activation` (megamoe.contract.SWIGLU, silu(gate) * up, or clamped_swiglu(alpha, limit)).
 
-    Differentiable w.r.t. x, w13, w2 and topk_weights. All inputs are checked before any compute;
-    `check_ids=False` skips the one data-dependent check (ids in [-1, E)), e.g. under CUDA-graph
-    capture where it would synchronise.
+    Differentiable w.r.t. x, w13, w2, topk_weights and the biases. All inputs are checked before any
+    compute; `check_ids=False` skips the one data-dependent check (ids in [-1, E)), e.g. under
+    CUDA-graph capture where it would synchronise.
     """
     check_impl(impl)
-    check_moe_inputs(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk, check_ids=check_ids)
+    s = check_moe_inputs(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk, check_ids=check_ids)
+    check_biases(b13, b2, s, x_TH)
+    check_activation(activation)
     if impl == "reference":
         from megamoe.ref import moe_unfused
-        return moe_unfused(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk, check_ids=False)
+        return moe_unfused(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk, b13_E2I=b13, b2_EH=b2,
+                           activation=activation, check_ids=False)
     from megamoe.fused import megamoe_moe
-    return megamoe_moe(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk)
+    return megamoe_moe(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk, b13=b13, b2=b2, activation=activation)

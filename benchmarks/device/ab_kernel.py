@@ -20,7 +20,7 @@ sys.path.insert(0, os.getcwd())
 import torch
 from benchmarks.bench_moe import SHAPES, make_inputs, time_ms
 from megamoe import fused as new
-from abold import fused as old
+from abold import fused as old  # abold/fused/ (a package copy) or abold/fused.py
 R = 30
 print("shape T | old fwd | new fwd | new launch only | new fwd graph | old fwd+bwd | new fwd+bwd | new fwd+bwd, (gate, up) saved")
 for name in ("qwen3", "olmoe"):

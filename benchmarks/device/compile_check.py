@@ -43,9 +43,11 @@ def arg_types(tname: str) -> dict:
     """The kernels' pointer arguments as a launch types them (x's dtype `tname` where it applies);
     pointers not named here are int32 (`_compile`'s default)."""
     types = {n: f"*{tname}" for n in ("x_ptr", "w13_ptr", "w2_ptr", "dy_ptr", "act_ptr", "hw_ptr", "slot_out_ptr",
-                                      "out_ptr", "dgu_ptr", "dw13_ptr", "dw2_ptr", "gu_ptr", "xs_ptr", "dys_ptr", "y_ptr")}
+                                      "out_ptr", "dgu_ptr", "dw13_ptr", "dw2_ptr", "gu_ptr", "xs_ptr", "dys_ptr", "y_ptr",
+                                      "b13_ptr", "b2_ptr", "db13_ptr", "db2_ptr")}
     types.update(tw_ptr="*fp32", ids_ptr="*i64", dtw_part_ptr="*fp32", dtw_ptr="*fp32", ep_ptr="*i64",
-                 ep_epoch_ptr="*i64", ids_src_ptr="*i64", tw_src_ptr="*fp32", trace_ptr="*i64")
+                 ep_epoch_ptr="*i64", ids_src_ptr="*i64", tw_src_ptr="*fp32", trace_ptr="*i64",
+                 ALPHA="fp32", LIMIT="fp32")
     return types
 
 
@@ -53,16 +55,19 @@ def arg_types(tname: str) -> dict:
 # config asks for it (bf16; fp32's exact-precision dots read their operands into registers and with
 # TMA tiles spill hundreds); the pointer variants also serve shapes whose rows TMA cannot address
 # (H or I not a multiple of 16 bytes) and the EP forward.
-def persistent_variants(cfg) -> list[tuple[bool, bool, bool, bool, bool]]:
-    """(is_bwd, gu, ep, tma, small_t) for every persistent launch the config makes: forward and
-    backward with and without saved (gate, up), the pointer fallbacks where the weights go through
-    TMA, the EP forward, and the forwards at T <= small_tokens where those get other pipeline stages."""
+def persistent_variants(cfg) -> list[tuple[bool, bool, bool, bool, bool, bool]]:
+    """(is_bwd, gu, ep, tma, small_t, gpt_oss) for every persistent launch the config makes: forward
+    and backward with and without saved (gate, up), the pointer fallbacks where the weights go
+    through TMA, the EP forward, the forwards at T <= small_tokens where those get other pipeline
+    stages, and gpt-oss's experts (biases and the clamped SwiGLU) in the inference forward and the
+    training pair (forward saving (gate, up), backward reading it)."""
     tma = cfg.tma_weights
     main = [(is_bwd, gu, False, tma) for is_bwd in (False, True) for gu in (False, True)]
     fallback = [(False, False, False, False), (True, True, False, False)] if tma else []
-    out = [(*v, False) for v in main + fallback + [(False, False, True, False)]]
+    out = [(*v, False, False) for v in main + fallback + [(False, False, True, False)]]
     if cfg.small_stages not in (None, cfg.num_stages):
-        out += [(False, gu, False, t, True) for t in ((tma, False) if tma else (False,)) for gu in (False, True)]
+        out += [(False, gu, False, t, True, False) for t in ((tma, False) if tma else (False,)) for gu in (False, True)]
+    out += [(is_bwd, gu, False, tma, False, True) for is_bwd, gu in ((False, False), (False, True), (True, True))]
     return out
 
 
@@ -148,14 +153,16 @@ def check(overrides: dict | None = None, E: int = 128) -> list[dict]:
     for dtype, tname in dtypes:
         cfg = dataclasses.replace(fused.default_config(dtype, torch.device("cuda")), **(overrides or {}))
         data = arg_types(tname)
-        for is_bwd, gu, ep, tma, small_t in persistent_variants(cfg):
+        for is_bwd, gu, ep, tma, small_t, gpt_oss in persistent_variants(cfg):
             consts = fused.persistent_constexprs(cfg, is_bwd, dtype, E, gu=gu, ep=ep, tma_w=tma,
                                                  poll_ns=ep_fused.POLL_NS["cuda"] if ep else 0)
+            if gpt_oss:  # what launch.act_args gives for biases and megamoe.contract.clamped_swiglu
+                consts.update(BIAS=True, ACT=1)
             types = {**data, **weight_arg_types(tname, consts, is_bwd, gu)}
             k = _compile(mk._moe_persistent_kernel, types, consts, ("H", "I", "E"), cfg.num_warps,
                          fused.persistent_stages(cfg, is_bwd, cfg.small_tokens if small_t else None))
             name = (("bwd" if is_bwd else "fwd") + (" gu" if gu else "") + (" ep" if ep else "")
-                    + (" tma" if tma else "") + (" small-T" if small_t else ""))
+                    + (" tma" if tma else "") + (" small-T" if small_t else "") + (" gpt-oss" if gpt_oss else ""))
             rows.append(dict(kernel="persistent " + name, dtype=tname,
                              shared=k.metadata.shared, async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
                              tma_loads=k.asm["ttgir"].count("async_tma_copy_global_to_local"),
@@ -170,6 +177,11 @@ def check(overrides: dict | None = None, E: int = 128) -> list[dict]:
                              async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
                              tma_loads=k.asm["ttgir"].count("async_tma_copy_global_to_local"),
                              **_resources(k.asm["cubin"]), **_local_ops(k.asm["cubin"])))
+        k = _compile(mk._moe_bwd_bias_kernel, data, fused.bias_grad_constexprs(), ("H", "I"), 4, 3)
+        rows.append(dict(kernel="bias gradients", dtype=tname, shared=k.metadata.shared,
+                         async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
+                         tma_loads=k.asm["ttgir"].count("async_tma_copy_global_to_local"),
+                         **_resources(k.asm["cubin"]), **_local_ops(k.asm["cubin"])))
     return rows
 
 

@@ -23,7 +23,7 @@ read -r -a RL_ARGS <<< "${RL_ARGS:-}"   # extra overrides for the RL stages, e.g
 # The project's metadata (the vllm.general_plugins entry point vLLM loads the hook through); the
 # packages themselves are imported from the working tree, which comes first on the path.
 $PY -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/mmsite . >/dev/null || exit 1
-export PYTHONPATH="$PWD:$PYTHONPATH:/tmp/mmsite" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD:${PYTHONPATH:-}:/tmp/mmsite" PYTHONUNBUFFERED=1
 # Consistency engines run eager (no torch.compile / CUDA graphs: minutes less per engine, same op order
 # on both sides of each pair).
 ENGINE='{gpu_memory_utilization: 0.3, attention_config: {backend: TRITON_ATTN}, enforce_eager: true}'
@@ -61,7 +61,7 @@ for stage in "$@"; do
       # (shard_tests.py: compiling is most of their time and CPU work); shard logs stay on the machine
       # (8-file limit on $OUT), concatenated into one file
       timeout 590 $PY benchmarks/device/shard_tests.py --shards 8 --timeout 560 --out "$RUNS/gpu_tests" -- \
-        -m gpu tests/megamoe/test_fused.py tests/trainer/test_trainer_gpu.py > "$LOG/gpu_tests.log" 2>&1; rc=$?
+        -m gpu tests/megamoe/test_fused.py tests/megamoe/test_expert_options.py tests/trainer/test_trainer_gpu.py > "$LOG/gpu_tests.log" 2>&1; rc=$?
       for f in "$RUNS"/gpu_tests/shard*.log; do echo "=== $f"; cat "$f"; done > "$LOG/gpu_tests_shards.log"
       cat "$LOG/gpu_tests.log" ;;
     bench) # Liger Kernel (the Triton peer) from a carried wheel folder: pip download liger-kernel==0.8.5 -d .whl
@@ -70,9 +70,9 @@ for stage in "$@"; do
       # Liger's ~200 autotune compiles per shape, in parallel first (else DSV3 alone outlasts a call)
       WARM=(); on=0; for a in "${BENCH[@]}"; do case "$a" in --shapes) on=1 ;; --*) on=0 ;; *) [ $on = 1 ] && WARM+=("$a") ;; esac; done
       [ ${#WARM[@]} -gt 0 ] || WARM=(qwen3 olmoe mixtral dsv3)
-      PYTHONPATH="$PYTHONPATH:/tmp/ligersite" timeout 200 $PY benchmarks/device/liger_warm.py --shapes "${WARM[@]}" \
+      PYTHONPATH="${PYTHONPATH:-}:/tmp/ligersite" timeout 200 $PY benchmarks/device/liger_warm.py --shapes "${WARM[@]}" \
         > "$LOG/liger_warm.log" 2>&1; echo "liger_warm rc=$? ($(tail -1 "$LOG/liger_warm.log"))"
-      PYTHONPATH="$PYTHONPATH:/tmp/ligersite" timeout 540 $PY benchmarks/bench_moe.py "${BENCH[@]}" \
+      PYTHONPATH="${PYTHONPATH:-}:/tmp/ligersite" timeout 540 $PY benchmarks/bench_moe.py "${BENCH[@]}" \
         --reps 50 --out "$LOG/bench_moe.md"; rc=$? ;;
     profile) timeout 240 $PY benchmarks/device/profile_step.py --shape qwen3 --tokens 4096 16384; rc=$? ;;
     host) timeout 200 $PY benchmarks/device/host_path.py --shape qwen3 --tokens 64 512 4096; rc=$? ;;

@@ -43,7 +43,7 @@ K * (ceil(I / BN1) + 1) fp32, and int32 routing metadata (2K per token, plus (E 
 from megamoe.fused.backend import check_backend, pick_backend
 from megamoe.fused.config import KernelConfig, config_for, default_config, persistent_stages, set_config
 from megamoe.fused.cpu import RoutingMeta, combine_slots, routing_metadata
-from megamoe.fused.kernel_args import (DW_OPERAND_ARGS, WEIGHT_ARGS, PersistentSetup, dw_constexprs, dw_operand_args,
+from megamoe.fused.kernel_args import (DW_OPERAND_ARGS, WEIGHT_ARGS, PersistentSetup, bias_grad_constexprs, dw_constexprs, dw_operand_args,
                                        dw_through_tma, persistent_constexprs, persistent_setup, weight_args,
                                        weights_through_tma)
 from megamoe.fused.launch import launch_device, launch_dw, launch_persistent
@@ -51,7 +51,7 @@ from megamoe.fused.op import fused_moe_bwd, fused_moe_fwd, megamoe_moe
 from megamoe.fused.workspace import METADATA_ARGS, KernelMeta, counter_buffers, grown_counters
 
 __all__ = [
-    "DW_OPERAND_ARGS", "METADATA_ARGS", "WEIGHT_ARGS", "KernelConfig", "KernelMeta", "PersistentSetup", "RoutingMeta", "check_backend", "combine_slots", "config_for",
+    "DW_OPERAND_ARGS", "METADATA_ARGS", "WEIGHT_ARGS", "KernelConfig", "KernelMeta", "PersistentSetup", "RoutingMeta", "bias_grad_constexprs", "check_backend", "combine_slots", "config_for",
     "counter_buffers", "default_config", "dw_constexprs", "dw_operand_args", "dw_through_tma", "fused_moe_bwd",
     "fused_moe_fwd", "grown_counters", "launch_device", "launch_dw", "launch_persistent", "megamoe_moe",
     "persistent_constexprs", "persistent_setup", "persistent_stages", "pick_backend", "routing_metadata",

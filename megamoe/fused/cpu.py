@@ -9,7 +9,9 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from megamoe.activation import act_backward, act_forward
 from megamoe.blocked import ROWS, rows_mm
+from megamoe.contract import SILU, SWIGLU, Activation
 
 
 @dataclasses.dataclass
@@ -67,8 +69,11 @@ def combine_slots(slot_out_NH: torch.Tensor, ids_Tk: torch.Tensor, dtype: torch.
     return acc.to(dtype)
 
 
-def cpu_fwd(x, w13, w2, tw, ids, meta: RoutingMeta, T, H, I, K, save_gu: bool = False):  # noqa: E741
-    """y, and (gate, up) [N, 2I] in sorted rows rounded to x's dtype when save_gu (else None)."""
+def cpu_fwd(x, w13, w2, tw, ids, meta: RoutingMeta, T, H, I, K, save_gu: bool = False,  # noqa: E741
+            b13=None, b2=None, act: Activation = SWIGLU):
+    """y, and (gate, up) [N, 2I] in sorted rows rounded to x's dtype when save_gu (else None).
+    Biases (both or neither) are added to the fp32 GEMM results, as the kernel adds them to its
+    accumulators."""
     dtype = x.dtype
     slot_out = torch.zeros(T * K, H, dtype=dtype)
     gu_saved = torch.zeros(T * K, 2 * I, dtype=dtype, device=x.device) if save_gu else None  # -1 slots: 0
@@ -78,22 +83,35 @@ def cpu_fwd(x, w13, w2, tw, ids, meta: RoutingMeta, T, H, I, K, save_gu: bool = 
             continue
         slot = sorted_slot[s:s + n]
         gu = rows_mm(x[slot // K].float(), w13[e].float().t())
+        if b13 is not None:
+            gu = gu + b13[e].float()
         if gu_saved is not None:
             gu_saved[s:s + n] = gu.to(dtype)
-        h = _blockwise(lambda g, u: F.silu(g) * u, gu[:, :I], gu[:, I:]).to(dtype)
-        o = rows_mm(h.float(), w2[e].float().t()) * tw.reshape(-1)[slot].float()[:, None]
+        if act.name == SILU:
+            h = _blockwise(lambda g, u: F.silu(g) * u, gu[:, :I], gu[:, I:]).to(dtype)
+        else:
+            h = _blockwise(lambda g, u: act_forward(g, u, act), gu[:, :I], gu[:, I:]).to(dtype)
+        o = rows_mm(h.float(), w2[e].float().t())
+        if b2 is not None:
+            o = o + b2[e].float()
+        o = o * tw.reshape(-1)[slot].float()[:, None]
         slot_out[slot] = o.to(dtype)
     return combine_slots(slot_out, ids, dtype), gu_saved
 
 
-def cpu_bwd(dy, x, w13, w2, tw, ids, meta: RoutingMeta, T, H, I, K, gu_saved=None):  # noqa: E741
-    """(dx [T,H], dw13, dw2, d(topk_weights) [T,K] fp32); gu_saved: the forward's (gate, up), else
-    GEMM1 recomputed and rounded as the forward saves it."""
+def cpu_bwd(dy, x, w13, w2, tw, ids, meta: RoutingMeta, T, H, I, K, gu_saved=None,  # noqa: E741
+            b13=None, b2=None, act: Activation = SWIGLU):
+    """(dx [T,H], dw13, dw2, d(topk_weights) [T,K] fp32, db13, db2) (the bias gradients None without
+    biases); gu_saved: the forward's (gate, up), else GEMM1 recomputed and rounded as the forward
+    saves it. db13[e] sums d(gate, up) as rounded for dW13, db2[e] the weighted dy rows, in fp32."""
     dtype = x.dtype
     dx_slot = torch.zeros(T * K, H, dtype=dtype)
     dw13 = torch.zeros_like(w13)
     dw2 = torch.zeros_like(w2)
     dtw = torch.zeros(T * K, dtype=torch.float32)
+    bias = b13 is not None
+    db13 = torch.zeros_like(b13) if bias else None
+    db2 = torch.zeros_like(b2) if bias else None
     sorted_slot = meta.sorted_slot.long()
     for e, (s, n) in enumerate(zip(meta.expert_start.tolist(), meta.expert_count.tolist())):
         if n == 0:
@@ -106,18 +124,22 @@ def cpu_bwd(dy, x, w13, w2, tw, ids, meta: RoutingMeta, T, H, I, K, gu_saved=Non
         if gu_saved is not None:
             gu = gu_saved[s:s + n].float()
         else:  # recomputed and rounded as the forward saves it
-            gu = rows_mm(xe, w13[e].float().t()).to(dtype).float()
+            gu = rows_mm(xe, w13[e].float().t())
+            gu = (gu + b13[e].float() if bias else gu).to(dtype).float()
         g, u = gu[:, :I], gu[:, I:]
-        sg = _blockwise(torch.sigmoid, g)
-        h = (g * sg * u).to(dtype).float()
         dA = rows_mm(dye, w2[e].float())
-        dtw[slot] = (dA * h).sum(dim=1)
         da = dA * w
-        dgu = torch.cat([da * u * sg * (1 + g * (1 - sg)), da * g * sg], dim=1).to(dtype)
+        h, dg, du = act_backward(g, u, da, act, sigmoid=lambda t: _blockwise(torch.sigmoid, t))
+        h = h.to(dtype).float()
+        dtw[slot] = (dA * h).sum(dim=1) + ((dye * b2[e].float()).sum(dim=1) if bias else 0.0)
+        dgu = torch.cat([dg, du], dim=1).to(dtype)
         hw = (h * w).to(dtype)
+        if bias:
+            db13[e] = dgu.float().sum(dim=0).to(dtype)
+            db2[e] = (dye * w).sum(dim=0).to(dtype)
         dx_slot[slot] = rows_mm(dgu.float(), w13[e].float()).to(dtype)
         dw13[e] = (dgu.float().t() @ xe).to(dtype)
         dw2[e] = (dye.t() @ hw.float()).to(dtype)
     dx = combine_slots(dx_slot, ids, dtype)
     dtw = torch.where(ids.reshape(-1) >= 0, dtw, 0.0)
-    return dx, dw13, dw2, dtw.reshape(T, K)
+    return dx, dw13, dw2, dtw.reshape(T, K), db13, db2

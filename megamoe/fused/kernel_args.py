@@ -29,17 +29,24 @@ def persistent_constexprs(cfg: KernelConfig, is_bwd: bool, dtype: torch.dtype, E
     """The persistent kernel's compile-time arguments (tests/megamoe/test_kernel_compile.py compiles with them).
     gu: the forward writes (gate, up) / the backward reads it instead of recomputing GEMM1.
     ep: the expert-parallel forward (megamoe/ep_fused.py), poll_ns its least time between two polls
-    of a signal pad (0: no clock, the interpreter). tma_w: weights through TMA descriptors."""
+    of a signal pad (0: no clock, the interpreter). tma_w: weights through TMA descriptors. BIAS and
+    ACT (the experts' biases and activation) are the plain experts' here; launch_persistent sets a
+    call's (launch.act_args)."""
     kb = max(16, next_pow2(E + 1))  # keys: id + 1 in [0, E]
     return dict(IS_BWD=is_bwd, GU=gu, BM=cfg.BM, BN1=cfg.bwd_BN1 if is_bwd else cfg.BN1, BK1=cfg.BK1, BN2=cfg.BN2,
                 BK2=cfg.BK2, BT=cfg.BT, BH=cfg.BH, BLK=cfg.BLK,
                 KB=kb, CB=max(16, 8192 // kb), DOT_PRECISION=dot_precision(dtype), EP=ep, TMA_W=tma_w,
-                GT=cfg.group_tiles, POLL_NS=poll_ns, TRACE=False, CLOCK=False)
+                GT=cfg.group_tiles, POLL_NS=poll_ns, TRACE=False, CLOCK=False, BIAS=False, ACT=0)
 
 
 def dw_constexprs(cfg: KernelConfig, dtype: torch.dtype, tma: bool) -> dict:
     """The weight-gradient kernel's compile-time arguments."""
     return dict(BMW=cfg.BMW, BNW=cfg.BNW, BKR=cfg.BKR, TMA=tma, DOT_PRECISION=dot_precision(dtype))
+
+
+def bias_grad_constexprs() -> dict:
+    """The bias-gradient kernel's compile-time arguments: rows per step and columns per program."""
+    return dict(BR=32, BC=128)
 
 
 @dataclasses.dataclass

@@ -12,8 +12,9 @@ import contextlib
 import torch
 
 from megamoe import alloc
+from megamoe.contract import SILU, SWIGLU, Activation
 from megamoe.fused.config import KernelConfig, persistent_stages
-from megamoe.fused.kernel_args import (DW_OPERAND_ARGS, WEIGHT_ARGS, dw_constexprs, dw_operand_args, dw_through_tma,
+from megamoe.fused.kernel_args import (DW_OPERAND_ARGS, WEIGHT_ARGS, bias_grad_constexprs, dw_constexprs, dw_operand_args, dw_through_tma,
                                        next_pow2, persistent_setup, weight_args, weights_through_tma)
 from megamoe.fused.workspace import METADATA_ARGS, KernelMeta
 
@@ -38,9 +39,20 @@ def launch_device(dev: torch.device):
         yield
 
 
+def act_args(b13, act: Activation) -> dict:
+    """The persistent kernel's bias and activation arguments: BIAS, ACT (0 silu, 1 clamped SwiGLU),
+    ALPHA and LIMIT."""
+    if act.name == SILU:
+        return dict(BIAS=b13 is not None, ACT=0, ALPHA=0.0, LIMIT=0.0)
+    return dict(BIAS=b13 is not None, ACT=1, ALPHA=act.alpha, LIMIT=act.limit)
+
+
 def launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg: KernelConfig,  # noqa: E741
-                      gu: torch.Tensor | None = None, save_gu: bool = False, trace: dict | None = None):
+                      gu: torch.Tensor | None = None, save_gu: bool = False, trace: dict | None = None,
+                      b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                      activation: Activation = SWIGLU):
     """One persistent launch: routing metadata, then the forward (or the backward but dW).
+    b13 [E, 2I], b2 [E, H]: the experts' biases (both or neither); activation: the contract's.
 
     Returns (out, act, hw, dtw, meta, gu): out is y [T, H] (forward) or dx [T, H] (backward); act is
     the activation h [N, I] (forward) or d(gate, up) [N, 2I] (backward), hw the weighted activation
@@ -60,7 +72,7 @@ def launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg:
     # the kernel indexes every input as a dense row-major array; the public wrappers pass them
     # through their prep, a direct caller (the benchmark tools) might not (topk ids are often a slice)
     for name, t in (("x", x), ("w13", w13), ("w2", w2), ("topk_weights", tw), ("topk_ids", ids), ("dy", dy),
-                    ("gu", gu)):
+                    ("gu", gu), ("b13", b13), ("b2", b2)):
         if t is not None and not t.is_contiguous():
             raise ValueError(f"launch_persistent: {name} must be contiguous, got strides {tuple(t.stride())}")
     N = T * K
@@ -94,6 +106,7 @@ def launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg:
     with launch_device(dev):
         _moe_persistent_kernel[(setup.programs,)](
             x_ptr=x, w13_ptr=w13, w2_ptr=w2, tw_ptr=tw, ids_ptr=ids, dy_ptr=dy if dy is not None else x,
+            b13_ptr=b13 if b13 is not None else x, b2_ptr=b2 if b2 is not None else x,
             **dict(zip(WEIGHT_ARGS, weight_args(w13, w2, setup.consts, is_bwd, use_gu))),
             **dict(zip(METADATA_ARGS, setup.meta)),
             act_ptr=act, hw_ptr=hw, gu_ptr=gu if use_gu else act, dtw_part_ptr=dtw_part, dtw_ptr=dtw,
@@ -102,18 +115,21 @@ def launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg:
             trace_ptr=trace["ticks"] if trace is not None else ids,
             T=T, N=N, E=E, H=H, I=I, K=K, LAG=setup.lag, R_MAX=setup.r_max, NB=setup.nb,
             RANK=0, W=1, TS=0, SK=0, TMK=0, SPIN_MAX=0,
-            **{**setup.consts, **trace_args}, num_warps=cfg.num_warps, num_stages=persistent_stages(cfg, is_bwd, T))
+            **{**setup.consts, **trace_args, **act_args(b13, activation)}, num_warps=cfg.num_warps, num_stages=persistent_stages(cfg, is_bwd, T))
     sorted_slot, inv_slot, key_start, key_count, tile_cum, num_tiles, _ = setup.meta
     meta = KernelMeta(sorted_slot, inv_slot, key_start[1:], key_count[1:], tile_cum, num_tiles)
     return out, act, hw, dtw, meta, (gu if use_gu and not is_bwd else None)
 
 
-def launch_dw(x, dy, dgu, hw, meta: KernelMeta, E, H, I, K, cfg: KernelConfig):  # noqa: E741
-    """dW13 [E, 2I, H], dW2 [E, H, I] from a backward `launch_persistent`'s d(gate, up) and weighted
-    activation (its act, hw and meta): the token rows gathered into the sorted order (one launch),
-    then the weight-gradient kernel (one launch). The gathered copies (2·T·k·H elements) live only
-    for this call."""
-    from megamoe.kernels.moe_kernels import _gather_token_rows_kernel, _moe_bwd_dw_kernel
+def launch_dw(x, dy, dgu, hw, meta: KernelMeta, E, H, I, K, cfg: KernelConfig,  # noqa: E741
+              tw: torch.Tensor | None = None):
+    """(dW13 [E, 2I, H], dW2 [E, H, I]) from a backward `launch_persistent`'s d(gate, up) and
+    weighted activation (its act, hw and meta): the token rows gathered into the sorted order (one
+    launch), then the weight-gradient kernel (one launch). With tw (the routing weights [T*K] in slot
+    order: the experts have biases) one more launch sums the bias gradients, and the result is
+    (dW13, dW2, db13 [E, 2I], db2 [E, H]). The gathered copies (2·T·k·H elements) live only for
+    this call."""
+    from megamoe.kernels.moe_kernels import _gather_token_rows_kernel, _moe_bwd_bias_kernel, _moe_bwd_dw_kernel
 
     N = meta.sorted_slot.numel()
     xs = alloc.empty(N, H, dtype=x.dtype, device=x.device)
@@ -131,4 +147,14 @@ def launch_dw(x, dy, dgu, hw, meta: KernelMeta, E, H, I, K, cfg: KernelConfig): 
             **dict(zip(DW_OPERAND_ARGS, dw_operand_args(xs, dys, dgu, hw, cfg, tma))),
             expert_start_ptr=meta.expert_start, expert_count_ptr=meta.expert_count, dw13_ptr=dw13, dw2_ptr=dw2,
             E=E, H=H, I=I, **dw_constexprs(cfg, x.dtype, tma), num_warps=cfg.dw_warps, num_stages=cfg.dw_stages)
-    return dw13, dw2
+        if tw is None:
+            return dw13, dw2
+        db13 = alloc.empty(E, 2 * I, dtype=x.dtype, device=x.device)
+        db2 = alloc.empty(E, H, dtype=x.dtype, device=x.device)
+        consts = bias_grad_constexprs()
+        per_e = -(-2 * I // consts["BC"]) + -(-H // consts["BC"])
+        _moe_bwd_bias_kernel[(E * per_e,)](
+            dgu_ptr=dgu, dys_ptr=dys, tw_ptr=tw, sorted_slot_ptr=meta.sorted_slot,
+            expert_start_ptr=meta.expert_start, expert_count_ptr=meta.expert_count, db13_ptr=db13, db2_ptr=db2,
+            E=E, H=H, I=I, **consts, num_warps=4)
+    return dw13, dw2, db13, db2

@@ -303,6 +303,7 @@ def _ep_combine_item(blk, ep_ptr, ids_src_ptr, y_ptr, RANK, W, L, TS, SK, TMK, H
 def _moe_persistent_kernel(
     # inputs
     x_ptr, w13_ptr, w2_ptr, tw_ptr, ids_ptr, dy_ptr,
+    b13_ptr, b2_ptr,  # BIAS: the experts' biases [E, 2I] (gate, then up) and [E, H], else unused
     # TMA_W: host TMA descriptors of the weights (else unused): w13_d1 = w13 as [E, 2, I, H], block
     # [1, 1, BN1, BK1] (phase 1's gate and up); w2_d1 = w2 [E, H, I], block [1, BK1, BN1] (the
     # backward's phase 1); w_d2 = phase 2's weight: forward w2 [E, H, I], block [1, BN2, BK2];
@@ -327,6 +328,7 @@ def _moe_persistent_kernel(
     trace_ptr,    # TRACE: int64 [tickets, 4] per ticket (see TRACE), else unused
     T, N, E, H, I, K, LAG, R_MAX, NB,
     RANK, W, TS, SK, TMK, SPIN_MAX,  # EP: rank, ranks, own tokens, top-k, rows per source, polls per wait
+    ALPHA, LIMIT,  # ACT == 1: the clamped SwiGLU's alpha and limit (fp32), else unused
     IS_BWD: tl.constexpr, GU: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
     BN2: tl.constexpr, BK2: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
     BLK: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr,
@@ -337,6 +339,9 @@ def _moe_persistent_kernel(
     # trace_ptr[t]; times from %globaltimer in ns with CLOCK, else (the interpreter, which has no
     # clock) the ticket's own number, so that tests can check the records' order and kinds
     TRACE: tl.constexpr = False, CLOCK: tl.constexpr = False,
+    # the experts' biases added to both GEMMs' fp32 accumulators (megamoe.contract), and the
+    # activation: 0 silu(gate) * up, 1 gpt-oss's clamped SwiGLU (_act_fwd)
+    BIAS: tl.constexpr = False, ACT: tl.constexpr = 0,
 ):
     dtype = x_ptr.dtype.element_ty
     n1 = tl.cdiv(I, BN1)
@@ -441,6 +446,11 @@ def _moe_persistent_kernel(
                                     bw = tl.load(w2_ptr + e * (H * I) + ks[:, None] * I + cols[None, :],
                                                  mask=bmask, other=0.0)
                                 acc_d = tl.dot(d, bw, acc_d, input_precision=DOT_PRECISION)
+                        if BIAS and not (IS_BWD and GU):
+                            bg1 = tl.load(b13_ptr + e * (2 * I) + cols, mask=cmask, other=0.0).to(tl.float32)
+                            bu1 = tl.load(b13_ptr + e * (2 * I) + I + cols, mask=cmask, other=0.0).to(tl.float32)
+                            acc_g += bg1[None, :]
+                            acc_u += bu1[None, :]
                         if IS_BWD:
                             # the backward differentiates at (gate, up) rounded to the input dtype,
                             # whether saved by the forward or recomputed: one semantics
@@ -453,16 +463,40 @@ def _moe_persistent_kernel(
                         elif GU:
                             tl.store(gu_rows, acc_g.to(dtype), mask=omask)
                             tl.store(gu_rows + I, acc_u.to(dtype), mask=omask)
-                        sg = 1.0 / (1.0 + tl.exp(-acc_g))
-                        h = (acc_g * sg * acc_u).to(dtype)
+                        if ACT == 0:
+                            sg = 1.0 / (1.0 + tl.exp(-acc_g))
+                            h = (acc_g * sg * acc_u).to(dtype)
+                        else:  # gpt-oss: g' = min(g, limit), u' = clamp(u, -limit, limit); NaN stays NaN (torch.clamp)
+                            gc = tl.minimum(acc_g, LIMIT, propagate_nan=tl.PropagateNan.ALL)
+                            uc = tl.minimum(tl.maximum(acc_u, -LIMIT, propagate_nan=tl.PropagateNan.ALL), LIMIT,
+                                            propagate_nan=tl.PropagateNan.ALL)
+                            sg = 1.0 / (1.0 + tl.exp(-(ALPHA * gc)))
+                            h = ((uc + 1.0) * (gc * sg)).to(dtype)
                         if IS_BWD:
                             w = tl.load(tw_ptr + slot, mask=rmask, other=0.0).to(tl.float32)
-                            # d(topk_weight) = dy . (W2 h) = (W2^T dy) . h, with h rounded as in the forward
+                            # d(topk_weight) = dy . (W2 h + b2) = (W2^T dy) . h + dy . b2, with h rounded
+                            # as in the forward; the bias dot belongs to column block 0
                             part = tl.sum(acc_d * h.to(tl.float32), axis=1)
+                            if BIAS:
+                                if sub == 0:
+                                    # its own loop over H, outside the pipelined GEMM loop above (inside
+                                    # it, the saved-(gate, up) TMA variant computed wrong d(gate, up) on
+                                    # the H200, 2026-12-03; the extra read is one pass over the tile's dy rows)
+                                    for kb in range(0, H, BK1):
+                                        ksb = kb + tl.arange(0, BK1)
+                                        db = tl.load(dy_ptr + tok[:, None] * H + ksb[None, :],
+                                                     mask=rmask[:, None] & (ksb < H)[None, :], other=0.0)
+                                        bb = tl.load(b2_ptr + e * H + ksb, mask=ksb < H, other=0.0)
+                                        part += tl.sum(db.to(tl.float32) * bb.to(tl.float32)[None, :], axis=1)
                             tl.store(dtw_part_ptr + rows * n1 + sub, part, mask=rmask)
                             da = acc_d * w[:, None]
-                            dgate = da * acc_u * sg * (1.0 + acc_g * (1.0 - sg))
-                            dup = da * acc_g * sg
+                            if ACT == 0:
+                                dgate = da * acc_u * sg * (1.0 + acc_g * (1.0 - sg))
+                                dup = da * acc_g * sg
+                            else:  # torch's clamp gradient: passed where the input is within the bounds
+                                dgate = tl.where(acc_g <= LIMIT, da * (uc + 1.0) * sg * (1.0 + ALPHA * gc * (1.0 - sg)),
+                                                 0.0)
+                                dup = tl.where((acc_u >= -LIMIT) & (acc_u <= LIMIT), da * (gc * sg), 0.0)
                             tl.store(act_ptr + rows[:, None] * (2 * I) + cols[None, :], dgate.to(dtype), mask=omask)
                             tl.store(act_ptr + rows[:, None] * (2 * I) + I + cols[None, :], dup.to(dtype), mask=omask)
                             tl.store(hw_ptr + rows[:, None] * I + cols[None, :],
@@ -497,6 +531,9 @@ def _moe_persistent_kernel(
                                              mask=bmask2, other=0.0)
                             acc2 = tl.dot(a2, b2, acc2, input_precision=DOT_PRECISION)
                         if not IS_BWD:
+                            if BIAS:
+                                b2v = tl.load(b2_ptr + e * H + cols2, mask=cmask2, other=0.0).to(tl.float32)
+                                acc2 += b2v[None, :]
                             wt2 = tl.load(tw_ptr + slot, mask=rmask, other=0.0).to(tl.float32)
                             acc2 = acc2 * wt2[:, None]
                         # EP: slot_out is this rank's symmetric result buffer [W * TMK, H]; the
@@ -671,3 +708,41 @@ def _moe_bwd_dw_kernel(
         b = tl.load(b_base + rs[:, None] * H + on[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
         acc = tl.dot(tl.trans(a), b, acc, input_precision=DOT_PRECISION)
     _dw_store(acc, e, is13, om, on, mmask[:, None] & nmask[None, :], dw13_ptr, dw2_ptr, H, I)
+
+
+@triton.jit(do_not_specialize=["E"])
+def _moe_bwd_bias_kernel(dgu_ptr, dys_ptr, tw_ptr, sorted_slot_ptr, expert_start_ptr, expert_count_ptr,
+                         db13_ptr, db2_ptr, E, H, I, BR: tl.constexpr, BC: tl.constexpr):
+    """The experts' bias gradients, one [BC] column block of one expert per program, each summed
+    over the expert's sorted rows in order, in fp32 (no atomics):
+
+        db13[e] [2I] = sum_r dgu[r]        db2[e] [H] = sum_r w[slot(r)] * dys[r]
+
+    Programs [0, n13) of expert e are db13's column blocks, then db2's."""
+    n13 = tl.cdiv(2 * I, BC)
+    per_e = n13 + tl.cdiv(H, BC)
+    e = tl.program_id(0) // per_e
+    q = tl.program_id(0) % per_e
+    start = tl.load(expert_start_ptr + e)
+    count = tl.load(expert_count_ptr + e)
+    is13 = q < n13
+    c0 = tl.where(is13, q, q - n13) * BC
+    ncols = tl.where(is13, 2 * I, H)
+    cols = c0 + tl.arange(0, BC)
+    cmask = cols < ncols
+    acc = tl.zeros((BC,), dtype=tl.float32)
+    for r0 in range(0, count, BR):
+        rs = (start + r0 + tl.arange(0, BR)).to(tl.int64)
+        rmask = (r0 + tl.arange(0, BR)) < count
+        m = rmask[:, None] & cmask[None, :]
+        if is13:
+            v = tl.load(dgu_ptr + rs[:, None] * (2 * I) + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        else:
+            slot = tl.load(sorted_slot_ptr + rs, mask=rmask, other=0)
+            w = tl.load(tw_ptr + slot, mask=rmask, other=0.0).to(tl.float32)
+            v = tl.load(dys_ptr + rs[:, None] * H + cols[None, :], mask=m, other=0.0).to(tl.float32) * w[:, None]
+        acc += tl.sum(v, axis=0)
+    if is13:
+        tl.store(db13_ptr + e.to(tl.int64) * (2 * I) + cols, acc.to(db13_ptr.dtype.element_ty), mask=cmask)
+    else:
+        tl.store(db2_ptr + e.to(tl.int64) * H + cols, acc.to(db2_ptr.dtype.element_ty), mask=cmask)
