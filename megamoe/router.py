@@ -1,6 +1,6 @@
 """Router logits in fp32, batch invariant: the one function both sides compute them with.
 
-    router_logits(x[T,H], w[E,H]) -> logits[T,E] fp32   (differentiable w.r.t. x and w)
+    router_logits(x[T,H], w[E,H], b[E] = None) -> logits[T,E] fp32   (differentiable w.r.t. x, w and b)
 
 Why a function of its own. The sampler (vLLM's gate layer) and the trainer (transformers' router)
 otherwise compute `x @ w.T` with different GEMMs: on CPU vLLM prepacks the gate into its own small-GEMM
@@ -9,7 +9,8 @@ picks a kernel by the number of rows. Different kernels round differently, and o
 choice changes a token's output completely (ANCHORS.md, "Pitfalls seen"). Here both operands are
 upcast to fp32 and the product is computed in fixed blocks of ROWS rows (the last one zero-padded),
 so every row goes through a GEMM call of the same shape whatever T is: a row's logits depend only on
-that row and w, bitwise, on one device (the same scheme as megamoe's CPU expert GEMMs).
+that row and w, bitwise, on one device (the same scheme as megamoe's CPU expert GEMMs). A router bias
+(gpt-oss's) is added to the fp32 product afterwards, elementwise: still row by row.
 
 Registered as the torch.library op `megamoe::router_logits` (fake implementation + autograd) so that
 torch.compile treats it as one opaque call instead of tracing a loop over T.
@@ -24,7 +25,7 @@ import torch
 from megamoe.blocked import ROWS, rows_mm  # noqa: F401  (ROWS: the rows per GEMM call, documented above)
 
 
-def check_router_inputs(x_TH: torch.Tensor, w_EH: torch.Tensor) -> None:
+def check_router_inputs(x_TH: torch.Tensor, w_EH: torch.Tensor, b_E: torch.Tensor | None = None) -> None:
     for name, t in (("x", x_TH), ("w", w_EH)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -37,6 +38,16 @@ def check_router_inputs(x_TH: torch.Tensor, w_EH: torch.Tensor) -> None:
         raise ValueError(f"w: expected shape [E, H={x_TH.shape[1]}] (H of x), got {tuple(w_EH.shape)}")
     if x_TH.device != w_EH.device:
         raise ValueError(f"w: expected the device of x ({x_TH.device}), got {w_EH.device}")
+    if b_E is None:
+        return
+    if not isinstance(b_E, torch.Tensor):
+        raise TypeError(f"b: expected a torch.Tensor or None, got {type(b_E).__name__}")
+    if tuple(b_E.shape) != (w_EH.shape[0],):
+        raise ValueError(f"b: expected shape [E={w_EH.shape[0]}] (one per expert), got {tuple(b_E.shape)}")
+    if not b_E.dtype.is_floating_point:
+        raise TypeError(f"b: expected a floating dtype, got {b_E.dtype}")
+    if b_E.device != x_TH.device:
+        raise ValueError(f"b: expected the device of x ({x_TH.device}), got {b_E.device}")
 
 
 @contextlib.contextmanager
@@ -54,44 +65,51 @@ def _ieee_fp32(device: torch.device):
         torch.backends.cuda.matmul.allow_tf32 = prev
 
 
-def router_logits_fwd(x_TH: torch.Tensor, w_EH: torch.Tensor) -> torch.Tensor:
-    """fp32 logits [T, E] = x @ w.T, computed in ROWS-row blocks (inputs unchecked)."""
+def router_logits_fwd(x_TH: torch.Tensor, w_EH: torch.Tensor, b_E: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 logits [T, E] = x @ w.T (+ b), computed in ROWS-row blocks (inputs unchecked)."""
     x = x_TH.float()
     w_HE = w_EH.float().t().contiguous()  # one layout on both sides: the BLAS call is identical
     with _ieee_fp32(x.device):
-        return rows_mm(x, w_HE)
+        logits = rows_mm(x, w_HE)
+    return logits if b_E is None else logits + b_E.float()
 
 
 @torch.library.custom_op("megamoe::router_logits", mutates_args=())
-def _router_logits_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return router_logits_fwd(x, w)
+def _router_logits_op(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return router_logits_fwd(x, w, b)
 
 
 @_router_logits_op.register_fake
-def _(x, w):
+def _(x, w, b=None):
     return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+    x, w, b = inputs
+    ctx.save_for_backward(x, w)
+    ctx.b_dtype = None if b is None else b.dtype
 
 
 def _backward(ctx, g_TE):
-    # Gradients need no batch invariance; they are what F.linear(x.float(), w.float()) would give.
+    # Gradients need no batch invariance; they are what F.linear(x.float(), w.float(), b.float()) would give.
     x, w = ctx.saved_tensors
     g = g_TE.float()
     dx = (g @ w.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
     dw = (g.t() @ x.float()).to(w.dtype) if ctx.needs_input_grad[1] else None
-    return dx, dw
+    db = g.sum(dim=0).to(ctx.b_dtype) if ctx.b_dtype is not None and ctx.needs_input_grad[2] else None
+    return dx, dw, db
 
 
 _router_logits_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def router_logits(x_TH: torch.Tensor, w_EH: torch.Tensor) -> torch.Tensor:
-    """fp32 router logits [T, E] of x [T, H] (any float dtype) and the router weight w [E, H].
+def router_logits(x_TH: torch.Tensor, w_EH: torch.Tensor, b_E: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 router logits [T, E] of x [T, H] (any float dtype), the router weight w [E, H] and an
+    optional router bias b [E] (gpt-oss), added in fp32.
 
-    Bitwise batch invariant on one device: row t depends only on x[t] and w. Differentiable.
+    Bitwise batch invariant on one device: row t depends only on x[t], w and b. Differentiable.
     """
-    check_router_inputs(x_TH, w_EH)
-    return _router_logits_op(x_TH, w_EH)
+    check_router_inputs(x_TH, w_EH, b_E)
+    if b_E is None:
+        return _router_logits_op(x_TH, w_EH)
+    return _router_logits_op(x_TH, w_EH, b_E)

@@ -1,7 +1,7 @@
 """The `megamoe-rl` command line.
 
     megamoe-rl --help
-    megamoe-rl make-model --out runs/tiny [--arch qwen3_moe|mixtral|olmoe] [--layers 2] [--hidden 64]
+    megamoe-rl make-model --out runs/tiny [--arch qwen3_moe|mixtral|olmoe|deepseek_v3|gpt_oss] [--layers 2] [--hidden 64]
                           [--experts 8] [--topk 2] [--intermediate 32] [--vocab 512] [--seed 0]
                           [--overwrite]
 

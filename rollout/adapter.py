@@ -11,15 +11,16 @@ Extension points used (no vLLM file is edited, nothing of vLLM is monkey-patched
   precomputed routing (`topk_weights`, `topk_ids`) and the layer's `w13_weight [E,2I,H]`,
   `w2_weight [E,H,I]`.
 - `PluggableLayer.register_oot(name="GateLinear")` (moe_impl megamoe / reference only): the MoE
-  gate of Qwen3-MoE, Mixtral and OLMoE is built as `MegaMoEGate`, which keeps its weight unpacked and
-  computes the router logits with `megamoe.router.router_logits` (fp32, batch invariant): the
-  function the trainer's Fp32Router calls. `MegaMoEMethod` then routes itself from those logits
+  gate of Qwen3-MoE, Mixtral, OLMoE and gpt-oss (with its router bias) is built as `MegaMoEGate`, which
+  keeps its weight unpacked and computes the router logits with `megamoe.router.router_logits` (fp32,
+  batch invariant): the function the trainer's Fp32Router calls. `MegaMoEMethod` then routes itself from those logits
   with `megamoe.route` (vLLM's monolithic-method path), so sampler and trainer choose the same
   experts with the same weights, bitwise, for the same hidden states.
 - `ModelRegistry.register_model` (moe_impl megamoe / reference): vLLM's own Qwen3-MoE, Mixtral and
   OLMoE classes, re-registered under their names from rollout/models.py, give a gate that vLLM
   built as a plain `ReplicatedLinear` (vLLM 0.26) megamoe.router's logits too; where the gate is a
-  `GateLinear` (vLLM >= 0.32) they change nothing.
+  `GateLinear` (vLLM >= 0.32) they change nothing. gpt-oss's class is re-registered for every moe_impl
+  (stock too): its in-place reload (rollout/models.py) otherwise keeps the old experts and sinks.
 - `worker_extension_cls` (rollout.extension) for collective_rpc calls in the worker process.
 - `Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`: vLLM's in-place
   layer-wise reload, which re-runs each layer's `process_weights_after_loading` and copies the
@@ -49,6 +50,7 @@ except ImportError:  # older vLLM (the H200 machine's 0.26): vLLM's own gate, se
     GateLinear = None
 
 import megamoe
+from megamoe.contract import SWIGLU, clamped_swiglu
 from megamoe.router import router_logits as megamoe_router_logits
 from megamoe.routing import SCORINGS
 from rollout import archs, moe_method
@@ -66,6 +68,11 @@ _GATE_OOT_NAME = "GateLinear"
 # ReplicatedLinear, and DeepSeek-V2/V3, whose shared experts compute through megamoe there.
 MEGAMOE_MODEL_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
                                "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+# Models re-registered from rollout/models.py for every moe_impl, stock included: vLLM's in-place reload
+# of their checkpoint-format weights needs the class's repaired load_weights.
+RELOAD_REPAIR_ARCHITECTURES = ("GptOssForCausalLM",)
+# vLLM's activation of gpt-oss's experts: the clamped SwiGLU on w13 rows interleaved gate0, up0, gate1, ...
+SWIGLUOAI = "swigluoai"
 
 
 def trainer_routing() -> bool:
@@ -92,7 +99,10 @@ class MegaMoEMethod(UnquantizedFusedMoEMethod):
 
     `moe_impl` (the one rollout.plugin.register() recorded through register_moe_method):
       megamoe / reference: weights stay in vLLM's checkpoint layout (w13 [E,2I,H] gate rows first,
-        w2 [E,H,I]), which is megamoe's layout, and `apply` calls `megamoe.fused_moe`.
+        w2 [E,H,I]), which is megamoe's layout, and `apply` calls `megamoe.fused_moe`. gpt-oss's layer
+        (activation "swigluoai", expert biases) holds w13 and w13_bias with gate and up rows interleaved:
+        process_weights_after_loading de-interleaves them once, and `apply` adds the biases and computes
+        megamoe's clamped_swiglu(swiglu_alpha, swiglu_limit) of the model's config.
       stock: vLLM's own kernels; only the weight reload is repaired (see process_weights_after_loading).
     """
 
@@ -105,8 +115,14 @@ class MegaMoEMethod(UnquantizedFusedMoEMethod):
         from vllm.config import get_current_vllm_config
 
         # While vLLM builds the model: before any weight is loaded.
-        archs.check_model_config(get_current_vllm_config().model_config.hf_config, where="vLLM model (megamoe plugin)")
+        hf_config = get_current_vllm_config().model_config.hf_config
+        archs.check_model_config(hf_config, where="vLLM model (megamoe plugin)")
         self.megamoe_impl = impl
+        self.interleaved = self._activation_name(moe) == SWIGLUOAI
+        # check_model_config pinned gpt-oss's swiglu_alpha / swiglu_limit to the values vLLM's own kernels
+        # compute with; the trainer reads the same config.
+        self.activation = (clamped_swiglu(hf_config.swiglu_alpha, hf_config.swiglu_limit) if self.interleaved
+                           else SWIGLU)
         if impl == "stock":
             super().__init__(moe)
             return
@@ -120,15 +136,23 @@ class MegaMoEMethod(UnquantizedFusedMoEMethod):
         self._check_supported(moe)
 
     @staticmethod
-    def _check_supported(moe) -> None:
-        """Refuse MoE layers whose math is not megamoe's contract (SwiGLU, no biases, all experts local)."""
+    def _activation_name(moe) -> str:
         activation = getattr(moe, "activation", "silu")
-        activation = str(getattr(activation, "value", activation)).lower()
+        return str(getattr(activation, "value", activation)).lower()
+
+    @classmethod
+    def _check_supported(cls, moe) -> None:
+        """Refuse MoE layers whose math is not megamoe's contract: SwiGLU without biases, or gpt-oss's
+        clamped SwiGLU ("swigluoai", interleaved w13) with biases; all experts local."""
+        activation = cls._activation_name(moe)
+        has_bias = bool(getattr(moe, "has_bias", False))
         parallel = getattr(moe, "moe_parallel_config", None)
         unsupported = {
-            "activation": (activation != "silu", f"{activation} (only silu, i.e. SwiGLU experts)"),
+            "activation": (activation not in ("silu", SWIGLUOAI),
+                           f"{activation} (only silu, i.e. SwiGLU experts, and gpt-oss's {SWIGLUOAI})"),
             "is_act_and_mul": (not getattr(moe, "is_act_and_mul", True), "False (only gated experts)"),
-            "has_bias": (getattr(moe, "has_bias", False), "True (expert biases)"),
+            "has_bias": (has_bias != (activation == SWIGLUOAI),
+                         f"{has_bias} with activation {activation} (expert biases go with {SWIGLUOAI} only)"),
             "moe_parallel_config.use_ep": (getattr(parallel, "use_ep", False), "True (expert parallel)"),
             "is_lora_enabled": (getattr(moe, "is_lora_enabled", False), "True (LoRA on experts)"),
             "swiglu_limit": (getattr(moe, "swiglu_limit", None) is not None, "set (clamped SwiGLU)"),
@@ -181,9 +205,17 @@ class MegaMoEMethod(UnquantizedFusedMoEMethod):
 
     def process_weights_after_loading(self, layer) -> None:
         if self.megamoe_impl != "stock":
-            # Nothing to repack: megamoe reads the checkpoint layout directly. vLLM's in-place
-            # reload copies what this leaves in the layer into the tensors the model uses.
+            # Nothing to repack: megamoe reads the checkpoint layout directly, but for gpt-oss's gate and
+            # up rows, which vLLM's loader leaves interleaved (gate0, up0, gate1, ...) and megamoe wants
+            # as [gate; up]. vLLM's in-place reload runs this on freshly loaded checkpoint tensors and
+            # copies what it leaves in the layer into the tensors the model uses, so a reload ends in
+            # the layout of the first load.
             FusedMoEMethodBase.process_weights_after_loading(self, layer)
+            if self.interleaved:
+                with torch.no_grad():
+                    for name in ("w13_weight", "w13_bias"):
+                        t = getattr(layer, name).data
+                        t.copy_(torch.cat([t[:, 0::2], t[:, 1::2]], dim=1))  # cat: a new tensor, then copied in
             return
         kernel = getattr(self, "moe_kernel", None)
         is_reload = kernel is not None
@@ -209,11 +241,18 @@ class MegaMoEMethod(UnquantizedFusedMoEMethod):
     def supports_eplb(self) -> bool:
         return self.megamoe_impl == "stock"
 
+    def _routed_experts(self, layer, x, topk_weights, topk_ids):
+        if not self.interleaved:
+            return moe_method.routed_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                                             self.megamoe_impl)
+        return moe_method.routed_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                                         self.megamoe_impl, b13_E2I=layer.w13_bias, b2_EH=layer.w2_bias,
+                                         activation=self.activation)
+
     def apply(self, layer, x, topk_weights, topk_ids, *args, **kwargs):
         if self.megamoe_impl == "stock":
             return super().apply(layer, x, topk_weights, topk_ids, *args, **kwargs)
-        return moe_method.routed_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-                                         self.megamoe_impl)
+        return self._routed_experts(layer, x, topk_weights, topk_ids)
 
     def select_experts(self, layer, router_logits):
         """(topk_weights fp32 [T,k], topk_ids int64 [T,k]) the way the trainer's Fp32Router routes."""
@@ -227,20 +266,20 @@ class MegaMoEMethod(UnquantizedFusedMoEMethod):
         if self.megamoe_impl == "stock":
             return super().apply_monolithic(layer, x, router_logits, input_ids)
         topk_weights, topk_ids = self.select_experts(layer, router_logits)
-        return moe_method.routed_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-                                         self.megamoe_impl)
+        return self._routed_experts(layer, x, topk_weights, topk_ids)
 
 
 class MegaMoERouterMethod(UnquantizedLinearMethod):
     """The linear method of an MoE gate: fp32 router logits from megamoe.router.router_logits (the
-    trainer's function), weight kept as loaded (on CPU vLLM would prepack it for its own GEMM and drop
-    the [E, H] tensor router_logits reads). Used by MegaMoEGate and by rollout/models.py."""
+    trainer's function), with the gate's bias where it has one (gpt-oss), weight kept as loaded (on CPU
+    vLLM would prepack it for its own GEMM and drop the [E, H] tensor router_logits reads). Used by
+    MegaMoEGate and by rollout/models.py."""
 
     def process_weights_after_loading(self, layer) -> None:
         return None
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        logits = megamoe_router_logits(x.reshape(-1, x.shape[-1]), layer.weight)
+        logits = megamoe_router_logits(x.reshape(-1, x.shape[-1]), layer.weight, getattr(layer, "bias", None))
         return logits.reshape(*x.shape[:-1], logits.shape[-1])
 
 
@@ -254,13 +293,15 @@ class KeepWeightLinearMethod(UnquantizedLinearMethod):
 
 
 class MegaMoEGate(GateLinear or torch.nn.Module):  # the base only matters where GateLinear exists
-    """vLLM's MoE gate with megamoe's router logits: fp32, batch invariant, the trainer's function."""
+    """vLLM's MoE gate with megamoe's router logits: fp32, batch invariant, the trainer's function; a
+    gate bias (gpt-oss's router) is added to them there."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if not self.is_unquantized or self.bias is not None:
-            raise NotImplementedError(f"megamoe rollout hook: gate {self.prefix!r} is quantized or has a bias; "
-                                      f"megamoe.router computes unquantized, bias-free gates (use moe_impl='stock')")
+        if not self.is_unquantized or (self.bias is not None and self.skip_bias_add):
+            raise NotImplementedError(f"megamoe rollout hook: gate {self.prefix!r} is quantized or returns its bias "
+                                      "unadded (skip_bias_add); megamoe.router computes unquantized gates with the "
+                                      "bias added (use moe_impl='stock')")
         self.quant_method = MegaMoERouterMethod()
 
     def forward(self, x):
@@ -281,14 +322,14 @@ def register_moe_method(impl: str) -> None:
         logger.warning("vLLM %s: no pluggable MoE gate / monolithic method path; moe_impl=%s computes the "
                        "experts but routes with vLLM's router logits and top-k, which are not bitwise the "
                        "trainer's (megamoe.router + megamoe.route)", VLLM_VERSION, impl)
-    if self_routing:
-        # vLLM's own classes whose plain ReplicatedLinear gates (0.26) compute megamoe.router's logits (a
-        # no-op where the gate is a GateLinear, which MegaMoEGate below replaces), and whose shared
-        # experts (DeepSeek) compute through megamoe (rollout/models.py).
-        from vllm import ModelRegistry
+    from vllm import ModelRegistry
 
-        for arch in MEGAMOE_MODEL_ARCHITECTURES:
-            ModelRegistry.register_model(arch, f"rollout.models:{arch}")
+    # vLLM's own classes whose plain ReplicatedLinear gates (0.26) compute megamoe.router's logits (a
+    # no-op where the gate is a GateLinear, which MegaMoEGate below replaces), and whose shared
+    # experts (DeepSeek) compute through megamoe (rollout/models.py); and, for every impl, those whose
+    # in-place reload needs repairing.
+    for arch in (MEGAMOE_MODEL_ARCHITECTURES if self_routing else ()) + RELOAD_REPAIR_ARCHITECTURES:
+        ModelRegistry.register_model(arch, f"rollout.models:{arch}")
     _REGISTERED["impl"] = impl
     replacements = [(_OOT_NAME, MegaMoEMethod, CustomOp)]
     if self_routing:
@@ -325,6 +366,26 @@ def hooked_moe_layers(model: torch.nn.Module) -> dict[str, str]:
 # -- engine construction --------------------------------------------------------------------------
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+"""The served architectures whose attention is vLLM's multi-head latent attention (MLA)."""
+
+
+def attention_kwargs(architecture: str, dtype: str) -> dict:
+    """Engine arguments for the attention backend where this vLLM's default cannot run the model.
+
+    vLLM 0.32 CPU picks its AMX MLA backend on x86 CPUs with AMX tiles, and that backend refuses
+    fp32 weights ("expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8"; seen on a 2-core
+    Sapphire Rapids machine, 2026-12-03). An fp32 MLA model on CPU then takes CPU_MLA, the backend
+    vLLM uses on CPUs without AMX. Anything else: vLLM's own choice."""
+    if torch.cuda.is_available() or architecture not in MLA_ARCHITECTURES or str(dtype) not in ("float32", "torch.float32"):
+        return {}
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    if "AMX_MLA" not in AttentionBackendEnum.__members__:
+        return {}
+    return {"attention_config": {"backend": "CPU_MLA"}}
 
 
 def engine_kwargs(*, kv_cache_memory_bytes: int, tensor_parallel_size: int, weight_sync: str = "files",

@@ -18,15 +18,33 @@ the trainer's. vLLM's MoE runner holds the shared-experts module object itself a
 module is built inside vLLM's DeepseekV2MoE, so there is no layer registry to reach it through: the
 instance gets the subclass (`__class__`), the one narrow step where no registry exists. Its linears
 keep their weights unpacked (`KeepWeightLinearMethod`), which megamoe reads.
+
+gpt-oss (vLLM's GptOssForCausalLM), registered for every moe_impl: its gate is a GateLinear (with the
+router bias: `MegaMoEGate` under megamoe / reference), so the class exists for its weights. vLLM 0.32's
+loader copies the fused expert tensors (`mlp.experts.gate_up_proj` [E,H,2I], `down_proj` [E,I,H] and
+their biases) and the attention sinks straight into the parameters (`param.copy_`). On a first load
+that works; vLLM's in-place reload (`reload_weights(is_checkpoint_format=True)`, every weight sync)
+takes each layer's parameters to the meta device and only counts what arrives through a weight loader,
+so those copies are lost and both layers keep their old values ("GptOssRoutedExperts: Failed to load
+weights", "OAIAttention: Failed to load weights": a synced engine scored 0.63 in logprob away from a
+fresh one on the same weights, vLLM CPU 0.32, stock). `GptOssForCausalLM.load_weights` below hands the
+fused experts to vLLM's own per-expert path (`...experts.{e}.gate_up_proj`, which the class loads through
+the experts' weight loader) and loads the sinks through the parameter's weight loader, on the first load
+and on every reload alike, so a synced engine holds what a fresh one does (scores bitwise equal to a
+fresh engine's on the same weights, stock and megamoe alike, vLLM CPU 0.32, fp32).
 """
 
 from __future__ import annotations
 
-import torch
-from vllm.model_executor.layers.linear import ReplicatedLinear, UnquantizedLinearMethod
-from vllm.model_executor.models import deepseek_v2, mixtral, olmoe, qwen3_moe
+from collections.abc import Iterable, Iterator
 
-from rollout import moe_method
+import torch
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.linear import ReplicatedLinear, UnquantizedLinearMethod
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models import deepseek_v2, gpt_oss, mixtral, olmoe, qwen3_moe
+
+from rollout import archs, moe_method
 from rollout.adapter import _REGISTERED, KeepWeightLinearMethod, MegaMoERouterMethod
 
 
@@ -92,3 +110,52 @@ MixtralForCausalLM = _with_megamoe_router(mixtral.MixtralForCausalLM)
 OlmoeForCausalLM = _with_megamoe_router(olmoe.OlmoeForCausalLM)
 DeepseekV2ForCausalLM = _with_megamoe_router(deepseek_v2.DeepseekV2ForCausalLM, shared_experts=True)
 DeepseekV3ForCausalLM = _with_megamoe_router(deepseek_v2.DeepseekV3ForCausalLM, shared_experts=True)
+
+
+# gpt-oss's fused expert tensors (transformers' names), each split into vLLM's per-expert names
+# `<prefix>.mlp.experts.<e>.<name>` (tensor [e]).
+_GPT_OSS_FUSED_EXPERTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+_GPT_OSS_SINKS = ".self_attn.sinks"
+
+
+class GptOssForCausalLM(gpt_oss.GptOssForCausalLM):
+    """vLLM's gpt-oss, refused before it is built when the hook cannot serve its checkpoint (quantized,
+    another activation or layout: rollout.archs), and loading its experts and sinks through weight
+    loaders, so that vLLM's in-place reload updates them (module docstring)."""
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        archs.check_model_config(vllm_config.model_config.hf_config, where="vLLM model (megamoe plugin)")
+        if not hasattr(gpt_oss.GptOssModel, "_try_load_streamed_expert"):
+            import vllm
+
+            raise NotImplementedError(f"vLLM {vllm.__version__}: gpt_oss.GptOssModel has no per-expert weight loading "
+                                      "(_try_load_streamed_expert), which the megamoe hook loads gpt-oss's experts "
+                                      "through so that weight syncs reach them (rollout/models.py, written against "
+                                      "vLLM 0.32)")
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+
+    def _sinks(self, name: str, loaded: torch.Tensor) -> str:
+        """Load one layer's attention sinks (this rank's heads) through the parameter's weight loader."""
+        target = name.replace(".self_attn.", ".attn.")
+        param = self.get_parameter(target)
+        heads = param.shape[0]
+        if get_tensor_model_parallel_world_size() > 1:
+            loaded = loaded.narrow(0, get_tensor_model_parallel_rank() * heads, heads)
+        getattr(param, "weight_loader", default_weight_loader)(param, loaded)
+        return target
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        sinks: set[str] = set()
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in weights:
+                prefix, _, kind = name.rpartition(".")
+                if prefix.endswith(".mlp.experts") and kind in _GPT_OSS_FUSED_EXPERTS:
+                    for e in range(t.shape[0]):
+                        yield f"{prefix}.{e}.{kind}", t[e]
+                elif name.endswith(_GPT_OSS_SINKS):
+                    sinks.add(self._sinks(name, t))
+                else:
+                    yield name, t
+
+        return super().load_weights(stream()) | sinks

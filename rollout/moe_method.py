@@ -7,8 +7,10 @@ adapter.MegaMoEMethod), or by vLLM's router where megamoe.route cannot reproduce
 adds shared experts and applies `routed_scaling_factor` after we return. So the hook computes exactly
 the contract of `megamoe.fused_moe` on vLLM's weight layout:
 
-    w13_weight [E, 2I, H]  gate rows first, then up rows  (= megamoe's w13)
+    w13_weight [E, 2I, H]  gate rows first, then up rows  (= megamoe's w13; gpt-oss's after
+                           adapter.MegaMoEMethod de-interleaved them)
     w2_weight  [E, H, I]                                  (= megamoe's w2)
+    w13_bias [E, 2I], w2_bias [E, H]                      (gpt-oss only: megamoe's b13 / b2)
 
 DeepSeek's shared experts (a dense SwiGLU MLP, run by vLLM's runner before the routed experts) are
 `shared_experts` below: megamoe.fused_moe with one expert that every token takes with weight 1, which
@@ -48,14 +50,20 @@ def reset_moe_calls() -> None:
 # run Python at all, so the counter then counts only eager (capture and warm-up) calls.
 @torch.compiler.disable
 def routed_experts(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor,
-                   topk_weights_Tk: torch.Tensor, topk_ids_Tk: torch.Tensor, impl: str) -> torch.Tensor:
-    """y[T,H] = megamoe.fused_moe(...) for vLLM's precomputed routing; counts the call."""
+                   topk_weights_Tk: torch.Tensor, topk_ids_Tk: torch.Tensor, impl: str, *,
+                   b13_E2I: torch.Tensor | None = None, b2_EH: torch.Tensor | None = None,
+                   activation=None) -> torch.Tensor:
+    """y[T,H] = megamoe.fused_moe(...) for vLLM's precomputed routing; counts the call. gpt-oss passes
+    its expert biases and its clamped SwiGLU (`activation`, a megamoe.contract.Activation)."""
     with _LOCK:
         _CALLS[impl] += 1
     # check_ids=False: vLLM's router produces ids in [0, E) by construction, and the range check reads
     # the ids back to the host, which a CUDA-graph capture cannot contain.
-    return megamoe.fused_moe(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk,
-                             impl=impl, check_ids=False)
+    if activation is None and b13_E2I is None and b2_EH is None:
+        return megamoe.fused_moe(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk,
+                                 impl=impl, check_ids=False)
+    return megamoe.fused_moe(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk, impl=impl, b13=b13_E2I,
+                             b2=b2_EH, activation=activation, check_ids=False)
 
 
 @torch.compiler.disable

@@ -74,11 +74,19 @@ def run_moe_blocks(worker, hidden: Sequence[torch.Tensor]) -> list[dict[str, tor
 
 # -- worker side (called through rollout.extension) -----------------------------------------------
 
+# The MoE block's attribute that holds its gate: `gate`, or `router` (gpt-oss's MLPBlock).
+GATE_ATTRS = ("gate", "router")
+
+
+def block_gate(block: torch.nn.Module) -> torch.nn.Module | None:
+    """The MoE block's gate module (GATE_ATTRS), or None."""
+    return next((g for g in (getattr(block, a, None) for a in GATE_ATTRS) if isinstance(g, torch.nn.Module)), None)
+
+
 def moe_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(name, block) of every MoE block of a vLLM model (a `gate` and a FusedMoE runner), in layer order."""
+    """(name, block) of every MoE block of a vLLM model (a gate and a FusedMoE runner), in layer order."""
     return [(name, m) for name, m in model.named_modules()
-            if isinstance(getattr(m, "gate", None), torch.nn.Module)
-            and hasattr(getattr(m, "experts", None), "routed_experts")]
+            if block_gate(m) is not None and hasattr(getattr(m, "experts", None), "routed_experts")]
 
 
 def _route(block: torch.nn.Module, x_TH: torch.Tensor, logits_TE: torch.Tensor) -> torch.Tensor:
@@ -115,7 +123,7 @@ def probe_in_worker(worker, blob: bytes) -> bytes:
     with torch.inference_mode(), set_forward_context(None, worker.vllm_config):
         for i, (name, block) in enumerate(blocks):
             x = hidden[str(i)].to(device)
-            logits = block.gate(x)
+            logits = block_gate(block)(x)
             logits = logits[0] if isinstance(logits, tuple) else logits
             ids = _route(block, x, logits)
             y = block(x)

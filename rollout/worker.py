@@ -153,6 +153,7 @@ class RolloutWorker:
                       **adapter.engine_kwargs(kv_cache_memory_bytes=kv_cache_memory_bytes,
                                               tensor_parallel_size=tensor_parallel_size,
                                               weight_sync=weight_sync, sleep_mode=self.sleep_mode))
+        kwargs.update(adapter.attention_kwargs(self.spec.architecture, dtype))
         kwargs.update(engine_kwargs)
         self.llm = LLM(**kwargs)
         try:

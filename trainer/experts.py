@@ -17,10 +17,26 @@ Router. transformers' routers compute the router logits with `F.linear` in the p
 (bf16 under mixed precision) and Qwen3's casts the top-k weights back to that dtype: the "router
 in bf16 on one side, fp32 on the other" pitfall that flips top-k choices between sampler and
 trainer. transformers has no registry for routers, so for moe_impl megamoe/reference each MoE
-block's `gate` is replaced by `Fp32Router`, which keeps the same `weight` parameter (same name,
+block's `gate` (gpt-oss: `router`) is replaced by `Fp32Router`, which keeps the same `weight` parameter (same name,
 same object), computes the logits with `megamoe.router.router_logits` (fp32 from upcast operands,
 batch invariant) and routes with `megamoe.route`: the functions the sampler side uses too. The block's own forward is unchanged: it calls
-`self.gate(h)` and hands the (weights, ids) to `self.experts`.
+`self.gate(h)` (`self.router(h)`) and hands the (weights, ids) to `self.experts`.
+
+gpt-oss (`GptOssExperts`, decorated with the registry too in transformers 5.19): biased experts with a
+clamped SwiGLU, held as `gate_up_proj [E, H, 2I]` (transposed, gate and up columns interleaved: gate =
+[..., ::2], up = [..., 1::2]), `gate_up_proj_bias [E, 2I]` (interleaved the same way), `down_proj
+[E, I, H]` and `down_proj_bias [E, H]`. The parameters stay as they are (names and layout: checkpoints,
+export and weight sync are the stock ones); `gpt_oss_megamoe_weights` converts them to megamoe's layout
+inside each forward (transpose + de-interleave, a differentiable copy) and the experts run
+`megamoe.fused_moe(..., b13, b2, activation=clamped_swiglu(alpha, limit))`. What the copy costs: one
+copy of the layer's expert weights per forward, 3*E*I*H + 2*E*I elements (gpt-oss-20b: 0.80 G
+elements, 1.6 GB in bf16, per layer), which the autograd op keeps for the backward, plus the inverse copy
+of their gradients there. Without activation checkpointing a step so holds one such copy per layer
+until its backward (24 layers of gpt-oss-20b: 38 GB per rank); with `trainer.activation_checkpointing`
+one at a time. Its router (`GptOssTopKRouter`: logits = x @ W.T + b, top-k of the logits, softmax over
+those k) becomes an `Fp32Router` with the router bias (the stock Parameter, trained): softmax over all E,
+top-k, renormalised, the same weights mathematically, and what vLLM's FusedMoE (renormalize=True) is
+routed with on the sampler side by the same `megamoe.route`, so both sides agree bitwise.
 
 DeepSeek-V3 (shared experts, sigmoid scores with a score-correction bias, group-limited top-k, a routed
 scaling factor). Its block is replaced as a whole by `SharedExpertsMoE` (same child modules, so the
@@ -44,6 +60,7 @@ import torch
 from torch import nn
 
 import megamoe
+from megamoe.contract import clamped_swiglu
 from megamoe.router import router_logits as megamoe_router_logits
 
 log = logging.getLogger(__name__)
@@ -55,12 +72,32 @@ MOE_CALLS: collections.Counter[str] = collections.Counter()
 """Calls of the registered experts functions in this process, by megamoe impl (tests read it)."""
 
 
+# Experts classes in gpt-oss's layout (transposed, interleaved, biased; clamped SwiGLU with the module's
+# `alpha` and `limit`), which `gpt_oss_megamoe_weights` converts (module docstring).
+INTERLEAVED_EXPERTS = ("GptOssExperts",)
+
+
+def gpt_oss_megamoe_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w13 [E,2I,H] gate rows then up rows, w2 [E,H,I], b13 [E,2I], b2 [E,H]) of a GptOssExperts module,
+    differentiable copies of its parameters in megamoe's layout (the cost: module docstring)."""
+    gu_E2IH = module.gate_up_proj.transpose(1, 2)  # [E, 2I, H], rows interleaved gate0, up0, gate1, ...
+    w13_E2IH = torch.cat([gu_E2IH[:, 0::2], gu_E2IH[:, 1::2]], dim=1)
+    b = module.gate_up_proj_bias
+    b13_E2I = torch.cat([b[:, 0::2], b[:, 1::2]], dim=1)
+    w2_EHI = module.down_proj.transpose(1, 2).contiguous()
+    return w13_E2IH, w2_EHI, b13_E2I, module.down_proj_bias
+
+
 def _experts_forward(impl: str):
     def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                         top_k_weights: torch.Tensor) -> torch.Tensor:
         MOE_CALLS[impl] += 1
         # top_k_weights arrive in fp32 from Fp32Router; the contract accepts any float dtype for
         # them and applies them in fp32. x and the weights share the compute dtype (FSDP casts both).
+        if type(module).__name__ in INTERLEAVED_EXPERTS:
+            w13, w2, b13, b2 = gpt_oss_megamoe_weights(module)
+            return megamoe.fused_moe(hidden_states, w13, w2, top_k_weights, top_k_index, impl=impl, b13=b13, b2=b2,
+                                     activation=clamped_swiglu(module.alpha, module.limit), check_ids=False)
         return megamoe.fused_moe(hidden_states, module.gate_up_proj, module.down_proj,
                                  top_k_weights, top_k_index, impl=impl, check_ids=False)
 
@@ -77,10 +114,40 @@ def register_experts_implementations() -> None:
             ALL_EXPERTS_FUNCTIONS.register(name, _experts_forward(impl))
 
 
+def _interleaved_problems(module: nn.Module) -> list[str]:
+    """What keeps a gpt-oss experts module (INTERLEAVED_EXPERTS) from `gpt_oss_megamoe_weights`."""
+    problems = []
+    for flag, want in (("has_gate", True), ("has_bias", True), ("is_transposed", True), ("is_concatenated", False)):
+        if getattr(module, flag, None) is not want:
+            problems.append(f"{flag}={getattr(module, flag, None)!r} (expected {want}: gpt-oss's layout)")
+    for p in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+        if not isinstance(getattr(module, p, None), torch.Tensor):
+            problems.append(f"missing {p}")
+    try:
+        clamped_swiglu(getattr(module, "alpha", None), getattr(module, "limit", None))
+    except ValueError as e:
+        problems.append(f"alpha={getattr(module, 'alpha', None)!r}, limit={getattr(module, 'limit', None)!r} "
+                        f"(the clamped SwiGLU's: {e})")
+    return problems
+
+
 def check_experts_eligible(module: nn.Module, name: str) -> None:
     """megamoe computes gated SwiGLU experts in transformers' concatenated [gate; up] layout without
-    biases; anything else fails here, at setup, never mid-step."""
+    biases, or gpt-oss's biased, interleaved, clamped-SwiGLU experts (INTERLEAVED_EXPERTS); anything
+    else fails here, at setup, never mid-step."""
+    kind = type(module).__name__
+    if not hasattr(module, "has_gate"):
+        # Not decorated with use_experts_implementation: its forward never reaches the registry.
+        raise ValueError(f"{name}: experts module {kind} cannot run on megamoe: its class does not dispatch "
+                         "through transformers' experts registry (no use_experts_implementation)")
     problems = []
+    if kind in INTERLEAVED_EXPERTS:
+        problems = _interleaved_problems(module)
+        if getattr(module, "_is_expert_parallel", False):
+            problems.append("expert parallel (transformers' EP sharding is not supported)")
+        if problems:
+            raise ValueError(f"{name}: experts module {kind} cannot run on megamoe: " + "; ".join(problems))
+        return
     if not getattr(module, "has_gate", False):
         problems.append("has_gate=False (expected gated experts)")
     if getattr(module, "has_bias", False):
@@ -106,14 +173,18 @@ class Fp32Router(nn.Module):
     with a score-correction bias and group-limited top-k, see `megamoe.route`).
 
     Returns what transformers' TopKRouters return, `(router_logits fp32 [T,E], top_k_weights fp32
-    [T,k], top_k_index int64 [T,k])`, so the MoE block's forward uses it unchanged. The weights carry no
+    [T,k], top_k_index int64 [T,k])`, so the MoE block's forward uses it unchanged. A router `bias`
+    (gpt-oss) is added to the logits by `megamoe.router.router_logits`. The weights carry no
     routed scaling factor: `SharedExpertsMoE` scales the experts' output instead (module docstring).
     """
 
     def __init__(self, weight: nn.Parameter, top_k: int, renormalize: bool, *, scoring: str = "softmax",
-                 e_score_correction_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1):
+                 bias: nn.Parameter | None = None, e_score_correction_bias: torch.Tensor | None = None,
+                 n_group: int = 1, topk_group: int = 1):
         super().__init__()
         self.weight = weight  # the stock router's Parameter itself: same name, same storage
+        # gpt-oss's router bias (logits = x @ W.T + b): the stock Parameter too, trained; None elsewhere.
+        self.register_parameter("bias", bias)
         self.top_k = int(top_k)
         self.num_experts = weight.shape[0]
         self.hidden_dim = weight.shape[1]
@@ -130,7 +201,7 @@ class Fp32Router(nn.Module):
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
         # megamoe's batch-invariant fp32 router GEMM: the function the rollout's gate computes too
         # (rollout/adapter.py), so both sides route from bitwise-equal logits.
-        router_logits = megamoe_router_logits(hidden_states, self.weight)
+        router_logits = megamoe_router_logits(hidden_states, self.weight, self.bias)
         # check_finite=False: a NaN here must reach the loss (the step is then skipped and counted)
         # instead of raising mid-step, and the check would synchronise a GPU once per layer.
         weights, ids = megamoe.route(router_logits, self.top_k, self.scoring, self.renormalize,
@@ -141,7 +212,9 @@ class Fp32Router(nn.Module):
     def extra_repr(self) -> str:
         grouped = (f", scoring={self.scoring}, bias={self.e_score_correction_bias is not None}, "
                    f"n_group={self.n_group}, topk_group={self.topk_group}") if self.scoring != "softmax" else ""
-        return f"experts={self.num_experts}, top_k={self.top_k}, renormalize={self.renormalize}{grouped}, fp32 logits"
+        bias = ", router bias" if self.bias is not None else ""
+        return (f"experts={self.num_experts}, top_k={self.top_k}, renormalize={self.renormalize}{grouped}{bias}, "
+                "fp32 logits")
 
 
 def shared_mlp_forward(x_TH: torch.Tensor, w13_2IH: torch.Tensor, w2_HI: torch.Tensor, impl: str) -> torch.Tensor:
@@ -199,13 +272,17 @@ def _deepseek_v3_router(gate: nn.Module) -> dict:
 
 # transformers' routers whose semantics Fp32Router reproduces, and Fp32Router's arguments for each:
 # softmax top-k renormalised to sum 1 (Mixtral always; Qwen3-MoE and OLMoE as norm_topk_prob says, which
-# OLMoE-1B-7B leaves False), or DeepSeek-V3's sigmoid top-k with its bias and groups.
+# OLMoE-1B-7B leaves False; gpt-oss's softmax over the top-k logits, with its router bias), or DeepSeek-V3's
+# sigmoid top-k with its bias and groups.
 ROUTER_ARGS = {
     "MixtralTopKRouter": lambda gate: dict(renormalize=True),
     "Qwen3MoeTopKRouter": lambda gate: dict(renormalize=bool(gate.norm_topk_prob)),
     "OlmoeTopKRouter": lambda gate: dict(renormalize=bool(gate.norm_topk_prob)),
     "DeepseekV3TopkRouter": _deepseek_v3_router,
+    "GptOssTopKRouter": lambda gate: dict(renormalize=True, bias=gate.bias),
 }
+# The MoE block's attribute that holds its router: `gate`, or `router` (gpt-oss's GptOssMLP).
+ROUTER_ATTRS = ("gate", "router")
 # MoE blocks whose own forward cannot run on megamoe bitwise like the sampler (see the module docstring),
 # replaced as a whole by SharedExpertsMoE.
 SHARED_EXPERTS_BLOCKS = ("DeepseekV3MoE",)
@@ -234,25 +311,42 @@ def _check_block(block: nn.Module, name: str) -> None:
                          f"gate_proj/up_proj/down_proj nn.Linear layers (missing: {missing})")
 
 
+def router_attr(block: nn.Module) -> str | None:
+    """The name of the MoE block's router attribute (ROUTER_ATTRS), or None."""
+    return next((a for a in ROUTER_ATTRS if isinstance(getattr(block, a, None), nn.Module)), None)
+
+
+def block_router(block: nn.Module) -> nn.Module:
+    """The MoE block's router module (`gate` or `router`)."""
+    return getattr(block, router_attr(block))
+
+
 def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, block) for every MoE block: a module with a `gate` router and an `experts` module."""
+    """(name, block) for every MoE block: a module with a router (`gate` or `router`) and an `experts` module."""
     return [(name, m) for name, m in model.named_modules()
             if isinstance(getattr(m, "experts", None), nn.Module) and hasattr(m.experts, "gate_up_proj")
-            and isinstance(getattr(m, "gate", None), nn.Module)]
+            and router_attr(m) is not None]
 
 
 def check_megamoe_eligible(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every MoE block's experts and router can run on megamoe (else a ValueError naming the module,
     its class and what it needs); returns the blocks. Reads only module attributes and the config,
     so a model built on the meta device is checked before any weight is loaded (trainer.model)."""
+    quant = getattr(getattr(model, "config", None), "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
+        raise ValueError(f"{type(model).__name__}: quantization_config (quant_method {str(method)!r}): megamoe "
+                         "computes unquantized experts only (use the checkpoint's bf16 / fp32 weights)")
     blocks = moe_blocks(model)
     if not blocks:
-        raise ValueError(f"{type(model).__name__}: no MoE block (a module with `gate` and `experts.gate_up_proj`) found")
+        raise ValueError(f"{type(model).__name__}: no MoE block (a module with `gate` or `router` and "
+                         "`experts.gate_up_proj`) found")
     for name, block in blocks:
         check_experts_eligible(block.experts, f"{name}.experts")
         _check_block(block, name)
-        if not isinstance(block.gate, Fp32Router):
-            _router_args(block.gate)  # an unknown router raises, naming its class
+        router = block_router(block)
+        if not isinstance(router, Fp32Router):
+            _router_args(router)  # an unknown router raises, naming its class
     return blocks
 
 
@@ -268,7 +362,8 @@ def install_megamoe(model: nn.Module, moe_impl: str) -> int:
                          f"got {have!r}")
     blocks = check_megamoe_eligible(model)
     for name, block in blocks:
-        gate = block.gate
+        attr = router_attr(block)
+        gate = getattr(block, attr)
         if isinstance(gate, Fp32Router):
             continue
         router = Fp32Router(gate.weight, gate.top_k, **_router_args(gate))
@@ -277,7 +372,7 @@ def install_megamoe(model: nn.Module, moe_impl: str) -> int:
             model.get_submodule(parent_name).register_module(
                 child, SharedExpertsMoE(block, router, gate.routed_scaling_factor, moe_impl))
         else:
-            block.gate = router
+            setattr(block, attr, router)
     log.info("trainer MoE: %d blocks compute experts with megamoe impl=%r and route with megamoe.route (fp32)",
              len(blocks), moe_impl)
     return len(blocks)

@@ -40,7 +40,10 @@ _PER_EXPERT = {
     "olmoe": _QWEN_EXPERTS,
     "deepseek_v3": _QWEN_EXPERTS,
 }
-SUPPORTED_ARCHS = tuple(_PER_EXPERT)
+# Architectures whose checkpoints hold the experts fused, under the in-memory names and shapes (gpt-oss:
+# gate_up_proj [E, H, 2I] interleaved, its bias, down_proj [E, I, H], its bias): nothing to map.
+_FUSED_ON_DISK = ("gpt_oss",)
+SUPPORTED_ARCHS = tuple(_PER_EXPERT) + _FUSED_ON_DISK
 """transformers model_type of every architecture the trainer loads (the authoritative list)."""
 # Other on-disk renames (Mixtral's legacy module name).
 _RENAMES = {"mixtral": ((".block_sparse_moe.", ".mlp."),)}

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from trainer.batch import collate, micro_batches, validate_batch
-from trainer.experts import moe_blocks
+from trainer.experts import block_router, moe_blocks
 from trainer.loss import token_logprobs
 
 
@@ -80,7 +80,8 @@ def run_moe_blocks(model: torch.nn.Module, hidden: Sequence[torch.Tensor]) -> li
     for block, h in zip(blocks, hidden):
         x = h.to(device)
         # The block's own router: Fp32Router for megamoe / reference, transformers' TopKRouter for stock.
-        logits, _, ids = block.gate(x)
-        y = block(x[None])[0]
+        logits, _, ids = block_router(block)(x)
+        y = block(x[None])
+        y = (y[0] if isinstance(y, tuple) else y)[0]  # gpt-oss's block returns (hidden, router scores)
         result.append({"logits": logits.float().cpu(), "ids": ids.long().cpu(), "out": y.cpu()})
     return result

@@ -99,17 +99,30 @@ def test_router_logits_batch_invariant_fp32_and_close_to_linear(dtype):
                  TOLERANCES[torch.float32])
 
 
-def test_router_logits_gradients_and_opcheck():
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "router-bias"])
+def test_router_logits_gradients_and_opcheck(with_bias):
+    """With gpt-oss's router bias too: added in fp32 after the blocked product, its gradient the column sum."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(37, 64, generator=g, requires_grad=True)
     w = torch.randn(8, 64, generator=g, requires_grad=True)
-    torch.library.opcheck(torch.ops.megamoe.router_logits.default, (x, w))
+    b = torch.randn(8, generator=g, requires_grad=True) if with_bias else None
+    args = (x, w, b) if with_bias else (x, w)
+    torch.library.opcheck(torch.ops.megamoe.router_logits.default, args)
     dy = torch.randn(37, 8, generator=g)
-    router_logits(x, w).backward(dy)
+    y = router_logits(*args)
+    y.backward(dy)
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    torch.nn.functional.linear(x64, w64).backward(dy.double())
+    b64 = b.detach().double().requires_grad_() if with_bias else None
+    want = torch.nn.functional.linear(x64, w64, b64)
+    want.backward(dy.double())
+    assert_close("y", y.detach(), want.detach().float(), TOLERANCES[torch.float32])
     assert_close("dx", x.grad, x64.grad, TOLERANCES[torch.float32])
     assert_close("dw", w.grad, w64.grad, TOLERANCES[torch.float32])
+    if with_bias:
+        assert_close("db", b.grad, b64.grad, TOLERANCES[torch.float32])
+        full = router_logits(x.detach(), w.detach(), b.detach())
+        for n, start in ((1, 0), (7, 30), (33, 4)):
+            assert torch.equal(router_logits(x.detach()[start:start + n], w.detach(), b.detach()), full[start:start + n])
 
 
 def test_router_logits_refuses_bad_input():
@@ -117,6 +130,8 @@ def test_router_logits_refuses_bad_input():
         router_logits(torch.randn(3, 64), torch.randn(8, 32))
     with pytest.raises(ValueError, match="x: expected a 2-D tensor"):
         router_logits(torch.randn(2, 3, 64), torch.randn(8, 64))
+    with pytest.raises(ValueError, match=r"^b: expected shape \[E=8\] \(one per expert\), got \(7,\)"):
+        router_logits(torch.randn(3, 64), torch.randn(8, 64), torch.randn(7))
 
 
 # -- the metrics both `train` and `consistency` report ------------------------------------------

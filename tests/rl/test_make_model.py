@@ -1,7 +1,8 @@
 """rl.make_model and the `megamoe-rl` CLI: the tiny checkpoint loads in transformers and vLLM CPU,
 is seeded-deterministic, has the expert layout the project relies on, and bad arguments fail first.
-Every architecture (Qwen3-MoE, Mixtral, OLMoE) loads in transformers here; vLLM CPU loads the
-Qwen3-MoE one here, the OLMoE one in tests/rollout/test_rollout_archs.py and tests/rl/test_consistency.py.
+Every architecture (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3, gpt-oss) loads in transformers here; vLLM CPU
+loads the Qwen3-MoE one here, the OLMoE, DeepSeek-V3 and gpt-oss ones in tests/rollout/test_rollout_archs_olmoe.py,
+_deepseek.py and _gpt_oss.py (and OLMoE's in tests/rl/test_consistency.py).
 
     .venv/bin/python -m pytest -q tests/rl/test_make_model.py
 """
@@ -29,7 +30,8 @@ TOL_LOGPROB_FP32 = 1e-4
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """Checkpoints shared by the module: qwen3_moe seed 0 (twice), seed 1, mixtral and olmoe seed 0."""
+    """Checkpoints shared by the module: qwen3_moe seed 0 (twice), seed 1; mixtral, olmoe, deepseek_v3 and
+    gpt_oss seed 0."""
     root = tmp_path_factory.mktemp("models")
     return {
         "qwen": make_model(root / "qwen-s0"),
@@ -38,6 +40,7 @@ def built(tmp_path_factory):
         "mixtral": make_model(root / "mixtral-s0", arch="mixtral"),
         "olmoe": make_model(root / "olmoe-s0", arch="olmoe"),
         "dsv3": make_model(root / "dsv3-s0", arch="deepseek_v3", layers=3),
+        "gpt_oss": make_model(root / "gpt-oss-s0", arch="gpt_oss"),
     }
 
 
@@ -54,7 +57,7 @@ def _tokenizer(path):
 # --- transformers -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("key,arch", [("qwen", "qwen3_moe"), ("mixtral", "mixtral"), ("olmoe", "olmoe"),
-                                      ("dsv3", "deepseek_v3")])
+                                      ("dsv3", "deepseek_v3"), ("gpt_oss", "gpt_oss")])
 def test_transformers_forward(built, key, arch):
     model = _load(built[key])
     cfg = model.config
@@ -136,14 +139,18 @@ def test_olmoe_config_and_trainer_route_without_renormalisation(built):
     assert err_renorm > 100 * TOL_LOGPROB_FP32
 
 
-def _logprob_gaps(stock, ours, change) -> tuple[float, float]:
+def _logprob_gaps(stock, ours, change, scale: dict[str, float] | None = None) -> tuple[float, float]:
     """Max |Δ logprob| of `ours` against transformers' `stock` at seeded std-0.1 weights (the experts move
-    enough to change routing), then again after `change()` alters `ours`' routing."""
+    enough to change routing; `scale`: parameters whose name ends with a key are multiplied by its value),
+    then again after `change()` alters `ours`' routing or experts."""
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for p in stock.parameters():
+        for name, p in stock.named_parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.1, generator=gen)
+            for suffix, factor in (scale or {}).items():
+                if name.endswith(suffix):
+                    p.mul_(factor)
         ours.load_state_dict(stock.state_dict())
         ids = torch.randint(0, stock.config.vocab_size, (3, 11), generator=gen)
         want = torch.log_softmax(stock(ids).logits.double(), dim=-1)
@@ -181,6 +188,83 @@ def test_deepseek_v3_config_and_trainer_match_transformers(built):
           f"{TOL_LOGPROB_FP32:.0e}); routing without the bias instead: {err_unbiased:.2e}")
     assert err <= TOL_LOGPROB_FP32
     assert err_unbiased > 100 * TOL_LOGPROB_FP32
+
+
+def test_gpt_oss_config_and_trainer_match_transformers(built):
+    """The tiny gpt-oss: biased experts (non-zero, seeded) with the clamped SwiGLU, interleaved gate/up on
+    disk in transformers' fused layout, a router with a bias, attention sinks, sliding-window and full
+    layers alternating as vLLM builds them, YaRN RoPE; and the trainer (load_model: megamoe experts through
+    transformers' experts registry, converted to megamoe's layout in the forward; Fp32Router with the router
+    bias) computes what transformers' own GptOss does, at std-0.1 weights with the experts' gate_up_proj at
+    std 0.5, so that the clamp (limit 7) is active. The same model without the clamp, and without the
+    router bias, must fall far outside the tolerance. Measured on a 2-core x86 CPU (torch 2.13.0+cpu):
+    max |Δ logprob| 1.5e-6; clamp off instead 2.37, router bias zeroed instead 0.17."""
+    from safetensors.torch import load_file
+
+    from trainer.experts import Fp32Router
+    from trainer.model import load_model
+
+    config = json.loads((built["gpt_oss"] / "config.json").read_text())
+    assert config["architectures"] == ["GptOssForCausalLM"]
+    want = {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32, "swiglu_alpha": 1.702,
+            "swiglu_limit": 7.0, "sliding_window": mm.GPT_OSS_SLIDING_WINDOW, "rms_norm_eps": 1e-5,
+            "attention_bias": True, "tie_word_embeddings": False,
+            "layer_types": ["sliding_attention", "full_attention"], "rope_parameters": mm.GPT_OSS_ROPE}
+    assert {k: config[k] for k in want} == want
+    disk = load_file(built["gpt_oss"] / "model.safetensors")
+    E, I, H = 8, 32, 64
+    for layer in range(2):
+        p = f"model.layers.{layer}"
+        shapes = {k: tuple(disk[f"{p}.{k}"].shape) for k in (
+            "mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj",
+            "mlp.experts.down_proj_bias", "mlp.router.weight", "mlp.router.bias", "self_attn.sinks")}
+        assert shapes == {"mlp.experts.gate_up_proj": (E, H, 2 * I), "mlp.experts.gate_up_proj_bias": (E, 2 * I),
+                          "mlp.experts.down_proj": (E, I, H), "mlp.experts.down_proj_bias": (E, H),
+                          "mlp.router.weight": (E, H), "mlp.router.bias": (E,), "self_attn.sinks": (2,)}
+        for k in ("mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias", "mlp.router.bias", "self_attn.sinks"):
+            assert bool((disk[f"{p}.{k}"] != 0).all()), k  # the bias and sink paths compute something
+    stock = _load(built["gpt_oss"])
+    ours = load_model(built["gpt_oss"], "megamoe").eval()
+    routers = [m.mlp.router for m in ours.model.layers]
+    assert all(isinstance(r, Fp32Router) and r.renormalize and r.bias is not None for r in routers)
+    assert sorted(ours.state_dict()) == sorted(stock.state_dict())
+    experts = [m.mlp.experts for m in ours.model.layers]
+    err, err_no_clamp = _logprob_gaps(stock, ours, lambda: [setattr(m, "limit", 1e9) for m in experts],
+                                      scale={"experts.gate_up_proj": 5.0})
+    for m in experts:
+        m.limit = 7.0
+    _, err_no_bias = _logprob_gaps(stock, ours, lambda: [r.bias.zero_() for r in routers],
+                                   scale={"experts.gate_up_proj": 5.0})
+    print(f"gpt-oss trainer (megamoe) vs transformers: max |Δ logprob| {err:.2e} (tolerance {TOL_LOGPROB_FP32:.0e}); "
+          f"without the clamp instead: {err_no_clamp:.2e}; without the router bias instead: {err_no_bias:.2e}")
+    assert err <= TOL_LOGPROB_FP32
+    assert err_no_clamp > 100 * TOL_LOGPROB_FP32 and err_no_bias > 100 * TOL_LOGPROB_FP32
+
+
+def test_gpt_oss_experts_the_trainer_cannot_compute_are_refused(built):
+    """Before any weight is read (a meta-device model): experts not in gpt-oss's layout, a clamped SwiGLU
+    without a valid limit, and a quantized checkpoint are refused, naming the class and the feature."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.experts import check_experts_eligible, check_megamoe_eligible
+
+    config = AutoConfig.from_pretrained(built["gpt_oss"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    check_megamoe_eligible(model)
+    experts = model.model.layers[0].mlp.experts
+    for attr, value, named in (("is_concatenated", True, r"is_concatenated=True \(expected False: gpt-oss's layout\)"),
+                               ("has_bias", False, r"has_bias=False \(expected True"),
+                               ("limit", 0.0, r"limit=0.0 \(the clamped SwiGLU's: activation.limit: expected")):
+        before = getattr(experts, attr)
+        setattr(experts, attr, value)
+        with pytest.raises(ValueError, match=rf"^x: experts module GptOssExperts cannot run on megamoe: .*{named}"):
+            check_experts_eligible(experts, "x")
+        setattr(experts, attr, before)
+    config.quantization_config = {"quant_method": "mxfp4"}
+    with pytest.raises(ValueError, match=r"^GptOssForCausalLM: quantization_config \(quant_method 'mxfp4'\): megamoe "
+                                         r"computes unquantized experts only"):
+        check_megamoe_eligible(model)
 
 
 def test_deepseek_groups():

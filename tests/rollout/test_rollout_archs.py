@@ -1,21 +1,14 @@
-"""More MoE architectures through the megamoe hook: OLMoE and DeepSeek-V3 end to end, and DeepSeek-V2
-(shared experts, MLA, routed_scaling_factor, a dense first layer) in vLLM.
+"""More MoE architectures through the megamoe hook: DeepSeek-V2 (shared experts, MLA,
+routed_scaling_factor, a dense first layer) in vLLM, and the checkpoints of every family that the hook
+and the trainer must refuse. The end-to-end runs of each family (GRPO steps with megamoe on both sides,
+then `megamoe-rl consistency`) are files of their own: test_rollout_archs_olmoe.py,
+test_rollout_archs_deepseek.py and test_rollout_archs_gpt_oss.py (each takes minutes on 2 cores, and
+`make test` runs each file in one worker); their shared names (ROOT, LOGPROB_TOL_FP32) are defined here.
 
-- DeepSeek-V3 (`rl.make_model --arch deepseek_v3`): two GRPO steps of configs/tiny_deepseek_v3.yaml with
-  megamoe on both sides, then `megamoe-rl consistency` on that model: every MoE layer (routed and shared
-  experts) bitwise equal between sampler and trainer, routing agreement 1.0. End to end the two sides
-  differ by their attention (DSV3_LOGPROB_TOL_FP32).
-
-- OLMoE (`rl.make_model --arch olmoe`: top-k softmax without renormalisation, q/k norms over the
-  whole projection): a few GRPO steps of configs/tiny_olmoe.yaml, vLLM CPU sampling and the FSDP2
-  trainer both on megamoe; every step's sampler logprobs (after the weight pushes) against the
-  trainer's. What backs this against an independent reference: tests/rl/test_make_model.py (the trainer
-  vs transformers' own OLMoE, and a renormalised routing that must differ) and
-  tests/rl/test_consistency.py (`megamoe-rl consistency` on the tiny OLMoE: every MoE layer bitwise
-  equal on both sides, vLLM vs transformers end to end).
-- A checkpoint that vLLM's class would serve as another model (OLMoE with a GELU MLP, ...) is refused
-  while vLLM builds the model, before any weight is loaded, naming the class and the setting; the
-  trainer refuses it before reading weights too.
+- A checkpoint that vLLM's class would serve as another model (OLMoE with a GELU MLP, gpt-oss with
+  another SwiGLU limit, a DeepSeek-V3 that routes otherwise, ...) is refused while vLLM builds the
+  model, before any weight is loaded, naming the class and the setting; the trainer refuses it before
+  reading weights too. A quantized (mxfp4) gpt-oss checkpoint is refused before anything starts.
 - DeepSeek-V2: vLLM CPU's MLA path and transformers' DeepSeek-V2 disagree by ~1 in logprob for
   this tiny config even with moe_impl="stock" (vLLM's own kernels; measured 2026-11-30), so the
   reference is vLLM itself: the megamoe engine against the stock engine, before and after an update.
@@ -31,9 +24,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -125,136 +115,6 @@ def test_deepseek_v2_through_megamoe_matches_vllm_stock(deepseek):
     assert [s["completion_ids"] for s in ours["before"]] != [s["completion_ids"] for s in ours["after"]]
 
 
-# -- OLMoE: GRPO steps of configs/tiny_olmoe.yaml, megamoe on both sides -----------------------------
-
-TINY_OLMOE = ROOT / "configs" / "tiny_olmoe.yaml"
-
-
-@pytest.fixture(scope="module")
-def olmoe_run(tmp_path_factory):
-    """`megamoe-rl train --config configs/tiny_olmoe.yaml` for two steps, in a subprocess of its own
-    session (Ray, one vLLM CPU engine, one FSDP2 trainer rank), sized as tests/rl/test_rl_loop.py's runs."""
-    from test_rl_loop import RUN_TIMEOUT_S, SMALL
-
-    run_dir = tmp_path_factory.mktemp("olmoe_grpo") / "run"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, "-m", "rl.cli", "train", "--config", str(TINY_OLMOE),
-                           f"run.out_dir={run_dir}", *SMALL, "run.steps=2"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S, start_new_session=True)
-    return proc, run_dir
-
-
-def test_olmoe_trains_grpo_steps_with_megamoe_on_both_sides(olmoe_run):
-    from safetensors.torch import load_file
-    from test_rl_loop import STEP_KEYS, explain, numeric_finite
-
-    from rl import config as C
-    from rl.metrics import read_jsonl
-
-    proc, run_dir = olmoe_run
-    assert proc.returncode == 0, explain(proc)
-    cfg = C.load(run_dir / "config.yaml")
-    # A RolloutWorker starts only when every MoE layer of its engine is hooked with its moe_impl, a
-    # trainer only when every block's experts and router run on it: both ran megamoe.
-    assert (cfg.model.make.arch, cfg.rollout.moe_impl, cfg.trainer.moe_impl) == ("olmoe", "megamoe", "megamoe")
-    assert json.loads((run_dir / "model" / "config.json").read_text())["architectures"] == ["OlmoeForCausalLM"]
-    records = read_jsonl(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2], explain(proc)
-    for r in records:
-        assert not numeric_finite(r, STEP_KEYS), (r["step"], r)
-        assert r["train/optimizer_steps"] == r["step"] and r["train/grad_norm"] > 0, r  # one update per step
-        # The trainer's logprobs of the sampled tokens vs the sampler's; at step 2 the sampler runs the
-        # weights step 1 pushed to it.
-        print(f"[olmoe grpo] step {r['step']}: max |dlogp| sampler vs trainer {r['mismatch/abs_logp_diff_max']:.2e}")
-        assert r["mismatch/abs_logp_diff_max"] <= LOGPROB_TOL_FP32, r
-    base = load_file(str(run_dir / "model" / "model.safetensors"))
-    final = load_file(str(run_dir / "final" / "model.safetensors"))
-    assert base.keys() == final.keys()
-    changed = [k for k in base if not torch.equal(base[k], final[k])]
-    assert any(".mlp.experts." in k for k in changed) and any(".mlp.gate." in k for k in changed), changed
-
-
-# -- DeepSeek-V3: GRPO steps of configs/tiny_deepseek_v3.yaml and megamoe-rl consistency, megamoe both sides --
-
-TINY_DSV3 = ROOT / "configs" / "tiny_deepseek_v3.yaml"
-# End-to-end sampler-vs-trainer logprobs of the tiny DeepSeek-V3 differ by attention, not by the MoE layers
-# (those are bitwise equal, below): vLLM CPU's MLA against transformers' DeepseekV3 attention. Measured on a
-# 2-core x86 CPU, fp32 (2026-12-03): max |dlogp| 3.7e-3 with megamoe and with stock on both sides alike, and
-# vLLM's own decode vs prefill of the same tokens 2.7e-3 (MLA disabled, VLLM_MLA_DISABLE=1: 7.6e-3).
-DSV3_LOGPROB_TOL_FP32 = 1e-2
-# After a weight sync (GRPO step 2) the mismatch measured 1.2e-2: the trained policy's, not stale weights. vLLM
-# logs at every reload that the MLA weights it derives from kv_b_proj (W_UK_T, W_UV) "were not loaded", yet
-# they are re-derived: an engine updated in place (RolloutWorker.update_weights, every weight moved by 0.05
-# seeded noise, logprobs moved by up to 0.72) scored fixed completions bitwise equal to a fresh engine started
-# from the same weights on disk (max |dlogp| 0.0; vLLM CPU 0.32, fp32, 2026-12-03).
-DSV3_SYNCED_LOGPROB_TOL_FP32 = 5e-2
-
-
-@pytest.fixture(scope="module")
-def dsv3_run(tmp_path_factory):
-    """Two GRPO steps of configs/tiny_deepseek_v3.yaml (as olmoe_run), then `megamoe-rl consistency` on the
-    model that run made, megamoe on both sides (one engine)."""
-    from test_rl_loop import RUN_TIMEOUT_S, SMALL
-
-    root = tmp_path_factory.mktemp("dsv3")
-    run_dir = root / "run"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    train = subprocess.run([sys.executable, "-m", "rl.cli", "train", "--config", str(TINY_DSV3),
-                            f"run.out_dir={run_dir}", *SMALL, "run.steps=2"], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S, start_new_session=True)
-    cons = subprocess.run([sys.executable, "-m", "rl.cli", "consistency", "--config", str(TINY_DSV3),
-                           f"model.path={run_dir / 'model'}", "model.make=null", "--impls", "megamoe",
-                           "--prompts", "4", "--n", "2", "--out", str(root / "cons")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S, start_new_session=True)
-    return train, run_dir, cons, root / "cons"
-
-
-def test_deepseek_v3_trains_grpo_steps_with_megamoe_on_both_sides(dsv3_run):
-    from safetensors.torch import load_file
-    from test_rl_loop import STEP_KEYS, explain, numeric_finite
-
-    from rl import config as C
-    from rl.metrics import read_jsonl
-
-    proc, run_dir, _, _ = dsv3_run
-    assert proc.returncode == 0, explain(proc)
-    cfg = C.load(run_dir / "config.yaml")
-    assert (cfg.model.make.arch, cfg.rollout.moe_impl, cfg.trainer.moe_impl) == ("deepseek_v3", "megamoe", "megamoe")
-    config = json.loads((run_dir / "model" / "config.json").read_text())
-    assert config["architectures"] == ["DeepseekV3ForCausalLM"]
-    records = read_jsonl(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2], explain(proc)
-    for r in records:
-        assert not numeric_finite(r, STEP_KEYS), (r["step"], r)
-        assert r["train/optimizer_steps"] == r["step"] and r["train/grad_norm"] > 0, r
-        print(f"[dsv3 grpo] step {r['step']}: max |dlogp| sampler vs trainer {r['mismatch/abs_logp_diff_max']:.2e}")
-        tol = DSV3_LOGPROB_TOL_FP32 if r["step"] == 1 else DSV3_SYNCED_LOGPROB_TOL_FP32
-        assert r["mismatch/abs_logp_diff_max"] <= tol, r
-    base = load_file(str(run_dir / "model" / "model.safetensors"))
-    final = load_file(str(run_dir / "final" / "model.safetensors"))
-    changed = [k for k in base if not torch.equal(base[k], final[k])]
-    # Routed experts, router, shared experts trained; the score-correction bias is a buffer (not trained).
-    for part in (".mlp.experts.", ".mlp.gate.weight", ".mlp.shared_experts."):
-        assert any(part in k for k in changed), (part, changed)
-    assert not any("e_score_correction_bias" in k for k in changed)
-    assert all(bool(base[k].abs().min() > 0) for k in base if "e_score_correction_bias" in k), "bias path unexercised"
-
-
-def test_deepseek_v3_consistency_every_moe_layer_bitwise(dsv3_run):
-    """`megamoe-rl consistency`, megamoe on both sides: both MoE layers (shared experts included) bitwise
-    equal on the same hidden states, the same experts for every token."""
-    _, _, proc, out = dsv3_run
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads((out / "consistency.json").read_text())
-    (pair,) = report["pairs"]
-    assert len(pair["layers"]) == 2 == report["meta"]["moe_layers"]  # 3 layers, layer 0 dense
-    for i, layer in enumerate(pair["layers"]):
-        assert layer["moe/out_bitwise_equal"] and layer["moe/routing_agreement"] == 1.0, (i, layer)
-        assert layer["moe/router_logits_max_abs_diff"] == 0.0, (i, layer)
-    print(proc.stdout)
-    assert pair["metrics"]["mismatch/abs_logp_diff_max"] <= DSV3_LOGPROB_TOL_FP32
-
-
 def test_deepseek_v3_config_vllm_would_route_otherwise_is_refused():
     from rollout.archs import check_model_config
 
@@ -265,10 +125,42 @@ def test_deepseek_v3_config_vllm_would_route_otherwise_is_refused():
             check_model_config({**good, field: value}, where="model x")
 
 
+def test_quantized_gpt_oss_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    """An mxfp4 gpt-oss checkpoint (gpt-oss-20b/120b as published): the driver's check (rl.base_model,
+    before Ray, vLLM or a trainer start), the rollout hook's check and the trainer refuse it, naming the
+    class and the quantization; the trainer before transformers reads a weight."""
+    import transformers
+
+    from rl.base_model import check_model
+    from rl.config import ConfigError
+    from rl.make_model import make_model
+    from rollout.archs import check_model_config
+    from trainer.model import load_model
+
+    model = make_model(tmp_path / "mxfp4", arch="gpt_oss", layers=2)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    named = "GptOssForCausalLM sets quantization_config (quant_method 'mxfp4'); the megamoe rollout hook and trainer"
+    with pytest.raises(NotImplementedError) as err:
+        check_model_config(json.loads((model / "config.json").read_text()), where="model x")
+    assert str(err.value).startswith(f"model x: {named}"), err.value
+    with pytest.raises(ConfigError, match=r"^model.path: .* holds a GptOssForCausalLM \(model_type 'gpt_oss'\): "
+                                          + named.replace("(", r"\(").replace(")", r"\)")):
+        check_model(model)
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("from_pretrained was called: the weights were read before the refusal")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_load)
+    with pytest.raises(ValueError, match=r"^GptOssForCausalLM: quantization_config \(quant_method 'mxfp4'\): megamoe "
+                                         r"computes unquantized experts only"):
+        load_model(model, "megamoe")
+
+
 # -- a checkpoint the hook cannot serve as the model it describes --------------------------------------
 
 CLASS_OF = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM",
-            "deepseek_v3": "DeepseekV3ForCausalLM"}
+            "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 
 def _config_json(arch: str, **changes) -> dict:
@@ -286,6 +178,17 @@ def _config_json(arch: str, **changes) -> dict:
     pytest.param("olmoe", {"rms_norm_eps": 1e-6}, "rms_norm_eps=1e-06 (vLLM computes 1e-05)", id="olmoe-norm-eps"),
     pytest.param("qwen3_moe", {"hidden_act": "relu"}, "hidden_act='relu' (vLLM computes 'silu')", id="qwen3-relu"),
     pytest.param("mixtral", {"hidden_act": "gelu"}, "hidden_act='gelu' (vLLM computes 'silu')", id="mixtral-gelu"),
+    # gpt-oss: another activation (vLLM's swigluoai has alpha 1.702 and limit 7.0 built in), and attention
+    # vLLM lays out by itself (sliding window on even layers, always YaRN, always an lm_head of its own).
+    pytest.param("gpt_oss", {"swiglu_limit": 10.0}, "swiglu_limit=10.0 (vLLM computes 7.0)", id="gpt-oss-limit"),
+    pytest.param("gpt_oss", {"swiglu_alpha": 1.0}, "swiglu_alpha=1.0 (vLLM computes 1.702)", id="gpt-oss-alpha"),
+    pytest.param("gpt_oss", {"layer_types": ["full_attention", "full_attention"]},
+                 "layer_types=['full_attention', 'full_attention'] (vLLM computes ['sliding_attention', "
+                 "'full_attention'])", id="gpt-oss-layer-types"),
+    pytest.param("gpt_oss", {"rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}},
+                 "rope_parameters.rope_type='default' (vLLM computes 'yarn')", id="gpt-oss-rope"),
+    pytest.param("gpt_oss", {"tie_word_embeddings": True}, "tie_word_embeddings=True (vLLM computes False)",
+                 id="gpt-oss-tied"),
 ])
 def test_model_config_vllm_would_compute_differently_is_refused(arch, changes, named):
     """config.json as a dict (what a driver reads) and as transformers' config (what vLLM holds)."""
