@@ -29,3 +29,13 @@ def fused_moe(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor,
                            activation=activation, check_ids=False)
     from megamoe.fused import megamoe_moe
     return megamoe_moe(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk, b13=b13, b2=b2, activation=activation)
+
+
+def dense_mlp(x_TH: torch.Tensor, w13_2IH: torch.Tensor, w2_HI: torch.Tensor, impl: str = "megamoe") -> torch.Tensor:
+    """A dense SwiGLU MLP, y = w2 (silu(G x) * (U x)) with w13 = [G; U] rows (DeepSeek's shared
+    experts), as `fused_moe` with one expert that every token takes with weight 1: the same op, and
+    so the same bits, wherever it runs (the sampler's and the trainer's shared experts both call it)."""
+    T = x_TH.shape[0]
+    ones_T1 = torch.ones(T, 1, dtype=torch.float32, device=x_TH.device)
+    ids_T1 = torch.zeros(T, 1, dtype=torch.int64, device=x_TH.device)
+    return fused_moe(x_TH, w13_2IH[None], w2_HI[None], ones_T1, ids_T1, impl=impl, check_ids=False)

@@ -14,7 +14,7 @@ the contract of `megamoe.fused_moe` on vLLM's weight layout:
 
 DeepSeek's shared experts (a dense SwiGLU MLP, run by vLLM's runner before the routed experts) are
 `shared_experts` below: megamoe.fused_moe with one expert that every token takes with weight 1, which
-is what the trainer computes for them (trainer.experts.shared_mlp_forward), so both sides agree bitwise.
+is what the trainer computes for them (megamoe.moe.dense_mlp on both sides), so both sides agree bitwise.
 
 Shape legend: T tokens, H hidden, I expert intermediate, E experts, k top-k.
 """
@@ -27,6 +27,7 @@ import threading
 import torch
 
 import megamoe
+from megamoe.moe import dense_mlp
 
 # Calls of `routed_experts` in this process, per implementation ("megamoe", "reference").
 # Read in vLLM's worker process through rollout.extension (collective_rpc), never in the driver.
@@ -68,9 +69,6 @@ def routed_experts(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Ten
 
 @torch.compiler.disable
 def shared_experts(x_TH: torch.Tensor, w13_2IH: torch.Tensor, w2_HI: torch.Tensor, impl: str) -> torch.Tensor:
-    """y[T,H] = SwiGLU MLP of x with w13 = [gate; up] rows (vLLM's merged gate_up_proj) and w2, as
-    megamoe.fused_moe with one expert, weight 1 for every token (not counted in moe_calls)."""
-    T = x_TH.shape[0]
-    ones_T1 = torch.ones(T, 1, dtype=torch.float32, device=x_TH.device)
-    ids_T1 = torch.zeros(T, 1, dtype=torch.int64, device=x_TH.device)
-    return megamoe.fused_moe(x_TH, w13_2IH[None], w2_HI[None], ones_T1, ids_T1, impl=impl, check_ids=False)
+    """y[T,H] = the SwiGLU MLP of x with w13 = [gate; up] rows (vLLM's merged gate_up_proj) and w2:
+    megamoe.moe.dense_mlp, which the trainer's shared experts call too (not counted in moe_calls)."""
+    return dense_mlp(x_TH, w13_2IH, w2_HI, impl)

@@ -47,7 +47,7 @@ vLLM computes them, bitwise:
   The same number, rounded differently: here the output is scaled, as vLLM does.
 - The shared experts are a dense SwiGLU MLP on every token. Each side's dense GEMMs round differently
   (vLLM CPU: oneDNN with a prepacked weight; transformers: F.linear), so both sides compute it as
-  megamoe.fused_moe with one expert, weight 1 for every token (`shared_mlp_forward`): the same op,
+  megamoe.fused_moe with one expert, weight 1 for every token (`megamoe.moe.dense_mlp`): the same op,
   the same weights ([gate; up] rows, the layout of vLLM's merged gate_up_proj).
 """
 
@@ -61,6 +61,7 @@ from torch import nn
 
 import megamoe
 from megamoe.contract import clamped_swiglu
+from megamoe.moe import dense_mlp
 from megamoe.router import router_logits as megamoe_router_logits
 
 log = logging.getLogger(__name__)
@@ -217,17 +218,8 @@ class Fp32Router(nn.Module):
                 "fp32 logits")
 
 
-def shared_mlp_forward(x_TH: torch.Tensor, w13_2IH: torch.Tensor, w2_HI: torch.Tensor, impl: str) -> torch.Tensor:
-    """A dense SwiGLU MLP (shared experts) as megamoe.fused_moe with one expert that every token takes
-    with weight 1: the same op and reduction order on the sampler and the trainer (module docstring)."""
-    T = x_TH.shape[0]
-    ones_T1 = torch.ones(T, 1, dtype=torch.float32, device=x_TH.device)
-    ids_T1 = torch.zeros(T, 1, dtype=torch.int64, device=x_TH.device)
-    return megamoe.fused_moe(x_TH, w13_2IH[None], w2_HI[None], ones_T1, ids_T1, impl=impl, check_ids=False)
-
-
 class SharedMLP(nn.Module):
-    """transformers' DeepseekV3MLP (shared experts) computed by `shared_mlp_forward`; its own Linear
+    """transformers' DeepseekV3MLP (shared experts) computed by `megamoe.moe.dense_mlp`; its own Linear
     modules, so the names stay `gate_proj` / `up_proj` / `down_proj`."""
 
     def __init__(self, mlp: nn.Module, impl: str):
@@ -238,7 +230,7 @@ class SharedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         w13 = torch.cat([self.gate_proj.weight, self.up_proj.weight])  # [gate; up]: vLLM's gate_up_proj
-        y = shared_mlp_forward(x.reshape(-1, shape[-1]), w13, self.down_proj.weight, self.impl)
+        y = dense_mlp(x.reshape(-1, shape[-1]), w13, self.down_proj.weight, self.impl)
         return y.view(shape)
 
 
