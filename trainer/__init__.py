@@ -1,6 +1,8 @@
 """trainer: FSDP2 training of Hugging Face MoE models whose experts run on megamoe.
 
-    config.py      TrainerWorkerConfig: the cfg dict rl/ hands to TrainerWorker, typed and checked
+    config.py      the typed settings, each defined once with its description: TrainerSettings (every
+                   rank's), TrainerConfig (the run config's `trainer` section), TrainerWorkerConfig
+                   (what one TrainerWorker rank gets: rl.config.trainer_worker_config builds it)
     experts.py     megamoe in transformers' experts registry; Fp32Router (fp32 logits, megamoe.route)
     model.py       load_model(dir, moe_impl): checkpoint checks (names, shapes), experts, router
     batch.py       batch validation / truncation, rank shards, padded micro-batches
