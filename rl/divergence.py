@@ -4,7 +4,7 @@ decoder layer, captured on both sides for the same token sequences, compared bit
     report = measure("runs/tiny-model", max_tokens=4, temperature=1.0)   # starts its own vLLM engine
     print(format_report(report))
 
-    .venv/bin/python -m rl.divergence --model runs/tiny-model [--prompts 4] [--max-tokens 4]
+    megamoe-rl divergence --model runs/tiny-model [--prompts 4] [--max-tokens 4]   (rl/divergence_cmd.py)
 
 Two views of the same sequences (prompt + completion, the completion sampled by vLLM):
 - prefill: vLLM prefills the whole sequence as one prompt (`prompt_logprobs` makes it compute the
@@ -38,7 +38,6 @@ the comparison belong together (each names the same ops); the vLLM-side capture 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -520,20 +519,10 @@ def format_report(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rl.divergence", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="a Hugging Face checkpoint folder (e.g. megamoe-rl make-model)")
-    ap.add_argument("--prompts", type=int, default=len(DEFAULT_PROMPTS), help="how many of the built-in prompts")
-    ap.add_argument("--max-tokens", type=int, default=4, help="tokens sampled per prompt (the decode view)")
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", help="also write the report here")
-    args = ap.parse_args(argv)
-    report = measure(args.model, prompts=DEFAULT_PROMPTS[:args.prompts], max_tokens=args.max_tokens,
-                     temperature=args.temperature, seed=args.seed)
-    print(format_report(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    return 0
+    """`python -m rl.divergence ...` = `megamoe-rl divergence ...` (rl/divergence_cmd.py)."""
+    from rl.cli import main as cli
+
+    return cli(["divergence", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

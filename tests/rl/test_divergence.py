@@ -141,3 +141,31 @@ def test_vllm_logprobs_land_on_their_rows(report):
         rows = {r["op"]: r for r in report["views"][view]["ops"]}
         assert rows["logprobs"]["own_max_abs"] is not None and rows["logprobs"]["own_max_abs"] < 1e-5, view
         assert rows["logprobs"]["max_abs"] < 1e-3, view
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "{missing}"], "--model: expected a Hugging Face checkpoint folder with a config.json"),
+    (["--prompts", "0"], "--prompts: expected 1..4, got 0"),
+    (["--prompts", "5"], "--prompts: expected 1..4, got 5"),
+    (["--max-tokens", "0"], "--max-tokens: expected an int >= 1, got 0"),
+    (["--temperature", "nan"], "--temperature: expected a finite number > 0, got nan"),
+    (["--temperature", "0"], "--temperature: expected a finite number > 0, got 0.0"),
+    (["--json", "{missing}/report.json"], "--json: expected a path in an existing folder"),
+])
+def test_cli_refuses_bad_arguments_before_any_work(args, message, tmp_path, capsys, monkeypatch):
+    """`megamoe-rl divergence` (and `python -m rl.divergence`) names the argument and exits 2 before
+    it imports rl.divergence's measurement (which starts an engine)."""
+    from rl import cli, divergence, divergence_cmd
+
+    assert divergence_cmd.DEFAULT_PROMPT_COUNT == len(divergence.DEFAULT_PROMPTS)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    args = [a.format(missing=tmp_path / "missing") for a in args]
+    argv = ["--model", str(model), *args] if args[0] != "--model" else args
+    monkeypatch.setattr(divergence, "measure", lambda *a, **k: pytest.fail("measure ran despite a bad argument"))
+    for entry in (lambda: cli.main(["divergence", *argv]), lambda: divergence.main(argv)):
+        with pytest.raises(SystemExit) as e:
+            entry()
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err
