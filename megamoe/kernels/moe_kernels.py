@@ -48,6 +48,10 @@ received rows (K = 1). Phase 3 becomes one item that stores the epoch into every
 pad once all phase-2 items are done, then combine items that wait for every owner's epoch and sum
 each of the rank's tokens' rows, read from the owners' result buffers, in slot order in fp32.
 Without EP these branches compile away (compile_check: same registers and stack).
+
+Over 500 lines, on purpose: it holds only the kernels (pointer math, no launch logic), and the
+persistent kernel, the helpers it calls and the counter and address-table constants they share read
+as one unit; the launchers and everything host-side are in megamoe/fused/.
 """
 
 import triton
