@@ -29,10 +29,12 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch, triton, transformers, vllm, ray, datasets; print('stack:', 'torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'ray', ray.__version__)"
 	touch $(STAMP)
 
-# Two worker processes, each test file in one of them (its module-scoped engines and runs are made once).
+# Two worker processes, each test file in one of them (its module-scoped engines and runs are made once),
+# handed out in collection order, where tests/conftest.py puts the files holding a `slow` test first
+# (xdist's own order, by test count, left the few-test files of minutes-long runs to the end).
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # The RL demo: tiny random MoE, built-in task, vLLM CPU rollouts, FSDP2 trainer, megamoe on both
 # sides; the reward curve and mismatch metrics land in $(DEMO_DIR) (metrics.jsonl, plot.png).

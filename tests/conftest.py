@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: GPU skips with computed reasons, NaN-poisoned megamoe allocations."""
+"""Shared pytest fixtures: GPU skips with computed reasons, the files with `slow` tests first, NaN-poisoned
+megamoe allocations."""
 
 from __future__ import annotations
 
@@ -41,6 +42,12 @@ def pytest_collection_modifyitems(config, items):
             continue
         if reason:
             item.add_marker(pytest.mark.skip(reason=reason))
+    # The files holding a `slow` test first, each file's tests in their own order (a stable sort).
+    # `make test` hands whole files to its pytest-xdist workers in this order (--dist loadfile
+    # --no-loadscope-reorder; xdist's own order is by test count, which put the few-test files of
+    # minutes-long runs last): the long files overlap first and the short ones even out the end.
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
 
 
 @pytest.fixture

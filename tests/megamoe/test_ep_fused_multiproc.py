@@ -34,6 +34,8 @@ from megamoe.ep_fused import ep_check, ep_fused_moe, ep_fused_moe_fwd, ep_worksp
 from megamoe.fused import fused_moe_bwd, fused_moe_fwd
 from megamoe.testing import make_problem, run_processes
 
+pytestmark = pytest.mark.slow  # two spawned processes per case (the module's `ranks`)
+
 WORLD = 2
 MAX_TOKENS = 12
 H, I, E, K = 24, 16, 6, 3  # noqa: E741  (E = 3 experts per rank)

@@ -109,6 +109,7 @@ def _launch_outputs(p, g, **changes):
         fused.set_config(None)
 
 
+@pytest.mark.slow  # many persistent launches in the interpreter
 def test_triton_interpreter_result_does_not_depend_on_the_program_count(nan_fill):
     """The persistent launches give the same bits with 1, 2, 3 or 5 programs. The interpreter runs
     program p only after program p-1 has finished, the extreme case of programs that are not yet
@@ -125,6 +126,7 @@ def test_triton_interpreter_result_does_not_depend_on_the_program_count(nan_fill
     assert all(int(buf.abs().sum()) == 0 for buf in counter_buffers())
 
 
+@pytest.mark.slow
 def test_triton_interpreter_result_does_not_depend_on_the_ticket_order(nan_fill):
     """Tiles grouped 1, 2, 3 or 8 at a time in the ticket order (GT), with the smallest and a large
     phase-2 lag and two programs: the items run in other orders, every output keeps its bits."""

@@ -21,6 +21,8 @@ import torch
 
 IMPLS = ("megamoe", "reference", "stock")
 
+pytestmark = pytest.mark.slow  # two consistency runs, vLLM engines (the module's fixtures)
+
 
 def _config(tmp_path, dtype, model, *, prompts, n, max_tokens):
     """A consistency config; `model` is model.make's arguments, or a checkpoint path (model.path)."""
@@ -119,9 +121,16 @@ def _assert_layers_bitwise(report, impl):
 
 
 def _assert_probe_sees_differences(report):
-    # Not vacuous: the same probe reports the difference between vLLM's stock MoE and transformers'.
-    for layer in _pair(report, "stock", "stock")["layers"] + _pair(report, "megamoe", "stock")["layers"]:
-        assert layer["moe/out_bitwise_equal"] == 0.0 and layer["moe/out_rel_diff"] > 0.0, layer
+    # Not vacuous: the same probe reports a difference where the two sides run different MoE kernels.
+    # Which pairs differ depends on the CPU's fp32 GEMM kernels: on a 2-core AMD EPYC, stock/stock and
+    # megamoe/stock (every layer); on a 2-core Intel Xeon with AMX (2026-12-03, OLMoE fp32), stock/stock
+    # (1.4e-7 relative) while megamoe's sampler and transformers' experts gave the same bits. So some
+    # layer of those pairs must differ, and every differing layer must say so consistently.
+    layers = [(pair, layer) for pair in (("stock", "stock"), ("megamoe", "stock"))
+              for layer in _pair(report, *pair)["layers"]]
+    differing = [(pair, layer) for pair, layer in layers if layer["moe/out_bitwise_equal"] == 0.0]
+    assert differing, f"no layer of stock/stock or megamoe/stock differs: {layers}"
+    assert all(layer["moe/out_rel_diff"] > 0.0 for _, layer in differing), differing
 
 
 def test_megamoe_layers_bitwise_fp32(fp32_cli):

@@ -445,6 +445,7 @@ def vllm_outputs(built):
         llm.llm_engine.engine_core.shutdown()
 
 
+@pytest.mark.slow  # a vLLM engine
 def test_vllm_generates_with_logprobs_matching_transformers(built, vllm_outputs):
     model = _load(built["qwen"])
     worst = 0.0

@@ -79,7 +79,7 @@ def exported(request, runs):
 def served(request, runs):
     """The architectures whose export is served by vLLM here (an engine start is ~25 s on 2 cores;
     an OLMoE export holds the base layout bitwise (above), and make-model's OLMoE folders are served
-    by vLLM in tests/rollout/test_rollout_archs.py and tests/rl/test_consistency.py)."""
+    by vLLM in tests/rollout/test_rollout_archs_olmoe.py and tests/rl/test_consistency.py)."""
     return runs(request.param)
 
 
@@ -130,6 +130,7 @@ def test_export_starts_a_new_trainer_from_the_same_weights(exported):
         fresh.close()
 
 
+@pytest.mark.slow  # a vLLM engine per architecture
 def test_export_serves_in_vllm(served):
     from rollout.testing import max_abs_diff
     from rollout.worker import RolloutWorker

@@ -60,6 +60,7 @@ def runs(tmp_path_factory):
     return {"dir": run_dir, "killed": killed, "after_kill": after_kill, "resumed": resumed, "resume_argv": words}
 
 
+@pytest.mark.slow  # two `megamoe-rl train` runs (the module's `runs`)
 def test_dead_trainer_ends_the_run_with_one_paragraph(runs):
     p = runs["killed"]
     a = runs["after_kill"]
@@ -84,6 +85,7 @@ def test_dead_trainer_ends_the_run_with_one_paragraph(runs):
     assert not any(_alive(pid) for pid in a["pids"]["rollout"])
 
 
+@pytest.mark.slow
 def test_resume_continues_the_step_count_and_the_metrics_file(runs):
     p = runs["resumed"]
     assert "--resume" in runs["resume_argv"] and f"run.out_dir={runs['dir']}" in runs["resume_argv"]
@@ -97,6 +99,7 @@ def test_resume_continues_the_step_count_and_the_metrics_file(runs):
     assert "step_000002" in (runs["dir"] / "train.log").read_text()
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_every_actor_and_leaves_a_resumable_run(runs):
     p = runs["resumed"]
     assert p.returncode == 130, explain(p)

@@ -156,11 +156,13 @@ def e2e(tmp_path_factory):
     return proc, run_dir
 
 
+@pytest.mark.slow  # a `megamoe-rl train` run (the module's `e2e`)
 def test_e2e_run_completes(e2e):
     proc, run_dir = e2e
     assert proc.returncode == 0, explain(proc)
 
 
+@pytest.mark.slow
 def test_e2e_metrics_are_finite_every_step(e2e):
     proc, run_dir = e2e
     records = read_jsonl(run_dir / "metrics.jsonl")
@@ -174,6 +176,7 @@ def test_e2e_metrics_are_finite_every_step(e2e):
         assert r["mismatch/abs_logp_diff_max"] < 1e-3, r["mismatch/abs_logp_diff_max"]
 
 
+@pytest.mark.slow
 def test_e2e_rollout_worker_killed_mid_step_is_restarted(e2e):
     proc, run_dir = e2e
     records = read_jsonl(run_dir / "metrics.jsonl")
@@ -185,6 +188,7 @@ def test_e2e_rollout_worker_killed_mid_step_is_restarted(e2e):
     assert records[2]["mismatch/abs_logp_diff_max"] < 1e-3
 
 
+@pytest.mark.slow
 def test_e2e_run_folder_holds_config_plot_and_checkpoint(e2e):
     proc, run_dir = e2e
     cfg = C.load(run_dir / "config.yaml")
@@ -202,6 +206,7 @@ def test_e2e_run_folder_holds_config_plot_and_checkpoint(e2e):
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["run"]["out_dir"] == str(run_dir)
 
 
+@pytest.mark.slow
 def test_e2e_vllm_logs_go_to_the_run_folder_and_its_warnings_once_to_the_terminal(e2e):
     import re
 

@@ -101,6 +101,7 @@ def deepseek(tmp_path_factory):
     return {impl: _run(root / "a", impl, b.state_dict(), one_at_a_time=True) for impl in ("megamoe", "stock")}
 
 
+@pytest.mark.slow  # two vLLM engines (the module's `deepseek`)
 def test_deepseek_v2_through_megamoe_matches_vllm_stock(deepseek):
     ours, stock = deepseek["megamoe"], deepseek["stock"]
     # Layer 0 is dense (first_k_dense_replace=1): one MoE layer, with a shared expert.
@@ -206,6 +207,7 @@ def test_model_config_vllm_would_compute_differently_is_refused(arch, changes, n
     assert check_model_config(good, where="model x") == check_model_config(AutoConfig.for_model(**good), where="") == cls
 
 
+@pytest.mark.slow  # a vLLM engine start
 def test_olmoe_with_another_activation_is_refused_before_weights_load(tmp_path, capfd, monkeypatch):
     """Both sides, on one checkpoint whose experts are GELU-gated: vLLM's OLMoE would compute SwiGLU
     experts from it silently. The engine stops while vLLM builds the model (no weight is loaded:

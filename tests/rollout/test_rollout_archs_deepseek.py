@@ -21,6 +21,8 @@ import torch
 
 from test_rollout_archs import ROOT
 
+pytestmark = pytest.mark.slow  # a `megamoe-rl train` run, then `megamoe-rl consistency`
+
 TINY_DSV3 = ROOT / "configs" / "tiny_deepseek_v3.yaml"
 # End-to-end sampler-vs-trainer logprobs of the tiny DeepSeek-V3 differ by attention, not by the MoE layers
 # (those are bitwise equal, below): vLLM CPU's MLA against transformers' DeepseekV3 attention. Measured on a

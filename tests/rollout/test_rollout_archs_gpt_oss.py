@@ -22,6 +22,8 @@ import torch
 
 from test_rollout_archs import LOGPROB_TOL_FP32, ROOT
 
+pytestmark = pytest.mark.slow  # a `megamoe-rl train` run, then `megamoe-rl consistency`
+
 TINY_GPT_OSS = ROOT / "configs" / "tiny_gpt_oss.yaml"
 # Tensors of every gpt-oss layer that the weight sync must carry (the experts and the sinks are the ones
 # vLLM 0.32's own in-place reload of gpt-oss leaves at their old values: rollout/models.py).

@@ -26,6 +26,8 @@ import torch
 
 from test_rollout_archs import LOGPROB_TOL_FP32, ROOT
 
+pytestmark = pytest.mark.slow  # a `megamoe-rl train` run
+
 TINY_OLMOE = ROOT / "configs" / "tiny_olmoe.yaml"
 
 

@@ -81,14 +81,17 @@ def _assert_failed_with(run, message):
     assert message in log, f"expected {message!r} in the output; its tail:\n{log[-3000:]}"
 
 
+@pytest.mark.slow  # three vLLM processes (the module's `runs`)
 def test_broken_hook_dependency_stops_the_engine(runs):
     _assert_failed_with(runs["broken_dependency"], "megamoe deliberately broken for this test")
 
 
+@pytest.mark.slow
 def test_misconfigured_impl_stops_the_engine(runs):
     _assert_failed_with(runs["bad_impl"], f"{plugin.ENV_VAR}: expected one of ('megamoe', 'reference', 'stock')")
 
 
+@pytest.mark.slow
 def test_plugin_that_did_not_run_stops_the_engine(runs):
     _assert_failed_with(runs["plugin_not_loaded"], "megamoe plugin did not register its MoE hook")
 

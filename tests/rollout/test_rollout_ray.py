@@ -19,6 +19,8 @@ PROMPTS = ["1 + 2 =", "the dog ran to the"]
 N = 2
 SAMPLING = {"temperature": 0.8, "max_tokens": 10, "seed": 3}
 
+pytestmark = pytest.mark.slow  # Ray and a vLLM engine in an actor
+
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):

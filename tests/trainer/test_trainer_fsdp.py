@@ -32,6 +32,8 @@ CFG = {"lr": 2e-4, "micro_batch_size": 2, "num_threads": 1, "seed": 0, "temperat
 IMPL = "megamoe"
 WORLD_SIZES = (1, 2)
 
+pytestmark = pytest.mark.slow  # Ray and FSDP2 process groups (the module's fixtures)
+
 
 class Group:
     """The ranks of one TrainerWorker group; `call` runs a method on every rank, returns rank 0's."""
