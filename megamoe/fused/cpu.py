@@ -7,11 +7,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
 from megamoe.activation import act_backward, act_forward
 from megamoe.blocked import ROWS, rows_mm
-from megamoe.contract import SILU, SWIGLU, Activation
+from megamoe.contract import SWIGLU, Activation
 
 
 @dataclasses.dataclass
@@ -87,10 +86,7 @@ def cpu_fwd(x, w13, w2, tw, ids, meta: RoutingMeta, T, H, I, K, save_gu: bool = 
             gu = gu + b13[e].float()
         if gu_saved is not None:
             gu_saved[s:s + n] = gu.to(dtype)
-        if act.name == SILU:
-            h = _blockwise(lambda g, u: F.silu(g) * u, gu[:, :I], gu[:, I:]).to(dtype)
-        else:
-            h = _blockwise(lambda g, u: act_forward(g, u, act), gu[:, :I], gu[:, I:]).to(dtype)
+        h = _blockwise(lambda g, u: act_forward(g, u, act), gu[:, :I], gu[:, I:]).to(dtype)
         o = rows_mm(h.float(), w2[e].float().t())
         if b2 is not None:
             o = o + b2[e].float()
