@@ -33,6 +33,47 @@ from rollout.testing import max_abs_diff
 
 ROOT = Path(__file__).resolve().parents[2]
 LOGPROB_TOL_FP32 = 1e-4  # as in test_rollout.py; measured ~1e-6 (OLMoE GRPO steps: 4.8e-7)
+
+
+def train_tiny(config: Path, run_dir: Path):
+    """`megamoe-rl train --config <config>` for two steps into run_dir, in a subprocess of its own
+    session (Ray, one vLLM CPU engine, one FSDP2 trainer rank), sized as tests/rl/test_rl_loop.py's
+    runs; the finished process (the family files' end-to-end runs)."""
+    import os
+    import subprocess
+    import sys
+
+    from test_rl_loop import RUN_TIMEOUT_S, SMALL
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return subprocess.run([sys.executable, "-m", "rl.cli", "train", "--config", str(config), f"run.out_dir={run_dir}",
+                           *SMALL, "run.steps=2"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S, start_new_session=True)
+
+
+def check_grpo_steps(proc, run_dir: Path, arch: str, architecture: str, tol, tag: str) -> list[dict]:
+    """A `train_tiny` run of make-model arch `arch` finished both steps with megamoe on both sides
+    (a RolloutWorker starts only when every MoE layer of its engine is hooked with its moe_impl, a
+    trainer only when every block's experts and router run on it), one optimizer update per step,
+    finite metrics, and the trainer's logprobs of the sampled tokens within tol(step) of the sampler's
+    (at step 2 the sampler runs the weights step 1 pushed to it). Returns the metrics records."""
+    from test_rl_loop import STEP_KEYS, explain, numeric_finite
+
+    from rl import config as C
+    from rl.metrics import read_jsonl
+
+    assert proc.returncode == 0, explain(proc)
+    cfg = C.load(run_dir / "config.yaml")
+    assert (cfg.model.make.arch, cfg.rollout.moe_impl, cfg.trainer.moe_impl) == (arch, "megamoe", "megamoe")
+    assert json.loads((run_dir / "model" / "config.json").read_text())["architectures"] == [architecture]
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2], explain(proc)
+    for r in records:
+        assert not numeric_finite(r, STEP_KEYS), (r["step"], r)
+        assert r["train/optimizer_steps"] == r["step"] and r["train/grad_norm"] > 0, r
+        print(f"[{tag} grpo] step {r['step']}: max |dlogp| sampler vs trainer {r['mismatch/abs_logp_diff_max']:.2e}")
+        assert r["mismatch/abs_logp_diff_max"] <= tol(r["step"]), r
+    return records
 PROMPTS = ["1 + 2 =", "the red bird is"]
 N = 2
 SAMPLING = {"temperature": 0.8, "max_tokens": 8, "seed": 11}

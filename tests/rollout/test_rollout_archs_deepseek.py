@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from test_rollout_archs import ROOT
+from test_rollout_archs import ROOT, check_grpo_steps, train_tiny
 
 pytestmark = pytest.mark.slow  # a `megamoe-rl train` run, then `megamoe-rl consistency`
 
@@ -41,14 +41,12 @@ DSV3_SYNCED_LOGPROB_TOL_FP32 = 5e-2
 def dsv3_run(tmp_path_factory):
     """Two GRPO steps of configs/tiny_deepseek_v3.yaml (as olmoe_run), then `megamoe-rl consistency` on the
     model that run made, megamoe on both sides (one engine)."""
-    from test_rl_loop import RUN_TIMEOUT_S, SMALL
+    from test_rl_loop import RUN_TIMEOUT_S
 
     root = tmp_path_factory.mktemp("dsv3")
     run_dir = root / "run"
+    train = train_tiny(TINY_DSV3, run_dir)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    train = subprocess.run([sys.executable, "-m", "rl.cli", "train", "--config", str(TINY_DSV3),
-                            f"run.out_dir={run_dir}", *SMALL, "run.steps=2"], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S, start_new_session=True)
     cons = subprocess.run([sys.executable, "-m", "rl.cli", "consistency", "--config", str(TINY_DSV3),
                            f"model.path={run_dir / 'model'}", "model.make=null", "--impls", "megamoe",
                            "--prompts", "4", "--n", "2", "--out", str(root / "cons")], cwd=ROOT, env=env,
@@ -58,25 +56,10 @@ def dsv3_run(tmp_path_factory):
 
 def test_deepseek_v3_trains_grpo_steps_with_megamoe_on_both_sides(dsv3_run):
     from safetensors.torch import load_file
-    from test_rl_loop import STEP_KEYS, explain, numeric_finite
-
-    from rl import config as C
-    from rl.metrics import read_jsonl
 
     proc, run_dir, _, _ = dsv3_run
-    assert proc.returncode == 0, explain(proc)
-    cfg = C.load(run_dir / "config.yaml")
-    assert (cfg.model.make.arch, cfg.rollout.moe_impl, cfg.trainer.moe_impl) == ("deepseek_v3", "megamoe", "megamoe")
-    config = json.loads((run_dir / "model" / "config.json").read_text())
-    assert config["architectures"] == ["DeepseekV3ForCausalLM"]
-    records = read_jsonl(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2], explain(proc)
-    for r in records:
-        assert not numeric_finite(r, STEP_KEYS), (r["step"], r)
-        assert r["train/optimizer_steps"] == r["step"] and r["train/grad_norm"] > 0, r
-        print(f"[dsv3 grpo] step {r['step']}: max |dlogp| sampler vs trainer {r['mismatch/abs_logp_diff_max']:.2e}")
-        tol = DSV3_LOGPROB_TOL_FP32 if r["step"] == 1 else DSV3_SYNCED_LOGPROB_TOL_FP32
-        assert r["mismatch/abs_logp_diff_max"] <= tol, r
+    check_grpo_steps(proc, run_dir, "deepseek_v3", "DeepseekV3ForCausalLM",
+                     lambda step: DSV3_LOGPROB_TOL_FP32 if step == 1 else DSV3_SYNCED_LOGPROB_TOL_FP32, "dsv3")
     base = load_file(str(run_dir / "model" / "model.safetensors"))
     final = load_file(str(run_dir / "final" / "model.safetensors"))
     changed = [k for k in base if not torch.equal(base[k], final[k])]

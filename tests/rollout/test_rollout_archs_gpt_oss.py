@@ -13,14 +13,11 @@ A file of its own: see tests/rollout/test_rollout_archs_olmoe.py.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from test_rollout_archs import LOGPROB_TOL_FP32, ROOT
+from test_rollout_archs import LOGPROB_TOL_FP32, ROOT, check_grpo_steps, train_tiny
 
 pytestmark = pytest.mark.slow  # a `megamoe-rl train` run, then `megamoe-rl consistency`
 
@@ -38,16 +35,11 @@ def gpt_oss_run(tmp_path_factory):
     import contextlib
     import io
 
-    from test_rl_loop import RUN_TIMEOUT_S, SMALL
-
     from rl.cli import main
 
     root = tmp_path_factory.mktemp("gpt_oss")
     run_dir = root / "run"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    train = subprocess.run([sys.executable, "-m", "rl.cli", "train", "--config", str(TINY_GPT_OSS),
-                            f"run.out_dir={run_dir}", *SMALL, "run.steps=2"], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S, start_new_session=True)
+    train = train_tiny(TINY_GPT_OSS, run_dir)
     if train.returncode != 0:
         return train, run_dir, None, ""
     buf = io.StringIO()
@@ -64,23 +56,9 @@ def test_gpt_oss_trains_grpo_steps_with_megamoe_on_both_sides(gpt_oss_run):
     fp32: max |dlogp| 4.8e-7 at both steps; with vLLM's own reload of gpt-oss instead (rollout/models.py's
     load_weights bypassed) step 2 measured 0.25."""
     from safetensors.torch import load_file
-    from test_rl_loop import STEP_KEYS, explain, numeric_finite
-
-    from rl import config as C
-    from rl.metrics import read_jsonl
 
     proc, run_dir, _, _ = gpt_oss_run
-    assert proc.returncode == 0, explain(proc)
-    cfg = C.load(run_dir / "config.yaml")
-    assert (cfg.model.make.arch, cfg.rollout.moe_impl, cfg.trainer.moe_impl) == ("gpt_oss", "megamoe", "megamoe")
-    assert json.loads((run_dir / "model" / "config.json").read_text())["architectures"] == ["GptOssForCausalLM"]
-    records = read_jsonl(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2], explain(proc)
-    for r in records:
-        assert not numeric_finite(r, STEP_KEYS), (r["step"], r)
-        assert r["train/optimizer_steps"] == r["step"] and r["train/grad_norm"] > 0, r
-        print(f"[gpt-oss grpo] step {r['step']}: max |dlogp| sampler vs trainer {r['mismatch/abs_logp_diff_max']:.2e}")
-        assert r["mismatch/abs_logp_diff_max"] <= LOGPROB_TOL_FP32, r
+    check_grpo_steps(proc, run_dir, "gpt_oss", "GptOssForCausalLM", lambda step: LOGPROB_TOL_FP32, "gpt-oss")
     base = load_file(str(run_dir / "model" / "model.safetensors"))
     final = load_file(str(run_dir / "final" / "model.safetensors"))
     assert base.keys() == final.keys()
