@@ -125,6 +125,18 @@ def make_inputs(E, H, I, k, T, seed=0, device="cuda", dtype=torch.bfloat16):  # 
     return x, w13, w2, tw, ids
 
 
+def expert_options(name: str, x: torch.Tensor) -> dict:
+    """fused_moe's expert options for shape `name` on x's device and dtype: gpt-oss shapes get seeded
+    biases (b13 [E, 2I], b2 [E, H], 0.1 * N(0, 1)) and the clamped SwiGLU; every other shape none."""
+    if name not in GPT_OSS_SHAPES:
+        return {}
+    E, H, I, _ = SHAPES[name]  # noqa: E741
+    g = torch.Generator(device=x.device).manual_seed(1)
+    return dict(b13=(0.1 * torch.randn(E, 2 * I, device=x.device, generator=g)).to(x.dtype),
+                b2=(0.1 * torch.randn(E, H, device=x.device, generator=g)).to(x.dtype),
+                activation=clamped_swiglu())
+
+
 def floor_ms(ids: torch.Tensor, H: int, I: int, elem_size: int, bw: float) -> float:  # noqa: E741
     """Decode's weight-read floor: the bytes of the experts `ids` touches (w13 and w2, 3·H·I
     elements each) at the copy bandwidth `bw` (bytes/s, copy_bandwidth())."""
@@ -147,12 +159,8 @@ def bench_shape(name, T, reps, impls, bw, lines, records, rounds: int = 1, graph
     liger, liger_err = liger_fn()
     ids32 = ids.to(torch.int32)
     tw_bf = tw.to(x.dtype)
-    opts = {}  # the experts' options of this shape (megamoe and the reference)
-    if name in GPT_OSS_SHAPES:
-        g = torch.Generator(device=x.device).manual_seed(1)
-        opts = dict(b13=(0.1 * torch.randn(E, 2 * I, device=x.device, generator=g)).to(x.dtype),
-                    b2=(0.1 * torch.randn(E, H, device=x.device, generator=g)).to(x.dtype),
-                    activation=clamped_swiglu())
+    opts = expert_options(name, x)  # the experts' options of this shape (megamoe and the reference)
+    if opts:
         impls = list(impls) + (["megamoe_plain"] if "megamoe" in impls else [])
     ref_opts = {"b13_E2I": opts["b13"], "b2_EH": opts["b2"], "activation": opts["activation"]} if opts else {}
 

@@ -19,13 +19,16 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from benchmarks.bench_moe import SHAPES, make_inputs, time_ms  # noqa: E402
+from benchmarks.bench_moe import SHAPES, expert_options, make_inputs, time_ms  # noqa: E402
 from megamoe import fused  # noqa: E402
 from megamoe.fused import KernelConfig  # noqa: E402
 
 FWD = [
     KernelConfig(BLK=2048),
     KernelConfig(BLK=512),
+    # GEMM2's block of H: 256 leaves a partial last tile where H is no multiple of it (gpt-oss: 2880)
+    KernelConfig(BN2=128),
+    KernelConfig(BN2=64),
 ]
 BWD = [
     KernelConfig(BMW=256, BNW=128),
@@ -61,13 +64,17 @@ def main():
     # kernels read a balanced routing, each token's ids from one row of the full sort)
     inputs = {T: tuple(t.contiguous() for t in make_inputs(E, H, I, k, T)) for T in args.tokens}
     flops = {T: 6.0 * T * k * H * I for T in inputs}
+    # the forward's expert options (gpt-oss shapes: biases and the clamped SwiGLU, as in bench_moe)
+    opts = expert_options(args.shape, next(iter(inputs.values()))[0])
+    if opts:
+        print("forward with the experts' biases and the clamped SwiGLU; the backward sections without them")
     ref_out = {}
     print("forward: one persistent launch (routing metadata included)")
     for c in [KernelConfig()] + FWD:
         cells = []
         for T, (x, w13, w2, tw, ids) in inputs.items():
             def run(cfg=c):
-                return fused.launch_persistent(False, x, w13, w2, tw, ids, None, T, H, I, E, k, cfg)
+                return fused.launch_persistent(False, x, w13, w2, tw, ids, None, T, H, I, E, k, cfg, **opts)
             try:
                 out = run()[0]
             except Exception as exc:  # noqa: BLE001

@@ -22,7 +22,8 @@ import sys
 sys.path.insert(0, os.getcwd())
 import torch  # noqa: E402
 
-from benchmarks.bench_moe import SHAPES, copy_bandwidth, floor_ms, graph_ms, header, make_inputs, time_ms  # noqa: E402
+from benchmarks.bench_moe import (SHAPES, copy_bandwidth, expert_options, floor_ms, graph_ms, header, make_inputs,  # noqa: E402
+                                  time_ms)
 from megamoe import fused  # noqa: E402
 
 
@@ -81,15 +82,17 @@ def main():
         x, w13, w2, tw, ids = make_inputs(E, H, I, k, T)
         ids = ids.contiguous()  # the direct launcher call below (the public wrappers make it so themselves)
         dy = torch.randn_like(x)
+        o = expert_options(name, x)  # gpt-oss shapes: biases and the clamped SwiGLU
 
         def fns():
-            fwd = lambda: fused.fused_moe_fwd(x, w13, w2, tw, ids, check=False)  # noqa: E731
+            fwd = lambda: fused.fused_moe_fwd(x, w13, w2, tw, ids, **o, check=False)  # noqa: E731
             launch = lambda: fused.launch_persistent(False, x, w13, w2, tw, ids, None, T, H, I, E, k,  # noqa: E731
-                                                      fused.config_for(x), save_gu=True)
-            gu = fused.fused_moe_fwd(x, w13, w2, tw, ids, check=False, save_gu=True)[1] if train else None
-            bwd = lambda: fused.fused_moe_bwd(dy, x, w13, w2, tw, ids, gu=gu)  # noqa: E731
+                                                      fused.config_for(x), save_gu=True,
+                                                      **o)
+            gu = fused.fused_moe_fwd(x, w13, w2, tw, ids, **o, check=False, save_gu=True)[1] if train else None
+            bwd = lambda: fused.fused_moe_bwd(dy, x, w13, w2, tw, ids, **o, gu=gu)  # noqa: E731
             step = lambda: fused.fused_moe_bwd(  # noqa: E731
-                dy, x, w13, w2, tw, ids, gu=fused.fused_moe_fwd(x, w13, w2, tw, ids, check=False, save_gu=True)[1])
+                dy, x, w13, w2, tw, ids, **o, gu=fused.fused_moe_fwd(x, w13, w2, tw, ids, **o, check=False, save_gu=True)[1])
             return dict(zip(PIECES, (fwd, launch, bwd, step, fwd)))
 
         outs, t = {}, {}
@@ -97,10 +100,10 @@ def main():
             for lbl, cfg in configs:
                 fused.set_config(cfg)
                 if train:
-                    y, gu = fused.fused_moe_fwd(x, w13, w2, tw, ids, check=False, save_gu=True)
-                    outs[lbl] = (y, gu, *fused.fused_moe_bwd(dy, x, w13, w2, tw, ids, gu=gu))
+                    y, gu = fused.fused_moe_fwd(x, w13, w2, tw, ids, **o, check=False, save_gu=True)
+                    outs[lbl] = (y, gu, *fused.fused_moe_bwd(dy, x, w13, w2, tw, ids, **o, gu=gu))
                 else:
-                    outs[lbl] = (fused.fused_moe_fwd(x, w13, w2, tw, ids, check=False),)
+                    outs[lbl] = (fused.fused_moe_fwd(x, w13, w2, tw, ids, **o, check=False),)
             for _ in range(args.rounds):
                 for lbl, cfg in configs:
                     fused.set_config(cfg)
@@ -115,7 +118,7 @@ def main():
         floor = floor_ms(ids, H, I, x.element_size(), bw) if T <= 512 else None
         print(f"{case} | " + " | ".join(f"{t[p, lbl]:.3f}" for p in pieces for lbl, _ in configs) + f" | {same} | "
               + (f"{floor:.3f}" if floor else "-"), flush=True)
-        del x, w13, w2, tw, ids, dy, outs
+        del x, w13, w2, tw, ids, dy, outs, o
         torch.cuda.empty_cache()
 
 
