@@ -40,6 +40,14 @@ below megamoe; megamoe itself never runs it."""
 HOST_IMPLS = IMPLS + (STOCK,)
 """What a host's MoE layers can run (`rollout.moe_impl`, `trainer.moe_impl`, MEGAMOE_MOE_IMPL)."""
 
+FAST = "fast"
+"""Numerics outside the MoE: each host's own kernels (vLLM's attention, GEMMs, rotary; torch's in the trainer)."""
+BITWISE = "bitwise"
+"""Numerics outside the MoE: both hosts run megamoe.invariant's batch-invariant linears and attention (and
+the same rotary and activation formulas), so the trainer's logprobs are the sampler's, bit for bit."""
+NUMERICS = (FAST, BITWISE)
+"""`run.numerics`, MEGAMOE_NUMERICS."""
+
 
 
 SILU = "silu"

@@ -165,3 +165,25 @@ def run_processes(worker, args: tuple, nprocs: int, timeout_s: float, what: str)
             for proc in ctx.processes:
                 proc.terminate()
             raise RuntimeError(f"the {nprocs} {what} processes did not finish within {timeout_s}s (a rank hung?)")
+
+
+INVARIANT_TOL = 2e-6
+"""megamoe.invariant's fp32 linear and attention (and the trainer's gradients around them) against fp64:
+the error relative to the largest |value| (`max_rel_err`). Measured at most 4e-7 (tests/megamoe/
+test_invariant.py, tests/trainer/test_trainer_bitwise.py); a dot product of K fp32 terms is within about
+K * 6e-8 of exact in the worst case, far less for random signs."""
+
+
+def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / max |ref| (ref in fp64)."""
+    return float((out.double() - ref).abs().max() / ref.abs().max())
+
+
+def attention_ground_truth(q_QhD, k_LgD, v_LgE, q_pos_Q, scale: float) -> torch.Tensor:
+    """fp64 causal softmax attention of one sequence (query i sees keys 0..q_pos[i]), [Q, h, E]."""
+    h, g = q_QhD.shape[1], k_LgD.shape[1]
+    k = k_LgD.double().repeat_interleave(h // g, 1)
+    v = v_LgE.double().repeat_interleave(h // g, 1)
+    s = torch.einsum("qhd,khd->hqk", q_QhD.double(), k) * scale
+    s = s.masked_fill(torch.arange(k.shape[0])[None, :] > q_pos_Q[:, None], float("-inf"))
+    return torch.einsum("hqk,khe->qhe", s.softmax(-1), v)

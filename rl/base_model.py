@@ -18,12 +18,28 @@ def resolve_model(cfg: Config, run_dir: Path) -> Path:
     path = base_model_dir(cfg, run_dir)
     if cfg.model.path is not None:
         check_model(path)
-        return path
-    if not (path / "config.json").is_file():
+    elif not (path / "config.json").is_file():
         from rl.make_model import make_model
         make_model(path, **dataclasses.asdict(cfg.model.make))
         log.info("made a random-initialised model in %s", path)
+    if cfg.run.numerics == "bitwise":
+        check_bitwise_architecture(path, "model.path" if cfg.model.path is not None else "model.make.arch")
     return path
+
+
+def check_bitwise_architecture(path: Path, key: str) -> None:
+    """run.numerics=bitwise: the model's architecture one whose every op is measured bitwise on both sides
+    (rollout.bitwise.ARCHITECTURES); ConfigError naming `key` otherwise."""
+    import json
+
+    from rl.config import ConfigError
+    from rollout.bitwise import ARCHITECTURES
+
+    archs = json.loads((path / "config.json").read_text()).get("architectures") or []
+    if not archs or any(a not in ARCHITECTURES for a in archs):
+        raise ConfigError(f"{key}: {str(path)!r} holds a {'/'.join(archs) or 'model without architectures'}; "
+                          f"run.numerics=bitwise expects one of {ARCHITECTURES} (the architectures whose every "
+                          "op is measured bitwise on both sides, docs/BITWISE.md)")
 
 
 def check_model(path: Path, key: str = "model.path") -> None:

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import yaml
 
+from megamoe.contract import BITWISE, FAST, MEGAMOE, NUMERICS  # standard library only at import time
 from rl.make_model import ARCHS  # standard library only at import time
 from trainer.config import (DTYPES, ConfigError, MoEImpl, TrainerConfig, TrainerWorkerConfig, build, check,
                             dataclass_in, describe as describe_tree, field, suggest, to_plain, unknown_key)
@@ -198,6 +199,11 @@ class RunConfig:
     progress: bool = field(True, "show a live progress bar with the key metrics")
     tensorboard: bool = field(True, "also write TensorBoard events to <out_dir>/tensorboard")
     plot: bool = field(True, "write plot.png (reward and mismatch over steps) at the end")
+    numerics: Literal[NUMERICS] = field(
+        FAST, "the ops outside the MoE: fast (each side's own kernels; logprobs differ by float rounding) or "
+              "bitwise (both sides on megamoe.invariant's batch-invariant linears and attention: the trainer's "
+              "logprobs equal the sampler's bit for bit; vLLM CPU, megamoe on both sides, top_p 1, "
+              "Qwen3-MoE; docs/CONSISTENCY.md)")
     export_final: bool = field(True, "at the end, write the last step's policy to <out_dir>/final as a "
                                      "Hugging Face checkpoint (what `megamoe-rl export` writes)")
 
@@ -237,10 +243,33 @@ def validate(cfg: Config) -> Config:
     if cfg.rollout.sleep_level and not _on_gpu(cfg):
         raise ConfigError(f"rollout.sleep_level: expected 0 on CPU (vLLM's sleep mode needs CUDA: "
                           f"rollout.gpus_per_worker and trainer.gpus_per_rank > 0), got {cfg.rollout.sleep_level}")
+    if cfg.run.numerics == BITWISE:
+        check_bitwise(cfg)
     if cfg.trainer.max_seq_len < cfg.rollout.max_tokens + 1:
         raise ConfigError(f"trainer.max_seq_len: expected an int > rollout.max_tokens ({cfg.rollout.max_tokens}), "
                           f"got {cfg.trainer.max_seq_len}")
     return cfg
+
+
+def check_bitwise(cfg: Config) -> None:
+    """run.numerics=bitwise needs what both sides can compute bit for bit (the architecture is checked
+    where the model's config is read, rl/base_model.py); ConfigError naming the key otherwise."""
+    def need(ok: bool, key: str, expected: str, got) -> None:
+        if not ok:
+            raise ConfigError(f"{key}: expected {expected} with run.numerics=bitwise, got {got!r}")
+
+    need(cfg.rollout.moe_impl == MEGAMOE, "rollout.moe_impl", "'megamoe' (the MoE kernel the trainer runs)",
+         cfg.rollout.moe_impl)
+    need(cfg.trainer.moe_impl == MEGAMOE, "trainer.moe_impl", "'megamoe' (the MoE kernel the sampler runs)",
+         cfg.trainer.moe_impl)
+    need(cfg.rollout.top_p == 1.0, "rollout.top_p", "1.0 (vLLM's processed logprobs renormalise over the "
+         "nucleus; the trainer's log_softmax covers the whole vocabulary)", cfg.rollout.top_p)
+    need(not _on_gpu(cfg) and cfg.rollout.gpus_per_worker == 0, "rollout.gpus_per_worker",
+         "0: the batch-invariant attention backend and linears exist for vLLM's CPU backend only (no CUDA "
+         "attention backend and GEMM of the same reduction order yet)", cfg.rollout.gpus_per_worker)
+    tp = cfg.rollout.engine_kwargs.get("tensor_parallel_size", 1)
+    need(tp == 1, "rollout.engine_kwargs.tensor_parallel_size", "1 (a K reduction split over ranks is not the "
+         "trainer's)", tp)
 
 
 def _on_gpu(cfg: Config) -> bool:
@@ -399,6 +428,7 @@ def describe(cls=Config, prefix: str = "") -> list[tuple[str, str, str]]:
 
 def trainer_worker_config(cfg: Config) -> TrainerWorkerConfig:
     """What each TrainerWorker rank gets: the trainer section, plus the sampler's temperature, the
-    model's dtype and the run's seed (the trainer computes the sampler's logprobs in the same dtype)."""
+    model's dtype, the run's seed and numerics (the trainer computes the sampler's logprobs in the same
+    dtype, with the same kernels in numerics=bitwise)."""
     return TrainerWorkerConfig.of(cfg.trainer, temperature=cfg.rollout.temperature, dtype=cfg.model.dtype,
-                                  seed=cfg.run.seed)
+                                  seed=cfg.run.seed, numerics=cfg.run.numerics)

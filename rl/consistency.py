@@ -78,6 +78,7 @@ class Plan:
     device: str                     # trainer side: "cpu" | "cuda"
     micro_batch_size: int
     out_dir: Path
+    numerics: str = "fast"          # run.numerics: "bitwise" puts both sides' dense ops on megamoe.invariant
     config_path: str | None = None
 
 
@@ -163,6 +164,9 @@ def prepare(cfg, *, impls: tuple[str, ...] = DEFAULT_IMPLS, prompts: int | None 
     n = cfg.rollout.n if n is None else n
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ConsistencyError(f"--n: expected an int >= 1, got {n!r}")
+    if cfg.run.numerics == "bitwise" and impls != ("megamoe",):
+        raise ConsistencyError(f"--impls: expected megamoe alone with run.numerics=bitwise (the mode needs megamoe's "
+                               f"MoE on both sides), got {','.join(impls)}")
     if cfg.rollout.top_p != 1.0:
         # The trainer's logprobs (trainer.loss.token_logprobs) apply the temperature only; with nucleus
         # filtering the sampler's processed logprobs differ from them by construction, not by kernel.
@@ -204,7 +208,8 @@ def prepare(cfg, *, impls: tuple[str, ...] = DEFAULT_IMPLS, prompts: int | None 
                 temperature=cfg.rollout.temperature, max_tokens=cfg.rollout.max_tokens,
                 max_model_len=cfg.rollout.max_model_len, kv_cache_bytes=cfg.rollout.kv_cache_bytes,
                 engine_kwargs=dict(cfg.rollout.engine_kwargs), seed=cfg.run.seed, device=device,
-                micro_batch_size=cfg.trainer.micro_batch_size, out_dir=out, config_path=config_path)
+                micro_batch_size=cfg.trainer.micro_batch_size, out_dir=out, config_path=config_path,
+                numerics=cfg.run.numerics)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,7 +219,7 @@ def _start_engine(plan: Plan, impl: str):
     from rollout.worker import RolloutWorker
 
     return RolloutWorker(plan.model_dir, impl, dtype=plan.dtype, seed=plan.seed, max_model_len=plan.max_model_len,
-                         kv_cache_memory_bytes=plan.kv_cache_bytes, **plan.engine_kwargs)
+                         kv_cache_memory_bytes=plan.kv_cache_bytes, numerics=plan.numerics, **plan.engine_kwargs)
 
 
 def _sampler_side(engine, plan: Plan, prompt_ids, completion_ids, hidden) -> dict:
@@ -235,7 +240,7 @@ def _trainer_side(plan: Plan, impl: str, prompt_ids, completion_ids, hidden) -> 
 
     t0 = time.perf_counter()
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[plan.dtype]
-    model = load_model(plan.model_dir, impl, dtype=dtype, device=plan.device).eval()
+    model = load_model(plan.model_dir, impl, dtype=dtype, device=plan.device, numerics=plan.numerics).eval()
     logprobs, captured = probe.score(model, prompt_ids, completion_ids, temperature=plan.temperature,
                                      micro_batch_size=plan.micro_batch_size, capture=hidden is None)
     hidden = captured if hidden is None else hidden
@@ -294,6 +299,9 @@ def run(plan: Plan) -> dict:
             pairs.append({"sampler": s_impl, "trainer": t_impl, "metrics": metrics, "layers": layers, "dlogp": dlogp})
     gen_vs_score = mismatch_metrics(sampler[gen_impl]["logprobs"], gen_logprobs)
     gen_vs_score.pop("mismatch/masked_frac")
+    # what a train step compares: the trainer's logprobs against those vLLM reported while sampling
+    trainer_vs_gen = mismatch_metrics(trainer[gen_impl]["logprobs"], gen_logprobs)
+    trainer_vs_gen.pop("mismatch/masked_frac")
 
     import transformers
     import vllm
@@ -301,6 +309,7 @@ def run(plan: Plan) -> dict:
     return {
         "meta": {
             "config": plan.config_path, "model_dir": str(plan.model_dir), "dtype": plan.dtype, "device": plan.device,
+            "numerics": plan.numerics,
             "impls": list(plan.impls), "generator": gen_impl, "hidden_states_from": f"trainer, moe_impl={gen_impl}",
             "prompts": len(plan.prompts), "samples_per_prompt": plan.n, "sequences": len(completion_ids),
             "completion_tokens": sum(len(c) for c in completion_ids),
@@ -316,6 +325,10 @@ def run(plan: Plan) -> dict:
         },
         "pairs": pairs,
         "generation_vs_scoring": {"impl": gen_impl, "metrics": gen_vs_score},
+        "trainer_vs_generation": {"impl": gen_impl, "metrics": trainer_vs_gen},
+        # what was compared: the sampled sequences and the logprobs vLLM reported while generating them
+        "sequences": [{"prompt_ids": p, "completion_ids": c, "sampler_logprobs": lp}
+                      for p, c, lp in zip(prompt_ids, completion_ids, gen_logprobs)],
     }
 
 
@@ -342,7 +355,7 @@ def _fmt(v: float, spec: str) -> str:
 def format_table(report: dict) -> str:
     """The console summary: one line per (sampler, trainer) pair, then one per MoE layer and pair."""
     m = report["meta"]
-    lines = [f"consistency: {m['model_dir']} dtype={m['dtype']} device={m['device']} "
+    lines = [f"consistency: {m['model_dir']} dtype={m['dtype']} device={m['device']} numerics={m.get('numerics', 'fast')} "
              f"{m['sequences']} sequences, {m['completion_tokens']} completion tokens, "
              f"{m['moe_layers']} MoE layers x {m['moe_layer_tokens']} tokens",
              "end to end (Δlogp = trainer - sampler, per completion token):"]
@@ -368,6 +381,11 @@ def format_table(report: dict) -> str:
     lines.append(f"sampler {g['impl']}: logprobs while generating vs when scoring the same tokens: "
                  f"max|Δlogp| {_fmt(g['metrics']['mismatch/abs_logp_diff_max'], '.2e')}, "
                  f"k3 KL {_fmt(g['metrics']['mismatch/k3_kl'], '.2e')} (decode vs prefill kernels)")
+    t = report.get("trainer_vs_generation")
+    if t:
+        lines.append(f"trainer {t['impl']} vs sampler {t['impl']} while generating (what a train step compares): "
+                     f"max|Δlogp| {_fmt(t['metrics']['mismatch/abs_logp_diff_max'], '.2e')}, "
+                     f"k3 KL {_fmt(t['metrics']['mismatch/k3_kl'], '.2e')}")
     return "\n".join(lines)
 
 

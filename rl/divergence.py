@@ -429,11 +429,12 @@ def _sampler_generate(engine, prompt: list[int], max_tokens: int, temperature: f
 # ---------------------------------------------------------------------------------------------
 def measure(model_dir: str | Path, *, prompts: Sequence[str] = DEFAULT_PROMPTS, max_tokens: int = 4,
             temperature: float = 1.0, seed: int = 0, engine=None, own: bool = True,
-            engine_kwargs: dict | None = None) -> dict:
+            engine_kwargs: dict | None = None, numerics: str = "fast") -> dict:
     """Capture both sides on `prompts` (+ `max_tokens` sampled tokens each) and compare; the report.
 
-    `engine`: a started rollout.worker.RolloutWorker on `model_dir` (moe_impl megamoe), or None to
-    start one here (and close it). The trainer side is trainer.model.load_model(model_dir, "megamoe").
+    `engine`: a started rollout.worker.RolloutWorker on `model_dir` (moe_impl megamoe, `numerics`), or
+    None to start one here (and close it). The trainer side is trainer.model.load_model(model_dir,
+    "megamoe", numerics=numerics).
     """
     import transformers
     import vllm
@@ -450,7 +451,7 @@ def measure(model_dir: str | Path, *, prompts: Sequence[str] = DEFAULT_PROMPTS, 
         from rollout.worker import RolloutWorker
 
         engine = RolloutWorker(model_dir, "megamoe", dtype="float32", seed=seed, max_model_len=128,
-                               kv_cache_memory_bytes=32 << 20, **(engine_kwargs or {}))
+                               kv_cache_memory_bytes=32 << 20, numerics=numerics, **(engine_kwargs or {}))
     try:
         gen, pre, meta = [], [], {}
         for i, p in enumerate(prompt_ids):
@@ -463,7 +464,7 @@ def measure(model_dir: str | Path, *, prompts: Sequence[str] = DEFAULT_PROMPTS, 
         if own_engine:
             engine.close()
 
-    model = load_model(model_dir, "megamoe", dtype=torch.float32).eval()
+    model = load_model(model_dir, "megamoe", dtype=torch.float32, numerics=numerics).eval()
     ops = op_graph(len(_layers(model)), qk_norm=hasattr(_layers(model)[0].self_attn, "q_norm"))
     views = {"prefill": [], "decode": []}
     t_key = f"logprobs@{temperature:g}"
@@ -478,7 +479,8 @@ def measure(model_dir: str | Path, *, prompts: Sequence[str] = DEFAULT_PROMPTS, 
                                      replay_ops(model, s_pre, ids, 1.0) if own else {}))
         views["decode"].append(Case(s_gen, tr_gen, decode_rows, {},
                                     replay_ops(model, s_gen, ids, temperature, decode_rows) if own else {}))
-    report = {"meta": {"model_dir": str(model_dir), "prompts": len(prompt_ids), "max_tokens": max_tokens,
+    report = {"meta": {"model_dir": str(model_dir), "numerics": numerics, "prompts": len(prompt_ids),
+                       "max_tokens": max_tokens,
                        "temperature": temperature, "seed": seed, "tokens": sum(len(p) + len(c) for p, c, _ in gen),
                        "sampler_threads": meta.get("threads"), "trainer_threads": torch.get_num_threads(),
                        "sampler_dispatch": meta.get("dispatch"),

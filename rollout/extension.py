@@ -26,7 +26,7 @@ if not plugin.STATE["registered"]:
 
 import torch  # noqa: E402
 
-from rollout import adapter, moe_method, weights  # noqa: E402
+from rollout import adapter, bitwise, moe_method, weights  # noqa: E402
 
 
 class MegaMoEWorkerExtension:
@@ -46,6 +46,8 @@ class MegaMoEWorkerExtension:
             "megamoe_router_gates": adapter.megamoe_router_gates(model),
             "layer_impls": sorted(set(layers.values())),
             "dtype": str(next(model.parameters()).dtype),
+            "numerics": plugin.STATE["numerics"],
+            "dense_ops": bitwise.census(model) if plugin.STATE["numerics"] == "bitwise" else None,
         }
 
     def megamoe_moe_calls(self) -> dict[str, int]:

@@ -10,6 +10,9 @@ engine, so every process vLLM spawns inherits it:
     MEGAMOE_MOE_IMPL=reference  routed experts through megamoe.fused_moe(impl="reference")
     MEGAMOE_MOE_IMPL=stock      vLLM's own MoE kernels, with the weight-reload repair (adapter.py)
 
+and a second one, MEGAMOE_NUMERICS=bitwise (unset or `fast`: vLLM's own dense kernels), which also
+installs the batch-invariant linears and attention of rollout/bitwise.py.
+
 Why this module imports nothing but the standard library: vLLM loads a plugin with
 `entry_point.load()` inside `try/except Exception: logger.exception(...)`, so an exception raised
 while *importing* this module is logged and swallowed, and the engine would quietly run vLLM's own
@@ -29,7 +32,8 @@ ENV_VAR = "MEGAMOE_MOE_IMPL"
 logger = logging.getLogger(__name__)
 
 # What register() did in this process; read by rollout.extension (in vLLM's worker process).
-STATE: dict[str, object] = {"called": False, "impl": None, "registered": False}
+STATE: dict[str, object] = {"called": False, "impl": None, "registered": False, "numerics": None}
+NUMERICS_ENV_VAR = "MEGAMOE_NUMERICS"
 
 
 def configured_impl() -> str | None:
@@ -45,17 +49,37 @@ def configured_impl() -> str | None:
     return value
 
 
+def configured_numerics() -> str:
+    """The validated value of MEGAMOE_NUMERICS ("fast" when unset or empty)."""
+    from megamoe.contract import FAST, NUMERICS  # here, not at import: see the module docstring
+
+    value = os.environ.get(NUMERICS_ENV_VAR, "").strip() or FAST
+    if value not in NUMERICS:
+        raise ValueError(f"{NUMERICS_ENV_VAR}: expected one of {NUMERICS} (or unset: fast), got {value!r}")
+    return value
+
+
 def register() -> None:
     """vLLM's entry point. Raises (and so stops engine start-up) when misconfigured or broken."""
     STATE["called"] = True
     impl = configured_impl()
+    numerics = configured_numerics()
     STATE["impl"] = impl
+    STATE["numerics"] = numerics
     if impl is None:
+        if numerics != "fast":
+            raise ValueError(f"{NUMERICS_ENV_VAR}={numerics}: expected {ENV_VAR} set too (the bitwise numerics "
+                             "need megamoe's MoE on both sides)")
         return
     if STATE["registered"]:
         return
     from rollout import adapter  # heavy imports (vLLM internals, megamoe) happen here, loudly
 
     adapter.register_moe_method(impl)
+    if numerics == "bitwise":
+        from rollout import bitwise
+
+        bitwise.register()
     STATE["registered"] = True
-    logger.info("megamoe plugin: vLLM MoE layers use moe_impl=%s in process %d", impl, os.getpid())
+    logger.info("megamoe plugin: vLLM MoE layers use moe_impl=%s, numerics=%s in process %d", impl, numerics,
+                os.getpid())

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from megamoe.contract import HOST_IMPLS
+from megamoe.contract import BITWISE, FAST, HOST_IMPLS, MEGAMOE, NUMERICS
 from rollout import plugin, weights
 from rollout.sync import STREAMED
 
@@ -50,6 +50,35 @@ def _check_moe_impl(moe_impl: object) -> str:
     if moe_impl not in HOST_IMPLS:
         raise ValueError(f"moe_impl: expected one of {HOST_IMPLS}, got {moe_impl!r}")
     return moe_impl  # type: ignore[return-value]
+
+
+def _check_numerics(numerics: object, moe_impl: str, architecture: str, tensor_parallel_size: int,
+                    engine_kwargs: dict) -> dict:
+    """Refuse a numerics this engine cannot provide (naming what is missing); the engine arguments it needs."""
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics: expected one of {NUMERICS}, got {numerics!r}")
+    if numerics == FAST:
+        return {}
+    from rollout import bitwise
+
+    missing = []
+    if moe_impl != MEGAMOE:
+        missing.append(f"moe_impl='megamoe' (got {moe_impl!r}: the MoE must be the trainer's kernel too)")
+    if torch.cuda.is_available():
+        missing.append("vLLM's CPU backend (this process sees CUDA: the batch-invariant attention backend and "
+                       "linears exist for vLLM CPU only)")
+    if tensor_parallel_size != 1:
+        missing.append(f"tensor_parallel_size=1 (got {tensor_parallel_size}: a split K reduction is not the trainer's)")
+    if architecture not in bitwise.ARCHITECTURES:
+        missing.append(f"an architecture in {bitwise.ARCHITECTURES} (got {architecture}: its other ops are not "
+                       "measured bitwise)")
+    custom_ops = (engine_kwargs.get("compilation_config") or {}).get("custom_ops")
+    if custom_ops is not None and list(custom_ops) != bitwise.CUSTOM_OPS:
+        missing.append(f"compilation_config.custom_ops={bitwise.CUSTOM_OPS} (got {custom_ops!r})")
+    if missing:
+        raise ValueError("numerics='bitwise': needs " + "; ".join(missing))
+    return {"compilation_config": {**(engine_kwargs.get("compilation_config") or {}),
+                                   "custom_ops": list(bitwise.CUSTOM_OPS)}}
 
 
 def _preflight_plugin() -> None:
@@ -71,7 +100,7 @@ class RolloutWorker:
                  seed: int = 0, max_model_len: int = 512, kv_cache_memory_bytes: int = 256 << 20,
                  enforce_eager: bool | None = None, enable_prefix_caching: bool = False,
                  tensor_parallel_size: int = 1, bucket_bytes: int = weights.DEFAULT_BUCKET_BYTES,
-                 weight_sync: str = "files", sleep_mode: bool = False, **engine_kwargs):
+                 weight_sync: str = "files", sleep_mode: bool = False, numerics: str = FAST, **engine_kwargs):
         """Start a vLLM engine on the local checkpoint `model_dir` with its MoE layers on `moe_impl`.
 
         enforce_eager: None means eager on CPU (no compile time for tiny test models) and for
@@ -88,6 +117,9 @@ class RolloutWorker:
         weight-transfer engine; the trainer on the same GPU) or "nccl" (vLLM's NCCL engine; the
         trainer on another GPU). sleep_mode: build the engine so that
         `sleep` can free its KV cache (and weights) while the trainer trains (CUDA only).
+        numerics: "fast" (vLLM's own dense kernels) or "bitwise" (rollout/bitwise.py: the trainer's
+        batch-invariant linears and attention; vLLM CPU, moe_impl="megamoe", one rank, the
+        architectures in rollout.bitwise.ARCHITECTURES; anything else is refused here).
         engine_kwargs go to `vllm.LLM` unchanged.
 
         Sets MEGAMOE_MOE_IMPL in this process's environment (vLLM's processes inherit it), runs the
@@ -109,6 +141,7 @@ class RolloutWorker:
                              "use weight_sync='files', sleep_mode=False on CPU")
         self.weight_sync = weight_sync
         self.sleep_mode = bool(sleep_mode)
+        self.numerics = numerics
         self._asleep: set[str] = set()  # vLLM memory tags ("weights", "kv_cache") now released
         self._plan: dict[str, tuple] | None = None   # the streamed update being received
         self._received: set[str] = set()
@@ -136,8 +169,11 @@ class RolloutWorker:
         from rollout import adapter, archs
 
         archs.check_architectures([self.spec.architecture], where=f"model_dir {self.model_dir!r}")
-        # Before any vLLM process exists: every process the engine spawns inherits it.
+        bitwise_kwargs = _check_numerics(numerics, self.moe_impl, self.spec.architecture, tensor_parallel_size,
+                                         engine_kwargs)
+        # Before any vLLM process exists: every process the engine spawns inherits them.
         os.environ[plugin.ENV_VAR] = self.moe_impl
+        os.environ[plugin.NUMERICS_ENV_VAR] = numerics
         if torch.cuda.is_available():
             # vLLM forks its engine process by default; a fork of a process that has touched CUDA
             # (a trainer or a test in the same process) cannot use CUDA ("Cannot re-initialize CUDA").
@@ -155,6 +191,7 @@ class RolloutWorker:
                                               weight_sync=weight_sync, sleep_mode=self.sleep_mode))
         kwargs.update(adapter.attention_kwargs(self.spec.architecture, dtype))
         kwargs.update(engine_kwargs)
+        kwargs.update(bitwise_kwargs)
         self.llm = LLM(**kwargs)
         try:
             self._check_engine()
@@ -171,6 +208,13 @@ class RolloutWorker:
             if s["hooked_moe_layers"] == 0 or s["layer_impls"] != [self.moe_impl]:
                 raise RuntimeError(f"vLLM worker {rank}: expected every MoE layer on moe_impl={self.moe_impl!r}, "
                                    f"found {s['hooked_moe_layers']} hooked layer(s) with {s['layer_impls']}")
+            if s["numerics"] != self.numerics:
+                raise RuntimeError(f"vLLM worker {rank}: numerics {s['numerics']!r}, expected {self.numerics!r}")
+            ops = s["dense_ops"]
+            if self.numerics == BITWISE and (ops["other_linears"] or ops["other_attention"]
+                                             or not ops["invariant_linears"] or not ops["invariant_attention"]):
+                raise RuntimeError(f"vLLM worker {rank}: numerics='bitwise' but not every dense op runs the "
+                                   f"batch-invariant kernels: {ops}")
             if s["megamoe_router_gates"] < s["self_routed_moe_layers"]:
                 # Routing megamoe.route on logits from vLLM's own gate would not be the trainer's routing.
                 raise RuntimeError(f"vLLM worker {rank} (vLLM {s['vllm_version']}): {s['self_routed_moe_layers']} MoE "

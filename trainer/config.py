@@ -27,7 +27,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from megamoe.contract import HOST_IMPLS
+from megamoe.contract import FAST, HOST_IMPLS, NUMERICS
 
 # The choices of the trainer's settings; trainer/loss.py and rl/config.py import them from here.
 IS_CORRECTIONS = ("none", "tis", "token_mask", "seq_mask", "metrics_only")
@@ -161,13 +161,15 @@ class TrainerConfig(TrainerSettings):
 
 @dataclass(frozen=True)
 class TrainerWorkerConfig(TrainerSettings):
-    """What one TrainerWorker rank gets: its settings plus three values rl/ takes from other sections."""
+    """What one TrainerWorker rank gets: its settings plus four values rl/ takes from other sections."""
     temperature: float = field(1.0, "the sampler's temperature (rollout.temperature): trainer logprobs are "
                                     "log_softmax(logits / temperature)")
     dtype: Literal[("auto",) + DTYPES] = field(
         "auto", "compute dtype (model.dtype): auto = bfloat16 on CUDA, float32 on CPU. Master weights, optimizer "
                 "state and gradient reduction stay fp32; bfloat16 is FSDP2's MixedPrecisionPolicy")
     seed: int = field(0, "seed of torch's RNG on every rank (run.seed; the same everywhere)")
+    numerics: Literal[NUMERICS] = field(FAST, "run.numerics: bitwise puts the dense linears and attention on "
+                                              "megamoe.invariant's kernels (trainer/bitwise.py)")
 
     def validate(self, at: str = "") -> None:
         super().validate(at)
@@ -175,10 +177,11 @@ class TrainerWorkerConfig(TrainerSettings):
         check(self.seed >= 0, _key(at, "seed"), "an int >= 0", self.seed)
 
     @classmethod
-    def of(cls, settings: TrainerSettings, *, temperature: float, dtype: str, seed: int) -> "TrainerWorkerConfig":
-        """A rank's config: `settings` (e.g. the run's TrainerConfig) and the three values named here."""
+    def of(cls, settings: TrainerSettings, *, temperature: float, dtype: str, seed: int,
+           numerics: str = FAST) -> "TrainerWorkerConfig":
+        """A rank's config: `settings` (e.g. the run's TrainerConfig) and the values named here."""
         own = {f.name: getattr(settings, f.name) for f in dataclasses.fields(TrainerSettings)}
-        cfg = cls(**own, temperature=temperature, dtype=dtype, seed=seed)
+        cfg = cls(**own, temperature=temperature, dtype=dtype, seed=seed, numerics=numerics)
         cfg.validate()
         return cfg
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from megamoe.contract import BITWISE, FAST, MEGAMOE, NUMERICS
 from trainer.experts import (EXPERTS_IMPLEMENTATION, check_megamoe_eligible, install_megamoe,
                              register_experts_implementations)
 
@@ -153,15 +154,21 @@ def check_checkpoint(model_dir: str | Path, config=None) -> None:
 
 
 def load_model(model_dir: str | Path, moe_impl: str, *, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> nn.Module:
+               device: str | torch.device = "cpu", numerics: str = FAST) -> nn.Module:
     """The checkpoint as a transformers CausalLM whose experts run on `moe_impl`.
 
     Parameters are loaded in `dtype` (fp32 master weights for training); names are the stock ones.
+    numerics="bitwise" (moe_impl="megamoe" only) puts the dense linears and attention on the
+    batch-invariant kernels vLLM's side shares (trainer/bitwise.py).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if moe_impl not in EXPERTS_IMPLEMENTATION:
         raise ValueError(f"moe_impl: expected one of {tuple(EXPERTS_IMPLEMENTATION)}, got {moe_impl!r}")
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics: expected one of {NUMERICS}, got {numerics!r}")
+    if numerics == BITWISE and moe_impl != MEGAMOE:
+        raise ValueError(f"numerics='bitwise': expected moe_impl='megamoe' (the sampler's MoE kernel), got {moe_impl!r}")
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"model_dir: expected a Hugging Face checkpoint folder with config.json, got {model_dir}")
@@ -187,6 +194,10 @@ def load_model(model_dir: str | Path, moe_impl: str, *, dtype: torch.dtype = tor
             sorted(str(k) for k in info["mismatched_keys"]) + list(map(str, info["error_msgs"]))))
     if moe_impl != "stock":
         install_megamoe(model, moe_impl)
+    if numerics == BITWISE:
+        from trainer import bitwise
+
+        bitwise.install(model)
     # Training semantics without randomness the sampler does not have (dropout is 0 in these
     # architectures; Mixtral's router jitter is 0 unless configured).
     model.config.use_cache = False

@@ -73,7 +73,7 @@ class TrainerWorker:
         self._owns_pg = False
         if c.fsdp:
             self._init_process_group(master_addr, master_port)
-        self.model = load_model(model_dir, moe_impl, dtype=torch.float32, device=self.device)
+        self.model = load_model(model_dir, moe_impl, dtype=torch.float32, device=self.device, numerics=c.numerics)
         self.vocab_size = self.model.config.vocab_size
         pad = self.model.config.pad_token_id
         self.pad_id = int(pad) if pad is not None and 0 <= int(pad) < self.vocab_size else 0

@@ -35,10 +35,10 @@ ROOT = Path(__file__).resolve().parents[2]
 LOGPROB_TOL_FP32 = 1e-4  # as in test_rollout.py; measured ~1e-6 (OLMoE GRPO steps: 4.8e-7)
 
 
-def train_tiny(config: Path, run_dir: Path):
-    """`megamoe-rl train --config <config>` for two steps into run_dir, in a subprocess of its own
-    session (Ray, one vLLM CPU engine, one FSDP2 trainer rank), sized as tests/rl/test_rl_loop.py's
-    runs; the finished process (the family files' end-to-end runs)."""
+def train_tiny(config: Path, run_dir: Path, *overrides: str):
+    """`megamoe-rl train --config <config> [overrides]` for two steps into run_dir, in a subprocess of its
+    own session (Ray, one vLLM CPU engine, one FSDP2 trainer rank), sized as tests/rl/test_rl_loop.py's
+    runs; the finished process (the family files' end-to-end runs, tests/rl/test_bitwise.py's)."""
     import os
     import subprocess
     import sys
@@ -47,7 +47,7 @@ def train_tiny(config: Path, run_dir: Path):
 
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     return subprocess.run([sys.executable, "-m", "rl.cli", "train", "--config", str(config), f"run.out_dir={run_dir}",
-                           *SMALL, "run.steps=2"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           *SMALL, "run.steps=2", *overrides], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S, start_new_session=True)
 
 

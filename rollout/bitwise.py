@@ -1,0 +1,210 @@
+"""vLLM's side of `numerics="bitwise"` (vLLM CPU 0.32): the dense ops outside the MoE run the trainer's
+batch-invariant kernels (megamoe.invariant), so that the trainer reproduces every logprob bit for bit.
+
+Installed by the plugin (rollout/plugin.py) in every vLLM process when MEGAMOE_NUMERICS=bitwise, through
+vLLM's own seams, nothing patched:
+- linears: out-of-tree replacements (PluggableLayer.register_oot) of ReplicatedLinear,
+  ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear and RowParallelLinear whose
+  linear method computes `megamoe.invariant.linear_parts` over the layer's output partitions (a fused
+  q/k/v or gate/up weight part by part: the trainer's separate linears' bits); ParallelLMHead's method
+  likewise computes the logits. The weights stay as loaded (vLLM CPU would prepack them for oneDNN).
+- attention: the CPU_ATTN backend's class path overridden (vLLM's `register_backend`) by a subclass
+  whose KV-cache write and attention are plain torch: per request, its keys gathered from the paged
+  cache and `megamoe.invariant.causal_attention` (the function the trainer's attention calls).
+- rotary and the dense MLP's activation: vLLM's own native formulas (`compilation_config.custom_ops`
+  with -rotary_embedding, -silu_and_mul: `engine_kwargs`), which equal transformers' bit for bit
+  (docs/BITWISE.md).
+The MoE (router logits, routing, experts) is megamoe's already (rollout/adapter.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megamoe import invariant
+
+ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+"""vLLM architectures whose every op docs/BITWISE.md measured bitwise equal to the trainer's in this mode."""
+CUSTOM_OPS = ["all", "-rotary_embedding", "-silu_and_mul"]
+"""vLLM custom-op switches of a bitwise engine: the rotary and the gated activation by their native torch
+formulas (transformers' bits), every other custom op as usual."""
+_STATE = {"registered": False}
+
+
+def _linear_classes():
+    from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
+                                                   QKVParallelLinear, ReplicatedLinear, RowParallelLinear)
+
+    return (ReplicatedLinear, ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear)
+
+
+def _methods():
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    class InvariantLinearMethod(UnquantizedLinearMethod):
+        """megamoe.invariant.linear_parts over the layer's output partitions; weight kept as loaded."""
+
+        def process_weights_after_loading(self, layer) -> None:
+            return None
+
+        def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+            sizes = getattr(layer, "output_partition_sizes", None) or [layer.weight.shape[0]]
+            return invariant.linear_parts(x, layer.weight, sizes, bias)
+
+    class InvariantEmbeddingMethod(UnquantizedEmbeddingMethod):
+        """The LM head's logits through megamoe.invariant.linear; the lookup as vLLM's."""
+
+        def process_weights_after_loading(self, layer) -> None:
+            return None
+
+        def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+            return invariant.linear(x, layer.weight, bias)
+
+    return InvariantLinearMethod, InvariantEmbeddingMethod
+
+
+def _replacement(base, method_cls, unquantized_cls):
+    def __init__(self, *args, **kwargs):
+        base.__init__(self, *args, **kwargs)
+        if type(self.quant_method) is not unquantized_cls:
+            raise NotImplementedError(
+                f"numerics=bitwise: {base.__name__} {getattr(self, 'prefix', '')!r} uses "
+                f"{type(self.quant_method).__name__}; the batch-invariant linear computes unquantized weights only")
+        self.quant_method = method_cls()
+
+    return type(f"Invariant{base.__name__}", (base,), {"__init__": __init__, "__doc__":
+                f"vLLM's {base.__name__} computing megamoe.invariant's batch-invariant linear (numerics=bitwise)."})
+
+
+def _attention_backend():
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+
+    class InvariantCPUAttentionImpl(CPUAttentionBackendImpl):
+        """Decoder self-attention over vLLM's paged KV cache with megamoe.invariant.causal_attention."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            unsupported = [name for name, bad in (
+                ("ALiBi slopes", self.alibi_slopes is not None), ("a sliding window", self.sliding_window != -1),
+                ("a logits soft cap", bool(self.logits_soft_cap)), ("attention sinks", self.sinks is not None),
+                (f"kv_cache_dtype={self.kv_cache_dtype!r}", self.is_fp8_kv_cache),
+                (f"attention type {self.attn_type!r}", self.attn_type != AttentionType.DECODER),
+                ("a KV-sharing layer", self.kv_sharing_target_layer_name is not None)) if bad]
+            if unsupported:
+                raise NotImplementedError(f"numerics=bitwise: the batch-invariant attention computes causal decoder "
+                                          f"self-attention only; this layer has {', '.join(unsupported)}")
+
+        @staticmethod
+        def _caches(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # [blocks, kv heads, block size, 2 * D] as the CPU backend views it: keys, then values,
+            # each [blocks, kv heads, block size, D]; this class alone writes and reads them.
+            nb, g, bs, _ = kv_cache.shape
+            return kv_cache.view(nb, g, 2 * bs, -1).chunk(2, dim=2)
+
+        def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+            key_cache, value_cache = self._caches(kv_cache)
+            bs = key_cache.shape[2]
+            n = slot_mapping.shape[0]
+            keep = slot_mapping >= 0
+            slots = slot_mapping[keep].long()
+            blk, off = slots // bs, slots % bs
+            key_cache[blk, :, off] = key[:n][keep].to(key_cache.dtype)
+            value_cache[blk, :, off] = value[:n][keep].to(value_cache.dtype)
+
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                    output_block_scale=None):
+            if output_scale is not None or output_block_scale is not None:
+                raise NotImplementedError("numerics=bitwise: fused output quantization")
+            if attn_metadata is None:  # warm-up
+                return output
+            key_cache, value_cache = self._caches(kv_cache)
+            bs, g, D = key_cache.shape[2], key_cache.shape[1], key_cache.shape[3]
+            starts = attn_metadata.query_start_loc.tolist()
+            lens = attn_metadata.seq_lens.tolist()
+            for r, L in enumerate(lens):
+                s, e = starts[r], starts[r + 1]
+                if e == s:
+                    continue
+                blocks = attn_metadata.block_table[r, :math.ceil(L / bs)].long()
+                k = key_cache[blocks].permute(0, 2, 1, 3).reshape(-1, g, D)[:L]
+                v = value_cache[blocks].permute(0, 2, 1, 3).reshape(-1, g, D)[:L]
+                pos = torch.arange(L - (e - s), L)
+                o = invariant.causal_attention(query[s:e], k, v, pos, self.scale)
+                output[s:e] = o.reshape(output[s:e].shape).to(output.dtype)
+            return output
+
+    class InvariantCPUAttentionBackend(CPUAttentionBackend):
+        """vLLM's CPU attention backend (its metadata, its KV-cache shape) with the batch-invariant impl."""
+
+        @staticmethod
+        def get_impl_cls():
+            return InvariantCPUAttentionImpl
+
+    return InvariantCPUAttentionBackend
+
+
+InvariantCPUAttentionBackend = None  # the class, once register() built it (the path vLLM resolves)
+
+
+def register() -> None:
+    """Install the linears, the LM head's method and the attention backend in this process (vLLM CPU)."""
+    global InvariantCPUAttentionBackend
+    if _STATE["registered"]:
+        return
+    from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if not current_platform.is_cpu():
+        raise NotImplementedError(f"numerics=bitwise: vLLM on {current_platform.device_type}: the batch-invariant "
+                                  "attention and linears are built for vLLM's CPU backend only (a CUDA attention "
+                                  "backend and GEMM of the same reduction order do not exist yet)")
+    linear_method, embedding_method = _methods()
+    _STATE["methods"] = (linear_method, embedding_method)
+    replacements = [(_replacement(base, linear_method, UnquantizedLinearMethod), base.__name__)
+                    for base in _linear_classes()]
+    replacements.append((_replacement(ParallelLMHead, embedding_method, UnquantizedEmbeddingMethod), "ParallelLMHead"))
+    for cls, name in replacements:
+        current = op_registry_oot.get(name)
+        if current is not None:
+            raise RuntimeError(f"another plugin already replaced vLLM's {name} with {current!r}; "
+                               "numerics=bitwise cannot take its place")
+    for cls, name in replacements:
+        PluggableLayer.register_oot(name=name)(cls)
+    InvariantCPUAttentionBackend = _attention_backend()
+    _STATE["attention_impl"] = InvariantCPUAttentionBackend.get_impl_cls()
+    register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.InvariantCPUAttentionBackend")
+    _STATE["registered"] = True
+
+
+def census(model: torch.nn.Module) -> dict:
+    """What computes the dense ops of `model` (in a vLLM worker): the number of linears (LM head included)
+    and attention layers on the batch-invariant kernels, and the names of those that are not (the MoE
+    gates, on megamoe.router's batch-invariant logits, count as invariant)."""
+    from rollout.adapter import MegaMoERouterMethod
+    from vllm.model_executor.layers.linear import LinearMethodBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    methods = _STATE.get("methods", ())
+    attn_impl = _STATE.get("attention_impl")
+    out = {"invariant_linears": 0, "other_linears": [], "invariant_attention": 0, "other_attention": []}
+    for name, m in model.named_modules():
+        qm = getattr(m, "quant_method", None)
+        if isinstance(qm, LinearMethodBase) or isinstance(m, ParallelLMHead):
+            if isinstance(qm, methods + (MegaMoERouterMethod,)):
+                out["invariant_linears"] += 1
+            else:
+                out["other_linears"].append(f"{name} ({type(qm).__name__})")
+        impl = getattr(m, "impl", None)
+        if impl is not None and hasattr(impl, "do_kv_cache_update"):
+            if attn_impl is not None and isinstance(impl, attn_impl):
+                out["invariant_attention"] += 1
+            else:
+                out["other_attention"].append(f"{name} ({type(impl).__name__})")
+    return out

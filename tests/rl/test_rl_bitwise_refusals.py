@@ -1,0 +1,121 @@
+"""run.numerics=bitwise where it cannot be provided is refused before any work, naming what is missing:
+the config (rl/config.py), the model's architecture (rl/base_model.py), the consistency command, the
+trainer's loader, the RolloutWorker (before its engine starts) and the vLLM plugin's variable. No engine
+starts in this file."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from test_rollout_archs import ROOT
+
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+@pytest.mark.parametrize("override,key,expected", [
+    ("rollout.moe_impl=reference", "rollout.moe_impl", "'megamoe'"),
+    ("trainer.moe_impl=stock", "trainer.moe_impl", "'megamoe'"),
+    ("rollout.top_p=0.9", "rollout.top_p", "1.0"),
+    ("rollout.gpus_per_worker=1", "rollout.gpus_per_worker", "0: the batch-invariant attention backend"),
+    ("rollout.engine_kwargs={tensor_parallel_size: 2}", "rollout.engine_kwargs.tensor_parallel_size", "1"),
+])
+def test_config_refuses_what_bitwise_cannot_compute(override, key, expected):
+    from rl import config as C
+
+    with pytest.raises(C.ConfigError, match=rf"tiny.yaml: {key}: expected {re.escape(expected)}.*with run.numerics=bitwise"):
+        C.load(TINY, ["run.numerics=bitwise", override])
+    C.load(TINY, [override] if key != "rollout.gpus_per_worker" else [])  # fast numerics: no objection
+
+
+def test_config_numerics_names_its_choices_and_reaches_the_trainer_ranks():
+    from rl import config as C
+
+    with pytest.raises(C.ConfigError, match=r"run.numerics.*'fast'.*'bitwise'"):
+        C.load(TINY, ["run.numerics=exact"])
+    cfg = C.load(TINY, ["run.numerics=bitwise"])
+    assert C.trainer_worker_config(cfg).numerics == "bitwise"
+    assert C.trainer_worker_config(C.load(TINY)).numerics == "fast"
+
+
+def test_architecture_without_a_measured_bitwise_path_is_refused(tmp_path):
+    from rl import config as C
+    from rl.base_model import resolve_model
+    from rl.make_model import make_model
+
+    cfg = C.load(TINY, ["run.numerics=bitwise", "model.make.arch=mixtral", f"run.out_dir={tmp_path}"])
+    with pytest.raises(C.ConfigError, match=r"model.make.arch: .*MixtralForCausalLM; run.numerics=bitwise "
+                                            r"expects one of \('Qwen3MoeForCausalLM',\)"):
+        resolve_model(cfg, tmp_path)
+    olmoe = make_model(tmp_path / "olmoe", arch="olmoe")
+    cfg = C.load(TINY, ["run.numerics=bitwise", "model.make=null", f"model.path={olmoe}"])
+    with pytest.raises(C.ConfigError, match=r"model.path: .*OlmoeForCausalLM"):
+        resolve_model(cfg, tmp_path)
+
+
+def test_consistency_in_bitwise_mode_takes_megamoe_alone(tmp_path):
+    from rl import config as C
+    from rl.consistency import ConsistencyError, prepare
+
+    cfg = C.load(TINY, ["run.numerics=bitwise", f"run.out_dir={tmp_path}"])
+    with pytest.raises(ConsistencyError, match=r"--impls: expected megamoe alone with run.numerics=bitwise"):
+        prepare(cfg, impls=("megamoe", "stock"), out_dir=tmp_path)
+
+
+def test_trainer_loader_refuses_bitwise_without_megamoe(tmp_path):
+    from rl.make_model import make_model
+    from trainer.model import load_model
+
+    model = make_model(tmp_path / "m")
+    with pytest.raises(ValueError, match=r"numerics='bitwise': expected moe_impl='megamoe'"):
+        load_model(model, "reference", numerics="bitwise")
+    with pytest.raises(ValueError, match=r"numerics: expected one of \('fast', 'bitwise'\)"):
+        load_model(model, "megamoe", numerics="exact")
+
+
+def test_trainer_model_in_bitwise_mode_runs_invariant_linears_and_attention(tmp_path):
+    from torch import nn
+
+    from rl.make_model import make_model
+    from trainer.bitwise import ATTENTION, InvariantLinear
+    from trainer.model import load_model
+
+    model = load_model(make_model(tmp_path / "m"), "megamoe", numerics="bitwise")
+    assert model.config._attn_implementation == ATTENTION
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is InvariantLinear for m in linears)
+    # same parameter names as the fast model's (checkpoints, weight sync and FSDP2 see no change)
+    assert set(model.state_dict()) == set(load_model(tmp_path / "m", "megamoe").state_dict())
+
+
+@pytest.mark.parametrize("kwargs,missing", [
+    (dict(moe_impl="stock"), "moe_impl='megamoe'"),
+    (dict(tensor_parallel_size=2), "tensor_parallel_size=1"),
+    (dict(architecture="MixtralForCausalLM"), "an architecture in ('Qwen3MoeForCausalLM',)"),
+    (dict(engine_kwargs={"compilation_config": {"custom_ops": ["none"]}}), "compilation_config.custom_ops="),
+])
+def test_rollout_worker_refuses_bitwise_before_the_engine(kwargs, missing):
+    from rollout.worker import _check_numerics
+
+    args = dict(moe_impl="megamoe", architecture="Qwen3MoeForCausalLM", tensor_parallel_size=1, engine_kwargs={})
+    assert _check_numerics("bitwise", **args)["compilation_config"]["custom_ops"][1:] == ["-rotary_embedding",
+                                                                                           "-silu_and_mul"]
+    with pytest.raises(ValueError, match=r"numerics='bitwise': needs .*" + re.escape(missing)):
+        _check_numerics("bitwise", **{**args, **kwargs})
+    assert _check_numerics("fast", **{**args, **kwargs}) == {}
+    with pytest.raises(ValueError, match=r"numerics: expected one of \('fast', 'bitwise'\)"):
+        _check_numerics("exact", **args)
+
+
+def test_plugin_variable_is_checked(monkeypatch):
+    from rollout import plugin
+
+    monkeypatch.setenv(plugin.NUMERICS_ENV_VAR, "exact")
+    with pytest.raises(ValueError, match=r"MEGAMOE_NUMERICS: expected one of \('fast', 'bitwise'\)"):
+        plugin.configured_numerics()
+    monkeypatch.setenv(plugin.NUMERICS_ENV_VAR, "bitwise")
+    monkeypatch.delenv(plugin.ENV_VAR, raising=False)
+    monkeypatch.setitem(plugin.STATE, "registered", False)
+    with pytest.raises(ValueError, match=r"MEGAMOE_NUMERICS=bitwise: expected MEGAMOE_MOE_IMPL set too"):
+        plugin.register()

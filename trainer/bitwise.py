@@ -1,0 +1,117 @@
+"""The trainer's side of `numerics="bitwise"`: the model's dense linears and attention forward through
+megamoe.invariant's batch-invariant kernels, the functions vLLM's side calls (rollout/bitwise.py).
+
+    model = load_model(dir, "megamoe", numerics="bitwise")    # trainer/model.py calls install()
+
+- every `nn.Linear` (attention projections, dense MLPs, the LM head) is replaced by `InvariantLinear`, a
+  subclass holding the same Parameter objects (state-dict names, FSDP2 sharding and checkpoints
+  unchanged); its forward is `megamoe.invariant.linear`, its backward plain matmuls.
+- attention is the function registered in transformers' attention registry as ATTENTION
+  (`megamoe.invariant.causal_attention` per sequence forward; the backward is the gradient of the same
+  softmax attention recomputed by plain autograd, fp32). The trainer's batches are right-padded
+  (trainer/batch.py): a real token's queries only reach real keys, so the padding needs no mask; a
+  left-padded or packed mask is refused.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from megamoe import invariant
+
+ATTENTION = "megamoe_invariant"
+"""The attention implementation's name in transformers' AttentionInterface."""
+
+
+class InvariantLinear(nn.Linear):
+    """nn.Linear whose forward is megamoe.invariant.linear (bitwise vLLM's linear in numerics=bitwise)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return invariant.InvariantLinearFn.apply(x, self.weight, self.bias)
+
+
+class _AttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale):  # q [Q, h, D], k [L, g, D], v [L, g, E]: the last Q of L positions
+        ctx.save_for_backward(q, k, v)
+        ctx.scale = scale
+        return invariant.causal_attention(q, k, v, _positions(q, k), scale)
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+            o = _plain_attention(*leaves, ctx.scale)
+            grads = torch.autograd.grad(o, leaves, g.float())
+        return tuple(d.to(t.dtype) for d, t in zip(grads, (q, k, v))) + (None,)
+
+
+def _positions(q, k):
+    """The queries' positions: the last Q of the L keys' (a whole sequence when Q = L)."""
+    return torch.arange(k.shape[0] - q.shape[0], k.shape[0], device=q.device)
+
+
+def _plain_attention(q, k, v, scale):
+    """Causal softmax attention of one sequence by plain torch ops (the backward's formula)."""
+    h, g = q.shape[1], k.shape[1]
+    k, v = k.repeat_interleave(h // g, dim=1), v.repeat_interleave(h // g, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    future = torch.arange(k.shape[0], device=q.device)[None, :] > _positions(q, k)[:, None]
+    s = s.masked_fill(future, -math.inf)
+    return torch.einsum("hqk,khe->qhe", s.softmax(-1), v)
+
+
+def invariant_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                        sliding_window=None, s_aux=None, **kwargs):
+    """transformers' attention-function signature: query [B, h, T, D], key/value [B, g, L, D|E] (L >= T:
+    the queries are the last T positions, L = T in a training forward); returns ([B, T, h, E], None)."""
+    name = type(module).__name__
+    if dropout:
+        raise NotImplementedError(f"numerics=bitwise: {name} with attention dropout {dropout}")
+    if sliding_window is not None or s_aux is not None:
+        raise NotImplementedError(f"numerics=bitwise: {name} with a sliding window or attention sinks "
+                                  "(the batch-invariant attention is plain causal)")
+    B, _, T, _ = query.shape
+    if key.shape[2] < T:
+        raise ValueError(f"numerics=bitwise: {name} with {key.shape[2]} keys for {T} queries: expected the "
+                         "queries to be the last of the keys' positions")
+    if attention_mask is not None:
+        m = attention_mask.bool()
+        if m.dim() != 2 or bool((m[:, 1:] & ~m[:, :-1]).any()):
+            raise ValueError("attention_mask: expected right padding (each row's ones first), the layout of "
+                             "trainer/batch.py; the batch-invariant attention does not mask")
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    out = [_AttentionFn.apply(query[b].transpose(0, 1), key[b].transpose(0, 1), value[b].transpose(0, 1), scale)
+           for b in range(B)]
+    return torch.stack(out), None
+
+
+def register_attention() -> None:
+    """ATTENTION in transformers' attention registry, with the 2-D padding mask passed through (or None)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION, invariant_attention)
+    AttentionMaskInterface.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
+
+
+def install(model: nn.Module) -> int:
+    """Every nn.Linear of `model` -> InvariantLinear (same parameters), attention -> ATTENTION; returns
+    the number of linears replaced."""
+    register_attention()
+    replaced = 0
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                new = InvariantLinear(child.in_features, child.out_features, bias=child.bias is not None,
+                                      device="meta")
+                new.weight = child.weight
+                new.bias = child.bias
+                setattr(parent, child_name, new)
+                replaced += 1
+    model.set_attn_implementation(ATTENTION)
+    return replaced
