@@ -4,19 +4,21 @@
 Each op fixes its reduction order by construction, so an output row's bits depend only on that row's
 inputs, never on how many other rows (tokens, requests, padding) share the call:
 
-- `linear`: x[M, K] @ w[N, K]^T as GEMMs of one fixed shape, [ROWS, K] @ [K, COLS] (rows and columns
-  zero-padded to whole tiles, all tiles in one batched matmul). A BLAS picks its kernel, and so its
+- `linear`: x[M, K] @ w[N, K]^T as GEMMs of one fixed shape per weight, [ROWS, K] @ [K, N] (rows
+  zero-padded to whole tiles: megamoe.blocked.rows_mm). A BLAS picks its kernel, and so its
   rounding, by the problem's shape; with every call the same shape, an output element depends on its
-  row of x and its column of w (and its column's place in the tile) only: a decode step (M = 1), a
-  prefill (M = prompt length) and the trainer's batch give the same bits. A fused weight (vLLM's
-  q/k/v or gate/up) goes through `linear_parts`, one `linear` per part, so that it gives the bits of
-  the trainer's separate linears whatever the parts' sizes (a column's place in its tile changes its
-  rounding: measured at K=2880).
-- `causal_attention`: one sequence's queries against its keys 0..pos, in blocks of KEY_BLOCK keys
-  from key 0 (online softmax: running max, running sum, rescaled accumulator), every reduction an
-  explicit sum over the last, contiguous axis of one (query, head) row. A query's result does not
-  depend on the other queries in the call, so vLLM's decode (one query against its KV cache), its
-  chunked prefill and the trainer's whole-sequence forward agree.
+  row of x and on w only: a decode step (M = 1), a prefill (M = prompt length) and the trainer's batch
+  give the same bits. A column's place among the N changes its rounding (measured at K=2880), so both
+  sides must multiply by the same [N, K]: a fused weight (vLLM's q/k/v or gate/up) goes through
+  `linear_parts`, one `linear` per part (the trainer's separate projections), and vLLM's LM head drops
+  its vocabulary padding first.
+- `causal_attention` / `batched_causal_attention`: each query against its sequence's keys 0..pos, in
+  blocks of KEY_BLOCK keys from key 0 (online softmax: running max, running sum, rescaled accumulator).
+  Queries go in tiles of QUERY_TILE rows of one sequence, so the two products are GEMMs of one fixed
+  shape ([QT, D] @ [D, KB], [QT, KB] @ [KB, E]) and every other step is elementwise or a sum over one
+  row; a block a query does not reach leaves its row exactly unchanged (alpha = 1, p = 0). So a query's
+  result does not depend on the other queries, their number or its place in a tile: vLLM's decode (one
+  query against its KV cache), its chunked prefill and the trainer's whole-sequence forward agree.
 
 Only the forward is shared; the trainer differentiates through plain matmuls (`InvariantLinearFn`,
 attention through autograd of these torch ops). The tests (tests/megamoe/test_invariant.py) check the
@@ -29,12 +31,12 @@ import math
 
 import torch
 
-from megamoe.blocked import ROWS
+from megamoe.blocked import rows_mm
 
-COLS = 64
-"""Output columns per GEMM tile of `linear` (w's rows); fixed, for invariance to N."""
 KEY_BLOCK = 32
 """Keys per block of `causal_attention`'s online softmax; fixed, for invariance to the query count."""
+QUERY_TILE = 16
+"""Query rows per GEMM tile of `causal_attention` (one sequence's; a short tile repeats its first row)."""
 
 
 def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -54,10 +56,9 @@ def linear(x: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None = None)
     if M == 0:
         out = x_MK.new_zeros(0, N)
     else:
-        a = _pad_rows(x_MK, ROWS).view(-1, 1, ROWS, K)                       # [m, 1, ROWS, K]
-        bt = _pad_rows(w_NK.to(x.dtype), COLS).view(1, -1, COLS, K).transpose(-1, -2)  # [1, n, K, COLS]
-        out = torch.matmul(a, bt)                                            # [m, n, ROWS, COLS]
-        out = out.permute(0, 2, 1, 3).reshape(-1, out.shape[1] * COLS)[:M, :N]
+        # one GEMM call per tile of ROWS rows (a batched call of a stride-0 weight is not invariant to the
+        # number of tiles: measured), on the same [K, N] view of w on both sides
+        out = rows_mm(x_MK, w_NK.to(x.dtype).contiguous().t())
     if b_N is not None:
         out = out + b_N.to(out.dtype)
     return out.reshape(*lead, N)
@@ -101,41 +102,107 @@ def causal_attention(q_QhD: torch.Tensor, k_LgD: torch.Tensor, v_LgE: torch.Tens
     q [Q, h, D], k [L, g, D], v [L, g, E] (g key/value heads, h a multiple of g: query head j reads
     key head j // (h // g)), q_pos [Q] int positions < L. Returns [Q, h, E] in q's dtype (computed in fp32).
     """
+    if k_LgD.dim() != 3:
+        raise ValueError(f"k_LgD: expected [L, g, D] (one sequence), got {tuple(k_LgD.shape)}")
+    seq = torch.zeros(q_QhD.shape[0], dtype=torch.long, device=q_QhD.device)
+    return batched_causal_attention(q_QhD, k_LgD[None], v_LgE[None], seq, q_pos_Q, scale,
+                                    lengths_R=torch.tensor([k_LgD.shape[0]]))
+
+
+def batched_causal_attention(q_QhD: torch.Tensor, k_RLgD: torch.Tensor, v_RLgE: torch.Tensor, q_seq_Q: torch.Tensor,
+                             q_pos_Q: torch.Tensor, scale: float, lengths_R: torch.Tensor | None = None) -> torch.Tensor:
+    """`causal_attention` of many sequences in one call, bitwise the same per query: query i belongs to
+    sequence q_seq[i] and attends its keys 0..q_pos[i] of k [R, L, g, D], v [R, L, g, E]. lengths_R: each
+    sequence's valid keys (default L); keys past them may hold anything, even NaN."""
+    R, L = k_RLgD.shape[:2]
+    if k_RLgD.dim() != 4 or v_RLgE.dim() != 4 or tuple(v_RLgE.shape[:2]) != (R, L):
+        raise ValueError(f"causal_attention: expected k [R, L, g, D], v [R, L, g, E]; got k {tuple(k_RLgD.shape)}, "
+                         f"v {tuple(v_RLgE.shape)}")
+    lengths = lengths_R if lengths_R is not None else torch.full((R,), L)
+    table = torch.arange(R, device=q_QhD.device)[:, None]
+    return paged_causal_attention(q_QhD, k_RLgD.transpose(1, 2), v_RLgE.transpose(1, 2), table, lengths, q_seq_Q,
+                                  q_pos_Q, scale)
+
+
+def paged_causal_attention(q_QhD: torch.Tensor, k_NgBD: torch.Tensor, v_NgBE: torch.Tensor, block_table_RM: torch.Tensor,
+                           lengths_R: torch.Tensor, q_seq_Q: torch.Tensor, q_pos_Q: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """The attention over a paged KV cache (vLLM's layout): key j of sequence r is k[block_table[r, j // B],
+    :, j % B], for j < lengths[r]; query i belongs to sequence q_seq[i] at position q_pos[i]. Bitwise the
+    same per query as `causal_attention` of that sequence alone (module docstring)."""
     Q, h, D = q_QhD.shape
-    L, g = k_LgD.shape[:2]
-    if h % g or tuple(k_LgD.shape) != (L, g, D) or tuple(v_LgE.shape[:2]) != (L, g):
+    g, bs = k_NgBD.shape[1], k_NgBD.shape[2]
+    R = block_table_RM.shape[0]
+    if h % g or k_NgBD.dim() != 4 or k_NgBD.shape[3] != D or tuple(v_NgBE.shape[:3]) != tuple(k_NgBD.shape[:3]):
         raise ValueError(f"causal_attention: expected q [Q, h, D], k [L, g, D], v [L, g, E] with h a multiple of g; "
-                         f"got q {tuple(q_QhD.shape)}, k {tuple(k_LgD.shape)}, v {tuple(v_LgE.shape)}")
-    if tuple(q_pos_Q.shape) != (Q,):
-        raise ValueError(f"q_pos_Q: expected one position per query, shape [{Q}], got {tuple(q_pos_Q.shape)}")
-    if Q and not (0 <= int(q_pos_Q.min()) and int(q_pos_Q.max()) < L):
-        raise ValueError(f"q_pos_Q: expected positions in [0, L={L}), got [{int(q_pos_Q.min())}, {int(q_pos_Q.max())}]")
-    E = v_LgE.shape[2]
+                         f"got q {tuple(q_QhD.shape)}, keys {tuple(k_NgBD.shape)}, values {tuple(v_NgBE.shape)} "
+                         "([blocks, g, block size, D])")
+    if tuple(q_pos_Q.shape) != (Q,) or tuple(q_seq_Q.shape) != (Q,):
+        raise ValueError(f"q_pos_Q: expected one position per query, shape [{Q}], got {tuple(q_pos_Q.shape)} "
+                         f"(q_seq_Q {tuple(q_seq_Q.shape)})")
+    dev = q_QhD.device
+    pos = q_pos_Q.to(device=dev, dtype=torch.long)
+    seq = q_seq_Q.to(device=dev, dtype=torch.long)
+    lengths = lengths_R.to(device=dev, dtype=torch.long)
+    table = block_table_RM.to(device=dev, dtype=torch.long)
+    if Q and not (0 <= int(seq.min()) and int(seq.max()) < R):
+        raise ValueError(f"q_seq_Q: expected sequence indices in [0, {R}), got [{int(seq.min())}, {int(seq.max())}]")
+    if Q and not (int(pos.min()) >= 0 and bool((pos < lengths[seq]).all())):
+        raise ValueError(f"q_pos_Q: expected positions in [0, L={int(lengths[seq].max())}), got "
+                         f"[{int(pos.min())}, {int(pos.max())}]")
+    E = v_NgBE.shape[3]
     out_dtype = q_QhD.dtype
-    q = q_QhD.float()
-    k = _pad_rows(k_LgD.float().repeat_interleave(h // g, dim=1), KEY_BLOCK)     # [Lp, h, D]
-    vt = _pad_rows(v_LgE.float().repeat_interleave(h // g, dim=1), KEY_BLOCK)    # [Lp, h, E]
-    pos = q_pos_Q.to(device=q.device, dtype=torch.long)
-    m = q.new_full((Q, h), -math.inf)
-    s_sum = q.new_zeros(Q, h)
-    acc = q.new_zeros(Q, h, E)
-    offs = torch.arange(KEY_BLOCK, device=q.device)
-    n_blocks = (int(pos.max()) // KEY_BLOCK + 1) if Q else 0
-    for blk in range(n_blocks):
+    rep = h // g
+    if Q == 0:
+        return q_QhD.new_zeros(0, h, E)
+    # Query tiles: each sequence's queries in order, QUERY_TILE rows at a time; a sequence's last tile is
+    # filled up with copies of its first row (computed, never returned).
+    order = torch.argsort(seq * (int(pos.max()) + 1) + pos)                # by sequence, then position
+    counts = torch.bincount(seq, minlength=R)
+    rank = torch.arange(Q, device=dev) - (torch.cumsum(counts, 0) - counts)[seq[order]]
+    per_seq = (counts + QUERY_TILE - 1) // QUERY_TILE
+    tile_id = (torch.cumsum(per_seq, 0) - per_seq)[seq[order]] + rank // QUERY_TILE
+    tile_rows = torch.full((int(per_seq.sum()), QUERY_TILE), -1, dtype=torch.long, device=dev)
+    tile_rows[tile_id, rank % QUERY_TILE] = order
+    real = tile_rows >= 0
+    tile_rows = torch.where(real, tile_rows, tile_rows[:, :1])           # [nt, QT]
+    tile_seq = seq[tile_rows[:, 0]]                                       # [nt]
+    nt = tile_rows.shape[0]
+    # [nt, g, rep * QT, D]: a tile's queries of the query heads that read key head j, stacked, so that one
+    # GEMM per (tile, key head) covers them; query head j * rep + i reads key head j
+    qt = q_QhD.float()[tile_rows].view(nt, QUERY_TILE, g, rep, D).permute(0, 2, 3, 1, 4)
+    qt = qt.reshape(nt, g, rep * QUERY_TILE, D)
+    tpos = pos[tile_rows]                                                 # [nt, QT]
+    m = qt.new_full((nt, g, rep * QUERY_TILE), -math.inf)
+    s_sum = qt.new_zeros(nt, g, rep * QUERY_TILE)
+    acc = qt.new_zeros(nt, g, rep * QUERY_TILE, E)
+    offs = torch.arange(KEY_BLOCK, device=dev)
+    heads_g = torch.arange(g, device=dev)[None, :, None]
+    tile_max = tpos.amax(1)
+    for blk in range(int(tile_max.max()) // KEY_BLOCK + 1):
         start = blk * KEY_BLOCK
-        rows = torch.nonzero(pos >= start).flatten()          # the queries that see this block
-        kb = k[start:start + KEY_BLOCK].permute(1, 0, 2).contiguous()    # [h, KB, D]
-        vb = vt[start:start + KEY_BLOCK].permute(1, 2, 0).contiguous()   # [h, E, KB]
-        qr = q[rows]                                                     # [n, h, D]
-        s = (qr[:, :, None, :] * kb[None]).sum(-1) * scale               # [n, h, KB]
-        masked = (start + offs)[None, :] > pos[rows][:, None]            # [n, KB]
-        s = s.masked_fill(masked[:, None, :], -math.inf)
-        m_old = m[rows]
+        act = torch.nonzero(tile_max >= start).flatten()                 # the tiles that see this block
+        na = act.numel()
+        r_n = tile_seq[act]
+        idx = start + offs[None, :].expand(na, -1)                       # [na, KB] key positions
+        page = table[r_n[:, None], (idx // bs).clamp(max=table.shape[1] - 1)][:, None, :]
+        kb = k_NgBD[page, heads_g, (idx % bs)[:, None, :]].float()       # [na, g, KB, D], from the pages
+        vb = v_NgBE[page, heads_g, (idx % bs)[:, None, :]].float()       # [na, g, KB, E]
+        # a key past its sequence's length holds anything (a cache's stale or unwritten slots): its score
+        # is masked below, its value zeroed here, so that p = 0 times it is exactly 0
+        vb = vb.masked_fill(~(idx < lengths[r_n][:, None])[:, None, :, None], 0.0)
+        # one GEMM shape for every tile and block: [rep * QT, D] @ [D, KB], then [rep * QT, KB] @ [KB, E]
+        s = torch.matmul(qt[act], kb.transpose(-1, -2)) * scale          # [na, g, rep * QT, KB]
+        masked = idx[:, None, :] > tpos[act][:, :, None]                 # [na, QT, KB]
+        s = s.view(na, g, rep, QUERY_TILE, KEY_BLOCK).masked_fill(masked[:, None, None], -math.inf).view(s.shape)
+        m_old = m[act]
         m_new = torch.maximum(m_old, s.amax(-1))
         p = torch.exp(s - m_new[..., None])                              # masked keys: exactly 0
-        alpha = torch.exp(m_old - m_new)                                 # first block: 0 (nothing yet)
-        pv = (p[:, :, None, :] * vb[None]).masked_fill(masked[:, None, None, :], 0.0).sum(-1)  # [n, h, E]
-        s_sum[rows] = s_sum[rows] * alpha + p.sum(-1)
-        acc[rows] = acc[rows] * alpha[..., None] + pv
-        m[rows] = m_new
-    return (acc / s_sum[..., None]).to(out_dtype)
+        alpha = torch.exp(m_old - m_new)                                 # first block: 0; a row it skips: 1
+        s_sum[act] = s_sum[act] * alpha + p.sum(-1)
+        acc[act] = acc[act] * alpha[..., None] + torch.matmul(p, vb)
+        m[act] = m_new
+    o = (acc / s_sum[..., None]).view(nt, g, rep, QUERY_TILE, E).permute(0, 3, 1, 2, 4).reshape(nt, QUERY_TILE, h, E)
+    out = q_QhD.new_empty(Q, h, E, dtype=torch.float32)
+    out[tile_rows[real]] = o[real]
+    return out.to(out_dtype)

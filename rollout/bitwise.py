@@ -7,10 +7,10 @@ vLLM's own seams, nothing patched:
   ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear and RowParallelLinear whose
   linear method computes `megamoe.invariant.linear_parts` over the layer's output partitions (a fused
   q/k/v or gate/up weight part by part: the trainer's separate linears' bits); ParallelLMHead's method
-  likewise computes the logits. The weights stay as loaded (vLLM CPU would prepack them for oneDNN).
+  computes the logits over the unpadded vocabulary the same way. The weights stay as loaded (vLLM CPU would prepack them for oneDNN).
 - attention: the CPU_ATTN backend's class path overridden (vLLM's `register_backend`) by a subclass
   whose KV-cache write and attention are plain torch: per request, its keys gathered from the paged
-  cache and `megamoe.invariant.causal_attention` (the function the trainer's attention calls).
+  cache by `megamoe.invariant.paged_causal_attention` (bitwise the trainer's attention per query).
 - rotary and the dense MLP's activation: vLLM's own native formulas (`compilation_config.custom_ops`
   with -rotary_embedding, -silu_and_mul: `engine_kwargs`), which equal transformers' bit for bit
   (docs/BITWISE.md).
@@ -25,8 +25,10 @@ import torch
 
 from megamoe import invariant
 
-ARCHITECTURES = ("Qwen3MoeForCausalLM",)
-"""vLLM architectures whose every op docs/BITWISE.md measured bitwise equal to the trainer's in this mode."""
+ARCHITECTURES = ("Qwen3MoeForCausalLM", "OlmoeForCausalLM", "MixtralForCausalLM")
+"""vLLM architectures measured bitwise end to end in this mode (tests/rl/test_rl_bitwise.py): plain causal
+attention with rotary, RMSNorm, MoE blocks megamoe computes. DeepSeek's MLA and gpt-oss's sinks and sliding
+windows need attention this module does not have."""
 CUSTOM_OPS = ["all", "-rotary_embedding", "-silu_and_mul"]
 """vLLM custom-op switches of a bitwise engine: the rotary and the gated activation by their native torch
 formulas (transformers' bits), every other custom op as usual."""
@@ -55,13 +57,17 @@ def _methods():
             return invariant.linear_parts(x, layer.weight, sizes, bias)
 
     class InvariantEmbeddingMethod(UnquantizedEmbeddingMethod):
-        """The LM head's logits through megamoe.invariant.linear; the lookup as vLLM's."""
+        """The LM head's logits through megamoe.invariant.linear over the real vocabulary (vLLM pads the
+        weight's rows; the logits processor keeps the first org_vocab_size columns); the lookup as vLLM's."""
 
         def process_weights_after_loading(self, layer) -> None:
             return None
 
         def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-            return invariant.linear(x, layer.weight, bias)
+            V = layer.org_vocab_size
+            logits = invariant.linear(x, layer.weight[:V], bias[:V] if bias is not None else None)
+            pad = layer.weight.shape[0] - V  # the padding's columns, which vLLM drops or masks: zeros
+            return torch.cat([logits, logits.new_zeros(*logits.shape[:-1], pad)], -1) if pad else logits
 
     return InvariantLinearMethod, InvariantEmbeddingMethod
 
@@ -122,19 +128,21 @@ def _attention_backend():
             if attn_metadata is None:  # warm-up
                 return output
             key_cache, value_cache = self._caches(kv_cache)
-            bs, g, D = key_cache.shape[2], key_cache.shape[1], key_cache.shape[3]
-            starts = attn_metadata.query_start_loc.tolist()
-            lens = attn_metadata.seq_lens.tolist()
-            for r, L in enumerate(lens):
-                s, e = starts[r], starts[r + 1]
-                if e == s:
-                    continue
-                blocks = attn_metadata.block_table[r, :math.ceil(L / bs)].long()
-                k = key_cache[blocks].permute(0, 2, 1, 3).reshape(-1, g, D)[:L]
-                v = value_cache[blocks].permute(0, 2, 1, 3).reshape(-1, g, D)[:L]
-                pos = torch.arange(L - (e - s), L)
-                o = invariant.causal_attention(query[s:e], k, v, pos, self.scale)
-                output[s:e] = o.reshape(output[s:e].shape).to(output.dtype)
+            bs = key_cache.shape[2]
+            n = attn_metadata.num_actual_tokens
+            starts = attn_metadata.query_start_loc.long()
+            lens = attn_metadata.seq_lens.long()
+            R = lens.shape[0]
+            if n == 0 or R == 0:
+                return output
+            # each query's request and position from the metadata; keys read from the pages
+            nblk = math.ceil(int(lens.max()) / bs)
+            q_len = starts[1:R + 1] - starts[:R]
+            seq = torch.repeat_interleave(torch.arange(R), q_len)
+            pos = torch.arange(n) - starts[seq] + (lens - q_len)[seq]
+            o = invariant.paged_causal_attention(query[:n], key_cache, value_cache,
+                                                 attn_metadata.block_table[:R, :nblk], lens, seq, pos, self.scale)
+            output[:n] = o.reshape(output[:n].shape).to(output.dtype)
             return output
 
     class InvariantCPUAttentionBackend(CPUAttentionBackend):

@@ -7,7 +7,7 @@ megamoe.invariant's batch-invariant kernels, the functions vLLM's side calls (ro
   subclass holding the same Parameter objects (state-dict names, FSDP2 sharding and checkpoints
   unchanged); its forward is `megamoe.invariant.linear`, its backward plain matmuls.
 - attention is the function registered in transformers' attention registry as ATTENTION
-  (`megamoe.invariant.causal_attention` per sequence forward; the backward is the gradient of the same
+  (`megamoe.invariant.batched_causal_attention` over the batch's sequences forward; the backward is the gradient of the same
   softmax attention recomputed by plain autograd, fp32). The trainer's batches are right-padded
   (trainer/batch.py): a real token's queries only reach real keys, so the padding needs no mask; a
   left-padded or packed mask is refused.
@@ -35,10 +35,14 @@ class InvariantLinear(nn.Linear):
 
 class _AttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale):  # q [Q, h, D], k [L, g, D], v [L, g, E]: the last Q of L positions
+    def forward(ctx, q, k, v, scale):  # q [B, T, h, D], k [B, L, g, D], v [B, L, g, E]: the last T of L positions
         ctx.save_for_backward(q, k, v)
         ctx.scale = scale
-        return invariant.causal_attention(q, k, v, _positions(q, k), scale)
+        B, T = q.shape[:2]
+        seq = torch.arange(B, device=q.device).repeat_interleave(T)
+        pos = _positions(q, k).repeat(B)
+        o = invariant.batched_causal_attention(q.reshape(B * T, *q.shape[2:]), k, v, seq, pos, scale)
+        return o.view(B, T, *o.shape[1:])
 
     @staticmethod
     def backward(ctx, g):
@@ -51,18 +55,18 @@ class _AttentionFn(torch.autograd.Function):
 
 
 def _positions(q, k):
-    """The queries' positions: the last Q of the L keys' (a whole sequence when Q = L)."""
-    return torch.arange(k.shape[0] - q.shape[0], k.shape[0], device=q.device)
+    """The queries' positions: the last T of the L keys' (a whole sequence when T = L)."""
+    return torch.arange(k.shape[1] - q.shape[1], k.shape[1], device=q.device)
 
 
 def _plain_attention(q, k, v, scale):
-    """Causal softmax attention of one sequence by plain torch ops (the backward's formula)."""
-    h, g = q.shape[1], k.shape[1]
-    k, v = k.repeat_interleave(h // g, dim=1), v.repeat_interleave(h // g, dim=1)
-    s = torch.einsum("qhd,khd->hqk", q, k) * scale
-    future = torch.arange(k.shape[0], device=q.device)[None, :] > _positions(q, k)[:, None]
+    """Causal softmax attention by plain torch ops (the backward's formula), [B, T, h, E]."""
+    h, g = q.shape[2], k.shape[2]
+    k, v = k.repeat_interleave(h // g, dim=2), v.repeat_interleave(h // g, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    future = torch.arange(k.shape[1], device=q.device)[None, :] > _positions(q, k)[:, None]
     s = s.masked_fill(future, -math.inf)
-    return torch.einsum("hqk,khe->qhe", s.softmax(-1), v)
+    return torch.einsum("bhqk,bkhe->bqhe", s.softmax(-1), v)
 
 
 def invariant_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -85,9 +89,7 @@ def invariant_attention(module, query, key, value, attention_mask, dropout: floa
             raise ValueError("attention_mask: expected right padding (each row's ones first), the layout of "
                              "trainer/batch.py; the batch-invariant attention does not mask")
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    out = [_AttentionFn.apply(query[b].transpose(0, 1), key[b].transpose(0, 1), value[b].transpose(0, 1), scale)
-           for b in range(B)]
-    return torch.stack(out), None
+    return _AttentionFn.apply(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale), None
 
 
 def register_attention() -> None:

@@ -25,7 +25,7 @@ def test_linear_rows_are_batch_invariant_and_match_fp64(K, N):
 
 
 def test_linear_parts_equal_the_separate_linears():
-    # part sizes that are no multiple of COLS (the case where a fused weight differs: measured at K=2880)
+    # parts of odd sizes at K=2880, where a column's place among the N changes its rounding
     g = torch.Generator().manual_seed(1)
     K, sizes = 2880, [66, 34, 100]
     x = torch.randn(9, K, generator=g)
@@ -67,3 +67,44 @@ def test_attention_refuses_bad_shapes_and_positions():
         invariant.causal_attention(q, k, k, torch.arange(3), 1.0)
     with pytest.raises(ValueError, match=r"q_pos_Q: expected positions in \[0, L=4\)"):
         invariant.causal_attention(q, k, k, torch.arange(1, 5), 1.0)
+
+
+def test_batched_attention_is_each_sequence_alone_and_never_reads_past_a_query():
+    """Sequences of lengths 1..70 in one call (vLLM's mixed decode + prefill batch), keys past each one's
+    length NaN: every query's row bitwise its sequence's causal_attention."""
+    gen = torch.Generator().manual_seed(4)
+    h, g, D, lens = 4, 2, 32, [1, 33, 70, 5]
+    R, L = len(lens), max(lens)
+    k, v = torch.randn(R, L, g, D, generator=gen), torch.randn(R, L, g, D, generator=gen)
+    for r, n in enumerate(lens):
+        k[r, n:], v[r, n:] = float("nan"), float("nan")
+    # request r brings its last q_len[r] positions (a decode step is 1, a prefill chunk more)
+    q_len = [1, 33, 7, 2]
+    q = torch.randn(sum(q_len), h, D, generator=gen)
+    seq = torch.repeat_interleave(torch.arange(R), torch.tensor(q_len))
+    pos = torch.cat([torch.arange(n - ql, n) for n, ql in zip(lens, q_len)])
+    out = invariant.batched_causal_attention(q, k, v, seq, pos, 0.2, lengths_R=torch.tensor(lens))
+    assert not out.isnan().any()
+    start = 0
+    for r, (n, ql) in enumerate(zip(lens, q_len)):
+        alone = invariant.causal_attention(q[start:start + ql], k[r, :n], v[r, :n], pos[start:start + ql], 0.2)
+        assert torch.equal(out[start:start + ql], alone), r
+        start += ql
+    with pytest.raises(ValueError, match=r"q_pos_Q: expected positions in \[0, L="):
+        invariant.batched_causal_attention(q, k, v, seq, pos + 1, 0.2, lengths_R=torch.tensor(lens))
+
+
+def test_attention_and_linear_do_not_depend_on_the_thread_count():
+    """vLLM CPU runs its worker on 1 torch thread, the trainer on the machine's (docs/BITWISE.md)."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(50, 4, 32, generator=gen), torch.randn(50, 2, 32, generator=gen), torch.randn(50, 2, 32, generator=gen)
+    x, w = torch.randn(70, 256, generator=gen), torch.randn(130, 256, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = invariant.causal_attention(q, k, v, torch.arange(50), 0.2), invariant.linear(x, w)
+        torch.set_num_threads(max(2, threads))
+        many = invariant.causal_attention(q, k, v, torch.arange(50), 0.2), invariant.linear(x, w)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one, many))

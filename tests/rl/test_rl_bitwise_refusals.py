@@ -44,13 +44,14 @@ def test_architecture_without_a_measured_bitwise_path_is_refused(tmp_path):
     from rl.base_model import resolve_model
     from rl.make_model import make_model
 
-    cfg = C.load(TINY, ["run.numerics=bitwise", "model.make.arch=mixtral", f"run.out_dir={tmp_path}"])
-    with pytest.raises(C.ConfigError, match=r"model.make.arch: .*MixtralForCausalLM; run.numerics=bitwise "
-                                            r"expects one of \('Qwen3MoeForCausalLM',\)"):
+    cfg = C.load(TINY, ["run.numerics=bitwise", "model.make.arch=gpt_oss", f"run.out_dir={tmp_path}"])
+    with pytest.raises(C.ConfigError, match=r"model.make.arch: .*GptOssForCausalLM; run.numerics=bitwise "
+                                            r"expects one of \('Qwen3MoeForCausalLM', 'OlmoeForCausalLM', "
+                                            r"'MixtralForCausalLM'\)"):
         resolve_model(cfg, tmp_path)
-    olmoe = make_model(tmp_path / "olmoe", arch="olmoe")
-    cfg = C.load(TINY, ["run.numerics=bitwise", "model.make=null", f"model.path={olmoe}"])
-    with pytest.raises(C.ConfigError, match=r"model.path: .*OlmoeForCausalLM"):
+    deepseek = make_model(tmp_path / "deepseek", arch="deepseek_v3")
+    cfg = C.load(TINY, ["run.numerics=bitwise", "model.make=null", f"model.path={deepseek}"])
+    with pytest.raises(C.ConfigError, match=r"model.path: .*DeepseekV3ForCausalLM"):
         resolve_model(cfg, tmp_path)
 
 
@@ -92,7 +93,8 @@ def test_trainer_model_in_bitwise_mode_runs_invariant_linears_and_attention(tmp_
 @pytest.mark.parametrize("kwargs,missing", [
     (dict(moe_impl="stock"), "moe_impl='megamoe'"),
     (dict(tensor_parallel_size=2), "tensor_parallel_size=1"),
-    (dict(architecture="MixtralForCausalLM"), "an architecture in ('Qwen3MoeForCausalLM',)"),
+    (dict(architecture="GptOssForCausalLM"), "an architecture in ('Qwen3MoeForCausalLM', 'OlmoeForCausalLM', "
+                                             "'MixtralForCausalLM')"),
     (dict(engine_kwargs={"compilation_config": {"custom_ops": ["none"]}}), "compilation_config.custom_ops="),
 ])
 def test_rollout_worker_refuses_bitwise_before_the_engine(kwargs, missing):
