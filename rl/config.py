@@ -203,7 +203,7 @@ class RunConfig:
         FAST, "the ops outside the MoE: fast (each side's own kernels; logprobs differ by float rounding) or "
               "bitwise (both sides on megamoe.invariant's batch-invariant linears and attention: the trainer's "
               "logprobs equal the sampler's bit for bit; vLLM CPU, megamoe on both sides, top_p 1, "
-              "Qwen3-MoE; docs/CONSISTENCY.md)")
+              "Qwen3-MoE, OLMoE or Mixtral; docs/CONSISTENCY.md)")
     export_final: bool = field(True, "at the end, write the last step's policy to <out_dir>/final as a "
                                      "Hugging Face checkpoint (what `megamoe-rl export` writes)")
 

@@ -1,6 +1,7 @@
 """`megamoe-rl divergence`: where the sampler and the trainer part, op by op (rl/divergence.py).
 
-    megamoe-rl divergence --model runs/tiny-model [--prompts 4] [--max-tokens 4] [--json report.json]
+    megamoe-rl divergence --model runs/tiny-model [--prompts 4] [--max-tokens 4] [--numerics bitwise]
+                          [--json report.json]
 
 Starts its own vLLM engine on the model and runs the trainer's model in this process; prints, per
 op of every decoder layer, whether both sides' activations are bitwise equal, and the first op where
@@ -12,6 +13,8 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
+
+from megamoe.contract import FAST, NUMERICS  # standard library only at import time
 
 DEFAULT_PROMPT_COUNT = 4  # rl.divergence.DEFAULT_PROMPTS (checked in tests/rl/test_divergence.py)
 
@@ -26,6 +29,8 @@ def add_divergence_parser(subparsers) -> None:
     p.add_argument("--max-tokens", type=int, default=4, help="tokens sampled per prompt, the decode view (default %(default)s)")
     p.add_argument("--temperature", type=float, default=1.0, help="the sampler's temperature, > 0 (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--numerics", choices=NUMERICS, default=FAST,
+                   help="both sides' ops outside the MoE, as run.numerics (default %(default)s)")
     p.add_argument("--json", help="also write the report here")
     p.set_defaults(handler=run_divergence, parser=p)
 
@@ -51,7 +56,7 @@ def run_divergence(args: argparse.Namespace) -> int:
     from rl.divergence import DEFAULT_PROMPTS, format_report, measure
 
     report = measure(args.model, prompts=DEFAULT_PROMPTS[:args.prompts], max_tokens=args.max_tokens,
-                     temperature=args.temperature, seed=args.seed)
+                     temperature=args.temperature, seed=args.seed, numerics=args.numerics)
     print(format_report(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

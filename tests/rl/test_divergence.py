@@ -151,6 +151,7 @@ def test_vllm_logprobs_land_on_their_rows(report):
     (["--temperature", "nan"], "--temperature: expected a finite number > 0, got nan"),
     (["--temperature", "0"], "--temperature: expected a finite number > 0, got 0.0"),
     (["--json", "{missing}/report.json"], "--json: expected a path in an existing folder"),
+    (["--numerics", "exact"], "argument --numerics: invalid choice: 'exact'"),
 ])
 def test_cli_refuses_bad_arguments_before_any_work(args, message, tmp_path, capsys, monkeypatch):
     """`megamoe-rl divergence` (and `python -m rl.divergence`) names the argument and exits 2 before
@@ -169,3 +170,15 @@ def test_cli_refuses_bad_arguments_before_any_work(args, message, tmp_path, caps
             entry()
         assert e.value.code == 2
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bitwise_numerics_part_nowhere(model_dir):
+    """run.numerics=bitwise on both sides: every op of every layer, in both views, bitwise equal (and so
+    the first parting is none); against test_megamoe_layers_bitwise_on_the_same_inputs's fast report,
+    where the dense ops part."""
+    report = D.measure(model_dir, prompts=D.DEFAULT_PROMPTS[:2], max_tokens=3, temperature=0.8, numerics="bitwise")
+    assert report["meta"]["numerics"] == "bitwise"
+    for view in ("prefill", "decode"):
+        v = report["views"][view]
+        assert v["first_parting"] is None and all(r["bitwise"] for r in v["ops"]), (view, v["ops"])
