@@ -57,6 +57,12 @@ class ModelConfig:
                               f"(got path={self.path!r}, make={'set' if self.make else None})")
 
 
+ENGINE_KWARGS_OWNED = {"numerics": "run.numerics", "weight_sync": "rollout.weight_sync", "dtype": "model.dtype",
+                       "seed": "run.seed", "max_model_len": "rollout.max_model_len",
+                       "kv_cache_memory_bytes": "rollout.kv_cache_bytes", "sleep_mode": "rollout.sleep_level"}
+"""RolloutWorker arguments rl/loop.py derives from other keys (named in the error), never engine_kwargs."""
+
+
 @dataclass
 class RolloutConfig:
     moe_impl: MoEImpl = field("megamoe", "MoE implementation inside vLLM: megamoe, reference, or stock (vLLM's own)")
@@ -87,6 +93,9 @@ class RolloutConfig:
                                           factory=dict)
 
     def validate(self, at: str) -> None:
+        owned = sorted(set(self.engine_kwargs) & set(ENGINE_KWARGS_OWNED))
+        check(not owned, f"{at}.engine_kwargs", "no key the run derives from another setting (set "
+              f"{', '.join(ENGINE_KWARGS_OWNED[k] for k in owned)} instead)", owned)
         # Refused, not warned: the advantage is relative to the group (trainer.loss.group_advantages,
         # with or without reward.scale_by_std), so a lone sample is its own group's mean, every
         # advantage is 0 and the run would spend its steps learning nothing; a warning scrolls past.

@@ -138,7 +138,9 @@ class Loop:
         host = self._host(r.cpus_per_worker, r.gpus_per_worker, pl.rollout_pg, pl.rollout_bundles[i])
         kwargs = dict(dtype=self.cfg.model.dtype, seed=self.cfg.run.seed + i, max_model_len=r.max_model_len,
                       kv_cache_memory_bytes=r.kv_cache_bytes, weight_sync=self.weight_sync,
-                      sleep_mode=r.sleep_level > 0, numerics=self.cfg.run.numerics, **r.engine_kwargs)
+                      sleep_mode=r.sleep_level > 0, **r.engine_kwargs)
+        if self.cfg.run.numerics != "fast":  # only then: a worker class of the interface without it still runs fast
+            kwargs["numerics"] = self.cfg.run.numerics
         return host.remote(r.worker, (str(self.model_dir), r.moe_impl), kwargs)
 
     def start_rollouts(self) -> None:

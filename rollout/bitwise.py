@@ -155,64 +155,91 @@ def _attention_backend():
     return InvariantCPUAttentionBackend
 
 
-InvariantCPUAttentionBackend = None  # the class, once register() built it (the path vLLM resolves)
+InvariantCPUAttentionBackend = None  # the class, once built (the path vLLM resolves)
 
 
-def register() -> None:
-    """Install the linears, the LM head's method and the attention backend in this process (vLLM CPU)."""
+def _build() -> None:
+    """The replacement classes, built once per process (isinstance checks need the same classes)."""
     global InvariantCPUAttentionBackend
-    if _STATE["registered"]:
+    if "replacements" in _STATE:
         return
-    from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
-    from vllm.platforms import current_platform
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    if not current_platform.is_cpu():
-        raise NotImplementedError(f"numerics=bitwise: vLLM on {current_platform.device_type}: the batch-invariant "
-                                  "attention and linears are built for vLLM's CPU backend only (a CUDA attention "
-                                  "backend and GEMM of the same reduction order do not exist yet)")
     linear_method, embedding_method = _methods()
     _STATE["methods"] = (linear_method, embedding_method)
     replacements = [(_replacement(base, linear_method, UnquantizedLinearMethod), base.__name__)
                     for base in _linear_classes()]
     replacements.append((_replacement(ParallelLMHead, embedding_method, UnquantizedEmbeddingMethod), "ParallelLMHead"))
-    for cls, name in replacements:
-        current = op_registry_oot.get(name)
-        if current is not None:
-            raise RuntimeError(f"another plugin already replaced vLLM's {name} with {current!r}; "
-                               "numerics=bitwise cannot take its place")
-    for cls, name in replacements:
-        PluggableLayer.register_oot(name=name)(cls)
+    _STATE["replacements"] = replacements
     InvariantCPUAttentionBackend = _attention_backend()
     _STATE["attention_impl"] = InvariantCPUAttentionBackend.get_impl_cls()
-    register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.InvariantCPUAttentionBackend")
+
+
+def apply(enabled: bool) -> None:
+    """Install (enabled) or remove the linears, the LM head's method and the attention backend in this
+    process's vLLM registries. The plugin calls it in every process on every registration, so that a
+    process which registered them for a bitwise engine (the driver runs the plugin too) and then builds,
+    or forks, a fast one does not carry them over; RolloutWorker's census checks the result."""
+    if not enabled and not _STATE["registered"]:
+        return
+    from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if enabled and not current_platform.is_cpu():
+        raise NotImplementedError(f"numerics=bitwise: vLLM on {current_platform.device_type}: the batch-invariant "
+                                  "attention and linears are built for vLLM's CPU backend only (a CUDA attention "
+                                  "backend and GEMM of the same reduction order do not exist yet)")
+    _build()
+    path = f"{__name__}.InvariantCPUAttentionBackend"
+    if not enabled:
+        for cls, name in _STATE["replacements"]:
+            if op_registry_oot.get(name) is cls:
+                del op_registry_oot[name]
+        if AttentionBackendEnum.CPU_ATTN.get_path() == path:
+            AttentionBackendEnum.CPU_ATTN.clear_override()
+        _STATE["registered"] = False
+        return
+    if _STATE["registered"]:
+        return
+    for cls, name in _STATE["replacements"]:
+        current = op_registry_oot.get(name)
+        if current is not None and current is not cls:
+            raise RuntimeError(f"another plugin already replaced vLLM's {name} with {current!r}; "
+                               "numerics=bitwise cannot take its place")
+    for cls, name in _STATE["replacements"]:
+        if op_registry_oot.get(name) is None:
+            PluggableLayer.register_oot(name=name)(cls)
+    register_backend(AttentionBackendEnum.CPU_ATTN, path)
     _STATE["registered"] = True
 
 
 def census(model: torch.nn.Module) -> dict:
-    """What computes the dense ops of `model` (in a vLLM worker): the number of linears (LM head included)
-    and attention layers on the batch-invariant kernels, and the names of those that are not (the MoE
-    gates, on megamoe.router's batch-invariant logits, count as invariant)."""
+    """What computes the dense ops of `model` (in a vLLM worker): the linears (LM head included) and
+    attention layers on the batch-invariant kernels, the MoE gates (megamoe.router's batch-invariant
+    logits in either numerics), and the names of the others."""
     from rollout.adapter import MegaMoERouterMethod
     from vllm.model_executor.layers.linear import LinearMethodBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
     methods = _STATE.get("methods", ())
     attn_impl = _STATE.get("attention_impl")
-    out = {"invariant_linears": 0, "other_linears": [], "invariant_attention": 0, "other_attention": []}
+    out = {"bitwise_linears": 0, "router_gates": 0, "other_linears": [], "bitwise_attention": 0,
+           "other_attention": []}
     for name, m in model.named_modules():
         qm = getattr(m, "quant_method", None)
         if isinstance(qm, LinearMethodBase) or isinstance(m, ParallelLMHead):
-            if isinstance(qm, methods + (MegaMoERouterMethod,)):
-                out["invariant_linears"] += 1
+            if methods and isinstance(qm, methods):
+                out["bitwise_linears"] += 1
+            elif isinstance(qm, MegaMoERouterMethod):
+                out["router_gates"] += 1
             else:
                 out["other_linears"].append(f"{name} ({type(qm).__name__})")
         impl = getattr(m, "impl", None)
         if impl is not None and hasattr(impl, "do_kv_cache_update"):
             if attn_impl is not None and isinstance(impl, attn_impl):
-                out["invariant_attention"] += 1
+                out["bitwise_attention"] += 1
             else:
                 out["other_attention"].append(f"{name} ({type(impl).__name__})")
     return out

@@ -47,7 +47,7 @@ class MegaMoEWorkerExtension:
             "layer_impls": sorted(set(layers.values())),
             "dtype": str(next(model.parameters()).dtype),
             "numerics": plugin.STATE["numerics"],
-            "dense_ops": bitwise.census(model) if plugin.STATE["numerics"] == "bitwise" else None,
+            "dense_ops": bitwise.census(model),
         }
 
     def megamoe_moe_calls(self) -> dict[str, int]:

@@ -71,15 +71,13 @@ def register() -> None:
             raise ValueError(f"{NUMERICS_ENV_VAR}={numerics}: expected {ENV_VAR} set too (the bitwise numerics "
                              "need megamoe's MoE on both sides)")
         return
+    from rollout import adapter, bitwise  # heavy imports (vLLM internals, megamoe) happen here, loudly
+
+    # Every call: a process forked from one that ran another numerics inherits its registrations.
+    bitwise.apply(numerics == "bitwise")
     if STATE["registered"]:
         return
-    from rollout import adapter  # heavy imports (vLLM internals, megamoe) happen here, loudly
-
     adapter.register_moe_method(impl)
-    if numerics == "bitwise":
-        from rollout import bitwise
-
-        bitwise.register()
     STATE["registered"] = True
     logger.info("megamoe plugin: vLLM MoE layers use moe_impl=%s, numerics=%s in process %d", impl, numerics,
                 os.getpid())

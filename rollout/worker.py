@@ -212,9 +212,12 @@ class RolloutWorker:
                 raise RuntimeError(f"vLLM worker {rank}: numerics {s['numerics']!r}, expected {self.numerics!r}")
             ops = s["dense_ops"]
             if self.numerics == BITWISE and (ops["other_linears"] or ops["other_attention"]
-                                             or not ops["invariant_linears"] or not ops["invariant_attention"]):
+                                             or not ops["bitwise_linears"] or not ops["bitwise_attention"]):
                 raise RuntimeError(f"vLLM worker {rank}: numerics='bitwise' but not every dense op runs the "
                                    f"batch-invariant kernels: {ops}")
+            if self.numerics == FAST and (ops["bitwise_linears"] or ops["bitwise_attention"]):
+                raise RuntimeError(f"vLLM worker {rank}: numerics='fast' but some dense ops run the bitwise "
+                                   f"mode's kernels (registrations left from another engine?): {ops}")
             if s["megamoe_router_gates"] < s["self_routed_moe_layers"]:
                 # Routing megamoe.route on logits from vLLM's own gate would not be the trainer's routing.
                 raise RuntimeError(f"vLLM worker {rank} (vLLM {s['vllm_version']}): {s['self_routed_moe_layers']} MoE "

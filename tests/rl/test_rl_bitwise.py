@@ -81,6 +81,22 @@ def test_trainer_scores_the_same_bits_in_any_batch_and_fast_numerics_do_not(repo
     assert diff > 0.0
 
 
+def test_a_fast_engine_after_bitwise_ones_in_the_same_process_runs_fast(report):
+    """This process ran the plugin for the bitwise engines above; a fast engine started from it afterwards
+    serves vLLM's own dense kernels (its census, which RolloutWorker checks against its numerics).
+    tests/rollout/test_rollout_plugin.py checks the registrations' removal itself."""
+    from rollout.worker import RolloutWorker
+
+    rep, _, _ = report
+    w = RolloutWorker(rep["meta"]["model_dir"], "megamoe", dtype="float32", seed=0, max_model_len=64,
+                      kv_cache_memory_bytes=32 << 20)
+    try:
+        ops = w.status()[0]["dense_ops"]
+    finally:
+        w.close()
+    assert ops["bitwise_linears"] == 0 and ops["bitwise_attention"] == 0 and ops["other_attention"], ops
+
+
 def test_train_steps_bitwise_after_weight_pushes(tmp_path):
     from test_rl_loop import explain
 

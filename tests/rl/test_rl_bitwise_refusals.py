@@ -121,3 +121,15 @@ def test_plugin_variable_is_checked(monkeypatch):
     monkeypatch.setitem(plugin.STATE, "registered", False)
     with pytest.raises(ValueError, match=r"MEGAMOE_NUMERICS=bitwise: expected MEGAMOE_MOE_IMPL set too"):
         plugin.register()
+
+
+@pytest.mark.parametrize("kwargs,owner", [("{numerics: bitwise}", "run.numerics"), ("{seed: 3}", "run.seed"),
+                                          ("{weight_sync: ipc}", "rollout.weight_sync")])
+def test_engine_kwargs_cannot_set_what_the_run_derives(kwargs, owner):
+    """rollout.engine_kwargs reaches RolloutWorker unchanged: a key the run sets from another setting would
+    make the sampler and the trainer disagree (numerics) or be overwritten silently; refused naming the owner."""
+    from rl import config as C
+
+    with pytest.raises(C.ConfigError, match=rf"rollout.engine_kwargs: expected no key the run derives from another "
+                                            rf"setting \(set {re.escape(owner)} instead\)"):
+        C.load(TINY, [f"rollout.engine_kwargs={kwargs}"])

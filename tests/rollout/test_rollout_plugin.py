@@ -116,3 +116,29 @@ def test_plugin_validates_its_variable(monkeypatch):
     monkeypatch.setenv(plugin.ENV_VAR, "Megamoe")
     with pytest.raises(ValueError, match="MEGAMOE_MOE_IMPL: expected one of .* got 'Megamoe'"):
         plugin.register()
+
+
+def test_bitwise_registrations_are_installed_and_removed_in_this_process():
+    """rollout.bitwise.apply(True) puts the batch-invariant linears, LM head and CPU attention backend into
+    vLLM's registries; apply(False) restores vLLM's own (the plugin calls it on every registration, so a
+    process that served a bitwise engine builds a fast one with vLLM's kernels)."""
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from rollout import bitwise
+
+    names = ("ReplicatedLinear", "ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear",
+             "RowParallelLinear", "ParallelLMHead")
+    default = AttentionBackendEnum.CPU_ATTN.value
+    bitwise.apply(False)
+    assert not any(n in op_registry_oot for n in names)
+    assert AttentionBackendEnum.CPU_ATTN.get_path() == default
+    try:
+        bitwise.apply(True)
+        assert all(op_registry_oot[n].__name__ == f"Invariant{n}" for n in names)
+        assert AttentionBackendEnum.CPU_ATTN.get_class().__name__ == "InvariantCPUAttentionBackend"
+        bitwise.apply(True)  # idempotent
+    finally:
+        bitwise.apply(False)
+    assert not any(n in op_registry_oot for n in names)
+    assert AttentionBackendEnum.CPU_ATTN.get_path() == default
