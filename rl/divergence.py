@@ -22,7 +22,7 @@ function registered in transformers' attention registry that records q and k aft
 calls the model's own implementation (sdpa) unchanged.
 
 Op names, in forward order (per layer `L<i>.`): embed; input_norm; q_proj, k_proj, v_proj (vLLM's
-fused qkv_proj split); q_norm, k_norm (Qwen3's per-head norms); q_rope, k_rope; attn (o_proj's
+fused qkv_proj split); q_norm, k_norm (Qwen3's per-head norms, OLMoE's over the whole projection); q_rope, k_rope; attn (o_proj's
 input); o_proj; resid_mid (residual + attention: vLLM sums it inside its fused add-norm);
 post_norm; router_logits; moe; resid_out; then final_norm, logits, logprobs.
 
@@ -298,8 +298,10 @@ def replay_ops(model, s: dict[str, torch.Tensor], ids: Sequence[int], temperatur
             own[p + proj] = getattr(attn, proj)(s[p + "input_norm"])
         q_in, k_in = p + "q_proj", p + "k_proj"
         if hasattr(attn, "q_norm"):
-            own[p + "q_norm"] = attn.q_norm(s[p + "q_proj"].view(T, nh, hd)).reshape(T, -1)
-            own[p + "k_norm"] = attn.k_norm(s[p + "k_proj"].view(T, nkv, hd)).reshape(T, -1)
+            # per head (Qwen3: a norm of head_dim) or over the whole projection (OLMoE)
+            per_head = attn.q_norm.weight.numel() == hd
+            own[p + "q_norm"] = attn.q_norm(s[p + "q_proj"].view(T, nh, hd) if per_head else s[p + "q_proj"]).reshape(T, -1)
+            own[p + "k_norm"] = attn.k_norm(s[p + "k_proj"].view(T, nkv, hd) if per_head else s[p + "k_proj"]).reshape(T, -1)
             q_in, k_in = p + "q_norm", p + "k_norm"
         rope = importlib.import_module(type(attn).__module__).apply_rotary_pos_emb
         cos, sin = inner.rotary_emb(s[q_in][None], pos)

@@ -78,6 +78,18 @@ def run_moe_blocks(worker, hidden: Sequence[torch.Tensor]) -> list[dict[str, tor
 GATE_ATTRS = ("gate", "router")
 
 
+MOE_BLOCK_ATTRS = ("mlp", "block_sparse_moe")
+"""A vLLM decoder layer's MoE block attribute (vLLM's Mixtral keeps the legacy `block_sparse_moe`)."""
+
+
+def moe_block_of(layer: torch.nn.Module) -> torch.nn.Module:
+    """The decoder layer's MoE block (MOE_BLOCK_ATTRS)."""
+    for attr in MOE_BLOCK_ATTRS:
+        if isinstance(getattr(layer, attr, None), torch.nn.Module):
+            return getattr(layer, attr)
+    raise AttributeError(f"{type(layer).__name__}: expected an MoE block in one of {MOE_BLOCK_ATTRS}")
+
+
 def block_gate(block: torch.nn.Module) -> torch.nn.Module | None:
     """The MoE block's gate module (GATE_ATTRS), or None."""
     return next((g for g in (getattr(block, a, None) for a in GATE_ATTRS) if isinstance(g, torch.nn.Module)), None)
@@ -230,7 +242,7 @@ def _capture_hooks(model: torch.nn.Module, records: dict[str, list[torch.Tensor]
         on_in(attn.o_proj, lambda args, n=p + "attn": put(n, args[0]))
         on_out(attn.o_proj, lambda out, n=p + "o_proj": put(n, _first(out)))
         on_out(layer.post_attention_layernorm, norm_hook(p + "post_norm", p + "resid_mid"))
-        mlp = layer.mlp
+        mlp = moe_block_of(layer)
         if isinstance(getattr(mlp, "gate", None), torch.nn.Module):
             on_out(mlp.gate, lambda out, n=p + "router_logits": put(n, _first(out)))
         on_out(mlp, lambda out, n=p + "moe": put(n, _first(out)))

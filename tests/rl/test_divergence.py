@@ -173,11 +173,16 @@ def test_cli_refuses_bad_arguments_before_any_work(args, message, tmp_path, caps
 
 
 @pytest.mark.slow
-def test_bitwise_numerics_part_nowhere(model_dir):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe", "mixtral"])
+def test_bitwise_numerics_part_nowhere(arch, model_dir, tmp_path):
     """run.numerics=bitwise on both sides: every op of every layer, in both views, bitwise equal (and so
     the first parting is none); against test_megamoe_layers_bitwise_on_the_same_inputs's fast report,
-    where the dense ops part."""
-    report = D.measure(model_dir, prompts=D.DEFAULT_PROMPTS[:2], max_tokens=3, temperature=0.8, numerics="bitwise")
+    where the dense ops part. OLMoE's q/k norms span the whole projection; vLLM's Mixtral keeps its MoE
+    block as `block_sparse_moe`: the tool reads both."""
+    from rl.make_model import make_model
+
+    model = model_dir if arch == "qwen3_moe" else make_model(tmp_path / arch, arch=arch)
+    report = D.measure(model, prompts=D.DEFAULT_PROMPTS[:2], max_tokens=3, temperature=0.8, numerics="bitwise")
     assert report["meta"]["numerics"] == "bitwise"
     for view in ("prefill", "decode"):
         v = report["views"][view]
