@@ -4,7 +4,9 @@
                    rank's), TrainerConfig (the run config's `trainer` section), TrainerWorkerConfig
                    (what one TrainerWorker rank gets: rl.config.trainer_worker_config builds it)
     experts.py     megamoe in transformers' experts registry; Fp32Router (fp32 logits, megamoe.route)
-    model.py       load_model(dir, moe_impl): checkpoint checks (names, shapes), experts, router
+    model.py       load_model(dir, moe_impl, numerics=): checkpoint checks (names, shapes), experts, router
+    bitwise.py     numerics="bitwise": InvariantLinear and the batch-invariant attention function (the
+                   kernels vLLM's side shares, megamoe.invariant)
     batch.py       batch validation / truncation, rank shards, padded micro-batches
     loss.py        GRPO/PPO loss, mismatch correction and metrics (pure functions; rl/ reuses them)
     fsdp.py        fully_shard per decoder layer + root; full weights streamed one tensor at a time
