@@ -15,13 +15,13 @@ inputs, never on how many other rows (tokens, requests, padding) share the call:
 - `causal_attention` / `batched_causal_attention`: each query against its sequence's keys 0..pos, in
   blocks of KEY_BLOCK keys from key 0 (online softmax: running max, running sum, rescaled accumulator).
   Queries go in tiles of QUERY_TILE rows of one sequence, so the two products are GEMMs of one fixed
-  shape ([QT, D] @ [D, KB], [QT, KB] @ [KB, E]) and every other step is elementwise or a sum over one
+  shape ([rep·QT, D] @ [D, KB], [rep·QT, KB] @ [KB, E], rep query heads per key head) and every other step is elementwise or a sum over one
   row; a block a query does not reach leaves its row exactly unchanged (alpha = 1, p = 0). So a query's
   result does not depend on the other queries, their number or its place in a tile: vLLM's decode (one
   query against its KV cache), its chunked prefill and the trainer's whole-sequence forward agree.
 
-Only the forward is shared; the trainer differentiates through plain matmuls (`InvariantLinearFn`,
-attention through autograd of these torch ops). The tests (tests/megamoe/test_invariant.py) check the
+Only the forward is shared; the trainer differentiates through plain matmuls (`InvariantLinearFn`; the
+attention's backward is trainer/bitwise.py's). The tests (tests/megamoe/test_invariant.py) check the
 invariances and the values against an fp64 ground truth.
 """
 
@@ -37,11 +37,6 @@ KEY_BLOCK = 32
 """Keys per block of `causal_attention`'s online softmax; fixed, for invariance to the query count."""
 QUERY_TILE = 16
 """Query rows per GEMM tile of `causal_attention` (one sequence's; a short tile repeats its first row)."""
-
-
-def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
-    pad = (-t.shape[0]) % multiple
-    return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
 
 
 def linear(x: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None = None) -> torch.Tensor:

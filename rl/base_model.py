@@ -7,6 +7,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
+from megamoe.contract import BITWISE
 from rl.config import Config
 from rl.run_dir import base_model_dir
 
@@ -22,7 +23,7 @@ def resolve_model(cfg: Config, run_dir: Path) -> Path:
         from rl.make_model import make_model
         make_model(path, **dataclasses.asdict(cfg.model.make))
         log.info("made a random-initialised model in %s", path)
-    if cfg.run.numerics == "bitwise":
+    if cfg.run.numerics == BITWISE:
         check_bitwise_architecture(path, "model.path" if cfg.model.path is not None else "model.make.arch")
     return path
 

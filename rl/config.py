@@ -273,9 +273,10 @@ def check_bitwise(cfg: Config) -> None:
          cfg.trainer.moe_impl)
     need(cfg.rollout.top_p == 1.0, "rollout.top_p", "1.0 (vLLM's processed logprobs renormalise over the "
          "nucleus; the trainer's log_softmax covers the whole vocabulary)", cfg.rollout.top_p)
-    need(not _on_gpu(cfg) and cfg.rollout.gpus_per_worker == 0, "rollout.gpus_per_worker",
-         "0: the batch-invariant attention backend and linears exist for vLLM's CPU backend only (no CUDA "
-         "attention backend and GEMM of the same reduction order yet)", cfg.rollout.gpus_per_worker)
+    for key, gpus in (("rollout.gpus_per_worker", cfg.rollout.gpus_per_worker),
+                      ("trainer.gpus_per_rank", cfg.trainer.gpus_per_rank)):
+        need(gpus == 0, key, "0: the batch-invariant attention and linears are built for CPU only (vLLM's CPU "
+             "backend and the CPU trainer; no CUDA path of the same reduction order yet)", gpus)
     tp = cfg.rollout.engine_kwargs.get("tensor_parallel_size", 1)
     need(tp == 1, "rollout.engine_kwargs.tensor_parallel_size", "1 (a K reduction split over ranks is not the "
          "trainer's)", tp)

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megamoe.contract import BITWISE, FAST, MEGAMOE
 from megamoe.contract import HOST_IMPLS as MOE_IMPLS
 
 DEFAULT_IMPLS = MOE_IMPLS
@@ -78,7 +79,7 @@ class Plan:
     device: str                     # trainer side: "cpu" | "cuda"
     micro_batch_size: int
     out_dir: Path
-    numerics: str = "fast"          # run.numerics: "bitwise" puts both sides' dense ops on megamoe.invariant
+    numerics: str = FAST            # run.numerics: "bitwise" puts both sides' dense ops on megamoe.invariant
     config_path: str | None = None
 
 
@@ -164,7 +165,7 @@ def prepare(cfg, *, impls: tuple[str, ...] = DEFAULT_IMPLS, prompts: int | None 
     n = cfg.rollout.n if n is None else n
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ConsistencyError(f"--n: expected an int >= 1, got {n!r}")
-    if cfg.run.numerics == "bitwise" and impls != ("megamoe",):
+    if cfg.run.numerics == BITWISE and impls != (MEGAMOE,):
         raise ConsistencyError(f"--impls: expected megamoe alone with run.numerics=bitwise (the mode needs megamoe's "
                                f"MoE on both sides), got {','.join(impls)}")
     if cfg.rollout.top_p != 1.0:

@@ -49,6 +49,8 @@ from pathlib import Path
 
 import torch
 
+from megamoe.contract import FAST
+
 LAYER_OPS = ("input_norm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "q_rope", "k_rope", "attn",
              "o_proj", "resid_mid", "post_norm", "router_logits", "moe", "resid_out")
 CAPTURE_ATTENTION = "megamoe_divergence_capture"
@@ -431,7 +433,7 @@ def _sampler_generate(engine, prompt: list[int], max_tokens: int, temperature: f
 # ---------------------------------------------------------------------------------------------
 def measure(model_dir: str | Path, *, prompts: Sequence[str] = DEFAULT_PROMPTS, max_tokens: int = 4,
             temperature: float = 1.0, seed: int = 0, engine=None, own: bool = True,
-            engine_kwargs: dict | None = None, numerics: str = "fast") -> dict:
+            engine_kwargs: dict | None = None, numerics: str = FAST) -> dict:
     """Capture both sides on `prompts` (+ `max_tokens` sampled tokens each) and compare; the report.
 
     `engine`: a started rollout.worker.RolloutWorker on `model_dir` (moe_impl megamoe, `numerics`), or

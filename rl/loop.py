@@ -57,6 +57,7 @@ import signal
 import time
 from pathlib import Path
 
+from megamoe.contract import FAST
 from rl.base_model import resolve_model
 from rl.cluster import Placement, WorkerHost, node_ip_and_port, place, plan_bundles, start_ray, strategy
 from rl.config import Config, to_yaml, trainer_worker_config
@@ -139,7 +140,7 @@ class Loop:
         kwargs = dict(dtype=self.cfg.model.dtype, seed=self.cfg.run.seed + i, max_model_len=r.max_model_len,
                       kv_cache_memory_bytes=r.kv_cache_bytes, weight_sync=self.weight_sync,
                       sleep_mode=r.sleep_level > 0, **r.engine_kwargs)
-        if self.cfg.run.numerics != "fast":  # only then: a worker class of the interface without it still runs fast
+        if self.cfg.run.numerics != FAST:  # only then: a worker class of the interface without it still runs fast
             kwargs["numerics"] = self.cfg.run.numerics
         return host.remote(r.worker, (str(self.model_dir), r.moe_impl), kwargs)
 

@@ -61,20 +61,22 @@ def configured_numerics() -> str:
 
 def register() -> None:
     """vLLM's entry point. Raises (and so stops engine start-up) when misconfigured or broken."""
+    from megamoe.contract import BITWISE, FAST  # here, not at import: see the module docstring
+
     STATE["called"] = True
     impl = configured_impl()
     numerics = configured_numerics()
     STATE["impl"] = impl
     STATE["numerics"] = numerics
     if impl is None:
-        if numerics != "fast":
+        if numerics != FAST:
             raise ValueError(f"{NUMERICS_ENV_VAR}={numerics}: expected {ENV_VAR} set too (the bitwise numerics "
                              "need megamoe's MoE on both sides)")
         return
     from rollout import adapter, bitwise  # heavy imports (vLLM internals, megamoe) happen here, loudly
 
-    # Every call: a process forked from one that ran another numerics inherits its registrations.
-    bitwise.apply(numerics == "bitwise")
+    # Every call: a process that registered for another numerics (or was forked from one) holds them.
+    bitwise.apply(numerics == BITWISE)
     if STATE["registered"]:
         return
     adapter.register_moe_method(impl)
