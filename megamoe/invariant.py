@@ -1,5 +1,7 @@
 """Batch-invariant dense ops both sides of an RL run call in `numerics="bitwise"`: the linear layers
-(attention projections, dense MLPs, the LM head) and causal attention, on CPU (fp32).
+(attention projections, dense MLPs, the LM head), causal attention, RMSNorm, the rotary tables and the
+log-softmax. On CPU (fp32) the kernels below; on CUDA `linear`, `rms_norm` and `log_softmax` run vLLM's
+batch-invariant kernels (megamoe.invariant_gpu, which also holds the CUDA attention).
 
 Each op fixes its reduction order by construction, so an output row's bits depend only on that row's
 inputs, never on how many other rows (tokens, requests, padding) share the call:
@@ -19,6 +21,10 @@ inputs, never on how many other rows (tokens, requests, padding) share the call:
   row; a block a query does not reach leaves its row exactly unchanged (alpha = 1, p = 0). So a query's
   result does not depend on the other queries, their number or its place in a tile: vLLM's decode (one
   query against its KV cache), its chunked prefill and the trainer's whole-sequence forward agree.
+
+- `rms_norm`: one row at a time by construction (a mean over the row, elementwise otherwise).
+- `rope_cache`: the rotary cos/sin table, computed in float64 on the CPU and rounded once to fp32, so
+  that it does not depend on the device or the process computing it.
 
 Only the forward is shared; the trainer differentiates through plain matmuls (`InvariantLinearFn`; the
 attention's backward is trainer/bitwise.py's). The tests (tests/megamoe/test_invariant.py) check the
@@ -48,6 +54,10 @@ def linear(x: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None = None)
     lead = x.shape[:-1]
     x_MK = x.reshape(-1, K)
     M = x_MK.shape[0]
+    if x.is_cuda:
+        from megamoe import invariant_gpu
+
+        return invariant_gpu.linear(x_MK, w_NK, b_N).reshape(*lead, N)
     if M == 0:
         out = x_MK.new_zeros(0, N)
     else:
@@ -69,6 +79,41 @@ def linear_parts(x: torch.Tensor, w_NK: torch.Tensor, sizes: list[int], b_N: tor
     ws = w_NK.split(list(sizes))
     bs = b_N.split(list(sizes)) if b_N is not None else [None] * len(sizes)
     return torch.cat([linear(x, w, b) for w, b in zip(ws, bs)], dim=-1)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * w over the last dim, in fp32, rounded once to x's dtype; batch invariant."""
+    if w is not None and tuple(w.shape) != (x.shape[-1],):
+        raise ValueError(f"w: expected a [{x.shape[-1]}] weight, got {tuple(w.shape)}")
+    if x.is_cuda:
+        from megamoe import invariant_gpu
+
+        return invariant_gpu.rms_norm(x, w, eps)
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if w is not None:
+        y = y * w.float()
+    return y.to(x.dtype)
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """log_softmax over the last dim, batch invariant (on CUDA vLLM's kernel, the sampler's in this mode)."""
+    if x.is_cuda:
+        from megamoe import invariant_gpu
+
+        return invariant_gpu.log_softmax(x)
+    return torch.log_softmax(x, dim=-1)
+
+
+def rope_cache(base: float, rotary_dim: int, max_positions: int) -> torch.Tensor:
+    """[max_positions, rotary_dim] fp32 on the CPU: cos(p * f_i) then sin(p * f_i), f_i = base^(-2i/rotary_dim)
+    for i < rotary_dim / 2 (vLLM's cos_sin_cache layout; transformers' cos/sin are [cos, cos], [sin, sin])."""
+    if rotary_dim <= 0 or rotary_dim % 2 or max_positions <= 0:
+        raise ValueError(f"rope_cache: expected an even rotary_dim > 0 and max_positions > 0, got "
+                         f"{rotary_dim}, {max_positions}")
+    inv_freq = 1.0 / (float(base) ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    freqs = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], -1).float()
 
 
 class InvariantLinearFn(torch.autograd.Function):

@@ -273,10 +273,10 @@ def check_bitwise(cfg: Config) -> None:
          cfg.trainer.moe_impl)
     need(cfg.rollout.top_p == 1.0, "rollout.top_p", "1.0 (vLLM's processed logprobs renormalise over the "
          "nucleus; the trainer's log_softmax covers the whole vocabulary)", cfg.rollout.top_p)
-    for key, gpus in (("rollout.gpus_per_worker", cfg.rollout.gpus_per_worker),
-                      ("trainer.gpus_per_rank", cfg.trainer.gpus_per_rank)):
-        need(gpus == 0, key, "0: the batch-invariant attention and linears are built for CPU only (vLLM's CPU "
-             "backend and the CPU trainer; no CUDA path of the same reduction order yet)", gpus)
+    rollout_gpu, trainer_gpu = cfg.rollout.gpus_per_worker > 0, cfg.trainer.gpus_per_rank > 0
+    need(rollout_gpu == trainer_gpu, "trainer.gpus_per_rank", f"{'> 0' if rollout_gpu else '0'} as the sampler's "
+         f"rollout.gpus_per_worker={cfg.rollout.gpus_per_worker} (both sides on CPU, fp32, or both on CUDA: one "
+         "device's kernels give one device's bits)", cfg.trainer.gpus_per_rank)
     tp = cfg.rollout.engine_kwargs.get("tensor_parallel_size", 1)
     need(tp == 1, "rollout.engine_kwargs.tensor_parallel_size", "1 (a K reduction split over ranks is not the "
          "trainer's)", tp)

@@ -243,7 +243,8 @@ def _trainer_side(plan: Plan, impl: str, prompt_ids, completion_ids, hidden) -> 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[plan.dtype]
     model = load_model(plan.model_dir, impl, dtype=dtype, device=plan.device, numerics=plan.numerics).eval()
     logprobs, captured = probe.score(model, prompt_ids, completion_ids, temperature=plan.temperature,
-                                     micro_batch_size=plan.micro_batch_size, capture=hidden is None)
+                                     micro_batch_size=plan.micro_batch_size, capture=hidden is None,
+                                     numerics=plan.numerics)
     hidden = captured if hidden is None else hidden
     layers = probe.run_moe_blocks(model, hidden)
     return {"logprobs": logprobs, "layers": layers, "seconds": time.perf_counter() - t0}, hidden

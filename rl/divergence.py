@@ -201,7 +201,8 @@ def _layers(model):
 
 
 @torch.no_grad()
-def trainer_capture(model, ids: Sequence[int], temperatures: Sequence[float] = (1.0,)) -> dict[str, torch.Tensor]:
+def trainer_capture(model, ids: Sequence[int], temperatures: Sequence[float] = (1.0,), numerics: str = FAST
+                    ) -> dict[str, torch.Tensor]:
     """Every op boundary of one forward of `model` over `ids` (batch 1, no padding), {op: [L, ...]};
     `logprobs@<t>` [L] per temperature: log_softmax(logits / t) of the next token (NaN at the last row),
     by trainer.loss.token_logprobs."""
@@ -260,14 +261,14 @@ def trainer_capture(model, ids: Sequence[int], temperatures: Sequence[float] = (
             h.remove()
     for t in temperatures:
         lp = torch.full((L,), math.nan)
-        lp[:-1] = token_logprobs(logits[:, :-1], input_ids[:, 1:], t)[0].float().cpu()
+        lp[:-1] = token_logprobs(logits[:, :-1], input_ids[:, 1:], t, numerics)[0].float().cpu()
         out[f"logprobs@{t:g}"] = lp
     return {k: v.cpu() for k, v in out.items()}
 
 
 @torch.no_grad()
 def replay_ops(model, s: dict[str, torch.Tensor], ids: Sequence[int], temperature: float,
-               decode_rows: Sequence[int] = ()) -> dict[str, torch.Tensor]:
+               decode_rows: Sequence[int] = (), numerics: str = FAST) -> dict[str, torch.Tensor]:
     """The trainer's implementation of each op run on the sampler's captured inputs `s` (full
     sequence, {op: [T, ...]}): {op: [T, ...]}. Attention runs causally over all rows, and once more per
     row in `decode_rows` with that row's query against the keys and values of rows 0..p (a decode step)."""
@@ -281,7 +282,9 @@ def replay_ops(model, s: dict[str, torch.Tensor], ids: Sequence[int], temperatur
     dev = next(model.parameters()).device
     # Rows the sampler never computed (NaN: the last sampled token is never fed) become zeros, so that
     # routing and attention stay finite; no such row is compared.
-    s = {k: v.nan_to_num(nan=0.0).to(dev) for k, v in s.items()}
+    # The captures are fp32 copies (exact) of the model dtype's tensors: back to that dtype as inputs.
+    dt = next(model.parameters()).dtype
+    s = {k: v.nan_to_num(nan=0.0).to(dev, dt) for k, v in s.items()}
     own: dict[str, torch.Tensor] = {}
     inner = model.model
     input_ids = torch.tensor([list(ids)], device=dev)
@@ -338,7 +341,7 @@ def replay_ops(model, s: dict[str, torch.Tensor], ids: Sequence[int], temperatur
     if "logits" in s:
         lp = torch.full((T,), math.nan)
         lg = s["logits"][:-1].nan_to_num(nan=0.0)
-        lp[:-1] = token_logprobs(lg[None], input_ids[:, 1:].cpu(), temperature)[0].float()
+        lp[:-1] = token_logprobs(lg[None], input_ids[:, 1:], temperature, numerics)[0].float().cpu()
         own["logprobs"] = lp
     return {k: v.detach().float().cpu() for k, v in own.items()}
 
@@ -433,12 +436,13 @@ def _sampler_generate(engine, prompt: list[int], max_tokens: int, temperature: f
 # ---------------------------------------------------------------------------------------------
 def measure(model_dir: str | Path, *, prompts: Sequence[str] = DEFAULT_PROMPTS, max_tokens: int = 4,
             temperature: float = 1.0, seed: int = 0, engine=None, own: bool = True,
-            engine_kwargs: dict | None = None, numerics: str = FAST) -> dict:
+            engine_kwargs: dict | None = None, numerics: str = FAST, dtype: str | None = None) -> dict:
     """Capture both sides on `prompts` (+ `max_tokens` sampled tokens each) and compare; the report.
 
     `engine`: a started rollout.worker.RolloutWorker on `model_dir` (moe_impl megamoe, `numerics`), or
-    None to start one here (and close it). The trainer side is trainer.model.load_model(model_dir,
-    "megamoe", numerics=numerics).
+    None to start one here (and close it: eager, so that its hooks run at every decode step). The trainer
+    side is trainer.model.load_model(model_dir, "megamoe", numerics=numerics) on the same device. `dtype`:
+    both sides' ("float32" on CPU, "bfloat16" on CUDA by default).
     """
     import transformers
     import vllm
@@ -447,6 +451,10 @@ def measure(model_dir: str | Path, *, prompts: Sequence[str] = DEFAULT_PROMPTS, 
     from trainer.model import load_model
 
     t0 = time.perf_counter()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype: expected 'float32' or 'bfloat16', got {dtype!r}")
     model_dir = Path(model_dir).absolute()
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompt_ids = [list(tok(p)["input_ids"]) for p in prompts]
@@ -454,8 +462,9 @@ def measure(model_dir: str | Path, *, prompts: Sequence[str] = DEFAULT_PROMPTS, 
     if own_engine:
         from rollout.worker import RolloutWorker
 
-        engine = RolloutWorker(model_dir, "megamoe", dtype="float32", seed=seed, max_model_len=128,
-                               kv_cache_memory_bytes=32 << 20, numerics=numerics, **(engine_kwargs or {}))
+        engine = RolloutWorker(model_dir, "megamoe", dtype=dtype, seed=seed, max_model_len=128,
+                               kv_cache_memory_bytes=32 << 20, numerics=numerics, enforce_eager=True,
+                               **(engine_kwargs or {}))
     try:
         gen, pre, meta = [], [], {}
         for i, p in enumerate(prompt_ids):
@@ -468,22 +477,23 @@ def measure(model_dir: str | Path, *, prompts: Sequence[str] = DEFAULT_PROMPTS, 
         if own_engine:
             engine.close()
 
-    model = load_model(model_dir, "megamoe", dtype=torch.float32, numerics=numerics).eval()
+    model = load_model(model_dir, "megamoe", dtype=getattr(torch, dtype), device=device, numerics=numerics).eval()
     ops = op_graph(len(_layers(model)), qk_norm=hasattr(_layers(model)[0].self_attn, "q_norm"))
     views = {"prefill": [], "decode": []}
     t_key = f"logprobs@{temperature:g}"
     for (p, c, s_gen), s_pre in zip(gen, pre):
         ids = p + c
-        tr = trainer_capture(model, ids, temperatures=sorted({1.0, temperature}))
+        tr = trainer_capture(model, ids, temperatures=sorted({1.0, temperature}), numerics=numerics)
         T = len(ids)
         tr_pre = dict(tr, logprobs=tr["logprobs@1"])
         tr_gen = dict(tr, logprobs=tr[t_key])
         decode_rows = list(range(len(p), T - 1))
         views["prefill"].append(Case(s_pre, tr_pre, list(range(T)), {"logprobs": list(range(T - 1))},
-                                     replay_ops(model, s_pre, ids, 1.0) if own else {}))
+                                     replay_ops(model, s_pre, ids, 1.0, numerics=numerics) if own else {}))
         views["decode"].append(Case(s_gen, tr_gen, decode_rows, {},
-                                    replay_ops(model, s_gen, ids, temperature, decode_rows) if own else {}))
-    report = {"meta": {"model_dir": str(model_dir), "numerics": numerics, "prompts": len(prompt_ids),
+                                    replay_ops(model, s_gen, ids, temperature, decode_rows, numerics) if own else {}))
+    report = {"meta": {"model_dir": str(model_dir), "numerics": numerics, "dtype": dtype, "device": device,
+                       "prompts": len(prompt_ids),
                        "max_tokens": max_tokens,
                        "temperature": temperature, "seed": seed, "tokens": sum(len(p) + len(c) for p, c, _ in gen),
                        "sampler_threads": meta.get("threads"), "trainer_threads": torch.get_num_threads(),

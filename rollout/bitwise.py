@@ -1,8 +1,14 @@
-"""vLLM's side of `numerics="bitwise"` (vLLM CPU 0.32): the dense ops outside the MoE run the trainer's
-batch-invariant kernels (megamoe.invariant), so that the trainer reproduces every logprob bit for bit.
+"""vLLM's side of `numerics="bitwise"`: the dense ops outside the MoE run the trainer's batch-invariant
+kernels, so that the trainer reproduces every logprob bit for bit.
 
 Installed by the plugin (rollout/plugin.py) in every vLLM process when MEGAMOE_NUMERICS=bitwise, through
-vLLM's own seams, nothing patched:
+vLLM's own seams, nothing patched. On both devices:
+- RMSNorm: an out-of-tree replacement (CustomOp.register_oot) computing `megamoe.invariant.rms_norm`; with
+  a residual it first adds it in the model's dtype (the trainer's `residual + x`), where vLLM would fuse
+  the add into the norm.
+- rotary: an out-of-tree RotaryEmbedding whose cos/sin table is `megamoe.invariant.rope_cache` (the
+  trainer's), applied by vLLM's native formula (transformers' bits).
+vLLM CPU (0.32, fp32):
 - linears: out-of-tree replacements (PluggableLayer.register_oot) of ReplicatedLinear,
   ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear and RowParallelLinear whose
   linear method computes `megamoe.invariant.linear_parts` over the layer's output partitions (a fused
@@ -11,9 +17,12 @@ vLLM's own seams, nothing patched:
 - attention: the CPU_ATTN backend's class path overridden (vLLM's `register_backend`) by a subclass
   whose KV-cache write and attention are plain torch: per request, its keys gathered from the paged
   cache by `megamoe.invariant.paged_causal_attention` (bitwise the trainer's attention per query).
-- rotary and the dense MLP's activation: vLLM's own native formulas (`compilation_config.custom_ops`
-  with -rotary_embedding, -silu_and_mul: `engine_kwargs`), which equal transformers' bit for bit
-  (docs/BITWISE.md).
+- the dense MLP's activation: vLLM's native formula (`compilation_config.custom_ops` with -silu_and_mul).
+vLLM CUDA (0.26, bf16): vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1, set by RolloutWorker before
+the engine starts) computes the linears, the LM head (its Triton persistent matmul), the attention (the
+TRITON_ATTN backend's unified attention, one key tile size) and the sampler's log-softmax; the trainer
+calls the same kernels (megamoe.invariant_gpu). The engine runs without torch.compile (Inductor would fuse
+the rotary's and the residual's bf16 steps into one rounding), decode batches in full CUDA graphs.
 The MoE (router logits, routing, experts) is megamoe's already (rollout/adapter.py).
 """
 
@@ -32,6 +41,10 @@ windows need attention this module does not have."""
 CUSTOM_OPS = ["all", "-rotary_embedding", "-silu_and_mul"]
 """vLLM custom-op switches of a bitwise engine: the rotary and the gated activation by their native torch
 formulas (transformers' bits), every other custom op as usual."""
+CUDA_COMPILATION = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+"""A bitwise CUDA engine's compilation: no torch.compile (mode 0, NONE: eager ops round as the trainer's),
+decode steps replayed from full CUDA graphs."""
+ENV_BATCH_INVARIANT = "VLLM_BATCH_INVARIANT"
 _STATE = {"registered": False}
 
 
@@ -155,6 +168,37 @@ def _attention_backend():
     return InvariantCPUAttentionBackend
 
 
+def _norm_and_rotary():
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    class InvariantRMSNorm(RMSNorm):
+        """vLLM's RMSNorm computing megamoe.invariant.rms_norm (the residual, if any, added first)."""
+
+        def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+            if self.variance_size_override is not None:
+                raise NotImplementedError("numerics=bitwise: an RMSNorm over part of the hidden size")
+            w = self.weight.data if self.has_weight else None
+            if residual is None:
+                return invariant.rms_norm(x, w, self.variance_epsilon)
+            x = x + residual
+            return invariant.rms_norm(x, w, self.variance_epsilon), x
+
+    class InvariantRotaryEmbedding(RotaryEmbedding):
+        """vLLM's default rotary with megamoe.invariant.rope_cache's table, applied by its native formula."""
+
+        def _compute_cos_sin_cache(self) -> torch.Tensor:
+            return invariant.rope_cache(self.base, self.rotary_dim, self.max_position_embeddings).to(
+                torch.get_default_device())
+
+        def forward(self, positions, query, key=None):
+            if not self.is_neox_style:
+                raise NotImplementedError("numerics=bitwise: a GPT-J style (interleaved) rotary")
+            return self.forward_native(positions, query, key)
+
+    return InvariantRMSNorm, InvariantRotaryEmbedding
+
+
 InvariantCPUAttentionBackend = None  # the class, once built (the path vLLM resolves)
 
 
@@ -166,6 +210,15 @@ def _build() -> None:
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
 
+    from vllm.platforms import current_platform
+
+    norm, rotary = _norm_and_rotary()
+    _STATE["norm_rotary"] = (norm, rotary)
+    custom_ops = [(norm, "RMSNorm"), (rotary, "RotaryEmbedding")]
+    _STATE["custom_ops"] = custom_ops
+    if not current_platform.is_cpu():
+        _STATE["replacements"] = []
+        return
     linear_method, embedding_method = _methods()
     _STATE["methods"] = (linear_method, embedding_method)
     replacements = [(_replacement(base, linear_method, UnquantizedLinearMethod), base.__name__)
@@ -176,61 +229,96 @@ def _build() -> None:
     _STATE["attention_impl"] = InvariantCPUAttentionBackend.get_impl_cls()
 
 
+def _registrations() -> list:
+    """(class, name, registry) of everything this mode registers in vLLM's out-of-tree registry."""
+    from vllm.model_executor.custom_op import CustomOp, PluggableLayer
+
+    return ([(cls, name, CustomOp) for cls, name in _STATE["custom_ops"]]
+            + [(cls, name, PluggableLayer) for cls, name in _STATE["replacements"]])
+
+
 def apply(enabled: bool) -> None:
-    """Install (enabled) or remove the linears, the LM head's method and the attention backend in this
-    process's vLLM registries. The plugin calls it in every process on every registration, so that a
-    process which registered them for a bitwise engine (the driver runs the plugin too) and then builds,
-    or forks, a fast one does not carry them over; RolloutWorker's census checks the result."""
+    """Install (enabled) or remove the norms, the rotary, and on CPU the linears, the LM head's method and
+    the attention backend, in this process's vLLM registries. The plugin calls it in every process on
+    every registration, so that a process which registered them for a bitwise engine (the driver runs the
+    plugin too) and then builds, or forks, a fast one does not carry them over; RolloutWorker's census
+    checks the result. On CUDA the mode needs vLLM's batch-invariant mode on (ENV_BATCH_INVARIANT)."""
     if not enabled and not _STATE["registered"]:
         return
-    from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
+    from vllm.model_executor.custom_op import op_registry_oot
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    if enabled and not current_platform.is_cpu():
-        raise NotImplementedError(f"numerics=bitwise: vLLM on {current_platform.device_type}: the batch-invariant "
-                                  "attention and linears are built for vLLM's CPU backend only (a CUDA attention "
-                                  "backend and GEMM of the same reduction order do not exist yet)")
+    if enabled and not (current_platform.is_cpu() or current_platform.is_cuda()):
+        raise NotImplementedError(f"numerics=bitwise: vLLM on {current_platform.device_type}: built for vLLM's "
+                                  "CPU and CUDA backends")
+    if enabled and current_platform.is_cuda():
+        import vllm.envs as envs
+
+        from megamoe import invariant_gpu
+
+        invariant_gpu.require()
+        if not envs.VLLM_BATCH_INVARIANT:
+            raise RuntimeError(f"numerics=bitwise on CUDA: {ENV_BATCH_INVARIANT}=1 must be set before vLLM starts "
+                               "(RolloutWorker sets it): the linears, attention and log-softmax are vLLM's "
+                               "batch-invariant kernels")
     _build()
     path = f"{__name__}.InvariantCPUAttentionBackend"
     if not enabled:
-        for cls, name in _STATE["replacements"]:
+        for cls, name, _ in _registrations():
             if op_registry_oot.get(name) is cls:
                 del op_registry_oot[name]
-        if AttentionBackendEnum.CPU_ATTN.get_path() == path:
+        if _STATE["replacements"] and AttentionBackendEnum.CPU_ATTN.get_path() == path:
             AttentionBackendEnum.CPU_ATTN.clear_override()
         _STATE["registered"] = False
         return
     if _STATE["registered"]:
         return
-    for cls, name in _STATE["replacements"]:
+    for cls, name, _ in _registrations():
         current = op_registry_oot.get(name)
         if current is not None and current is not cls:
             raise RuntimeError(f"another plugin already replaced vLLM's {name} with {current!r}; "
                                "numerics=bitwise cannot take its place")
-    for cls, name in _STATE["replacements"]:
+    for cls, name, registry in _registrations():
         if op_registry_oot.get(name) is None:
-            PluggableLayer.register_oot(name=name)(cls)
-    register_backend(AttentionBackendEnum.CPU_ATTN, path)
+            registry.register_oot(name=name)(cls)
+    if _STATE["replacements"]:
+        register_backend(AttentionBackendEnum.CPU_ATTN, path)
     _STATE["registered"] = True
 
 
 def census(model: torch.nn.Module) -> dict:
-    """What computes the dense ops of `model` (in a vLLM worker): the linears (LM head included) and
-    attention layers on the batch-invariant kernels, the MoE gates (megamoe.router's batch-invariant
-    logits in either numerics), and the names of the others."""
+    """What computes the dense ops of `model` (in a vLLM worker): the linears (LM head included), attention
+    layers, norms and rotaries on this mode's kernels, the MoE gates (megamoe.router's batch-invariant
+    logits in either numerics), and the names of the others. On CUDA a linear counts as bitwise when it is
+    unquantized and vLLM's batch-invariant mode is on (its method then calls linear_batch_invariant), an
+    attention layer when it is the TRITON_ATTN backend's."""
     from rollout.adapter import MegaMoERouterMethod
-    from vllm.model_executor.layers.linear import LinearMethodBase
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
+    from vllm.platforms import current_platform
 
-    methods = _STATE.get("methods", ())
+    cuda_invariant = False
+    if current_platform.is_cuda():
+        import vllm.envs as envs
+
+        cuda_invariant = bool(envs.VLLM_BATCH_INVARIANT)
+    methods = _STATE.get("methods", ()) or ((UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
+                                            if cuda_invariant else ())
     attn_impl = _STATE.get("attention_impl")
+    if cuda_invariant:
+        from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+        attn_impl = TritonAttentionImpl
+    norm, rotary = _STATE.get("norm_rotary", (None, None))
     out = {"bitwise_linears": 0, "router_gates": 0, "other_linears": [], "bitwise_attention": 0,
-           "other_attention": []}
+           "other_attention": [], "bitwise_norms": 0, "other_norms": []}
     for name, m in model.named_modules():
         qm = getattr(m, "quant_method", None)
         if isinstance(qm, LinearMethodBase) or isinstance(m, ParallelLMHead):
-            if methods and isinstance(qm, methods):
+            if methods and type(qm) in methods:
                 out["bitwise_linears"] += 1
             elif isinstance(qm, MegaMoERouterMethod):
                 out["router_gates"] += 1
@@ -238,8 +326,13 @@ def census(model: torch.nn.Module) -> dict:
                 out["other_linears"].append(f"{name} ({type(qm).__name__})")
         impl = getattr(m, "impl", None)
         if impl is not None and hasattr(impl, "do_kv_cache_update"):
-            if attn_impl is not None and isinstance(impl, attn_impl):
+            if attn_impl is not None and type(impl) is attn_impl:
                 out["bitwise_attention"] += 1
             else:
                 out["other_attention"].append(f"{name} ({type(impl).__name__})")
+        if isinstance(m, (RMSNorm, RotaryEmbeddingBase)):
+            if type(m) in (norm, rotary):
+                out["bitwise_norms"] += 1
+            else:
+                out["other_norms"].append(f"{name} ({type(m).__name__})")
     return out

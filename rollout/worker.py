@@ -64,21 +64,55 @@ def _check_numerics(numerics: object, moe_impl: str, architecture: str, tensor_p
     missing = []
     if moe_impl != MEGAMOE:
         missing.append(f"moe_impl='megamoe' (got {moe_impl!r}: the MoE must be the trainer's kernel too)")
-    if torch.cuda.is_available():
-        missing.append("vLLM's CPU backend (this process sees CUDA: the batch-invariant attention backend and "
-                       "linears exist for vLLM CPU only)")
+    cuda = torch.cuda.is_available()
+    if cuda:
+        from megamoe import invariant_gpu
+
+        try:
+            invariant_gpu.require()
+        except ImportError as e:
+            missing.append(str(e))
     if tensor_parallel_size != 1:
         missing.append(f"tensor_parallel_size=1 (got {tensor_parallel_size}: a split K reduction is not the trainer's)")
     if architecture not in bitwise.ARCHITECTURES:
         missing.append(f"an architecture in {bitwise.ARCHITECTURES} (got {architecture}: its other ops are not "
                        "measured bitwise)")
-    custom_ops = (engine_kwargs.get("compilation_config") or {}).get("custom_ops")
+    compilation = dict(engine_kwargs.get("compilation_config") or {})
+    custom_ops = compilation.get("custom_ops")
     if custom_ops is not None and list(custom_ops) != bitwise.CUSTOM_OPS:
         missing.append(f"compilation_config.custom_ops={bitwise.CUSTOM_OPS} (got {custom_ops!r})")
+    needed = {"custom_ops": list(bitwise.CUSTOM_OPS)}
+    if cuda:
+        for key, value in bitwise.CUDA_COMPILATION.items():
+            if key in compilation and compilation[key] != value:
+                missing.append(f"compilation_config.{key}={value!r} (got {compilation[key]!r})")
+        backend = (engine_kwargs.get("attention_config") or {}).get("backend")
+        if backend not in (None, "TRITON_ATTN"):
+            missing.append(f"attention_config.backend='TRITON_ATTN' (got {backend!r}: the trainer runs its kernel)")
+        needed.update(bitwise.CUDA_COMPILATION)
     if missing:
         raise ValueError("numerics='bitwise': needs " + "; ".join(missing))
-    return {"compilation_config": {**(engine_kwargs.get("compilation_config") or {}),
-                                   "custom_ops": list(bitwise.CUSTOM_OPS)}}
+    out = {"compilation_config": {**compilation, **needed}}
+    if cuda:
+        out["attention_config"] = {**(engine_kwargs.get("attention_config") or {}), "backend": "TRITON_ATTN"}
+    return out
+
+
+_SET_BATCH_INVARIANT = {"by_us": False}
+
+
+def _batch_invariant_env(numerics: str) -> None:
+    """vLLM's batch-invariant mode for a bitwise CUDA engine, in the environment its processes inherit; off
+    again for a later fast engine of this process (unless the user had set it)."""
+    from rollout.bitwise import ENV_BATCH_INVARIANT
+
+    if numerics == BITWISE and torch.cuda.is_available():
+        if os.environ.get(ENV_BATCH_INVARIANT) != "1":
+            os.environ[ENV_BATCH_INVARIANT] = "1"
+            _SET_BATCH_INVARIANT["by_us"] = True
+    elif _SET_BATCH_INVARIANT["by_us"]:
+        os.environ.pop(ENV_BATCH_INVARIANT, None)
+        _SET_BATCH_INVARIANT["by_us"] = False
 
 
 def _preflight_plugin() -> None:
@@ -174,6 +208,7 @@ class RolloutWorker:
         # Before any vLLM process exists: every process the engine spawns inherits them.
         os.environ[plugin.ENV_VAR] = self.moe_impl
         os.environ[plugin.NUMERICS_ENV_VAR] = numerics
+        _batch_invariant_env(numerics)
         if torch.cuda.is_available():
             # vLLM forks its engine process by default; a fork of a process that has touched CUDA
             # (a trainer or a test in the same process) cannot use CUDA ("Cannot re-initialize CUDA").
@@ -211,11 +246,12 @@ class RolloutWorker:
             if s["numerics"] != self.numerics:
                 raise RuntimeError(f"vLLM worker {rank}: numerics {s['numerics']!r}, expected {self.numerics!r}")
             ops = s["dense_ops"]
-            if self.numerics == BITWISE and (ops["other_linears"] or ops["other_attention"]
-                                             or not ops["bitwise_linears"] or not ops["bitwise_attention"]):
+            if self.numerics == BITWISE and (ops["other_linears"] or ops["other_attention"] or ops["other_norms"]
+                                             or not ops["bitwise_linears"] or not ops["bitwise_attention"]
+                                             or not ops["bitwise_norms"]):
                 raise RuntimeError(f"vLLM worker {rank}: numerics='bitwise' but not every dense op runs the "
                                    f"batch-invariant kernels: {ops}")
-            if self.numerics == FAST and (ops["bitwise_linears"] or ops["bitwise_attention"]):
+            if self.numerics == FAST and (ops["bitwise_linears"] or ops["bitwise_attention"] or ops["bitwise_norms"]):
                 raise RuntimeError(f"vLLM worker {rank}: numerics='fast' but some dense ops run the bitwise "
                                    f"mode's kernels (registrations left from another engine?): {ops}")
             if s["megamoe_router_gates"] < s["self_routed_moe_layers"]:

@@ -7,10 +7,15 @@ megamoe.invariant's batch-invariant kernels, the functions vLLM's side calls (ro
   subclass holding the same Parameter objects (state-dict names, FSDP2 sharding and checkpoints
   unchanged); its forward is `megamoe.invariant.linear`, its backward plain matmuls.
 - attention is the function registered in transformers' attention registry as ATTENTION
-  (`megamoe.invariant.batched_causal_attention` over the batch's sequences forward; the backward is the gradient of the same
-  softmax attention recomputed by plain autograd, fp32). The trainer's batches are right-padded
-  (trainer/batch.py): a real token's queries only reach real keys, so the padding needs no mask; a
-  left-padded or packed mask is refused.
+  (`megamoe.invariant.batched_causal_attention` on CPU, vLLM's unified attention over pages on CUDA:
+  megamoe.invariant_gpu; the backward is the gradient of the same softmax attention recomputed by plain
+  autograd, fp32). The trainer's batches are right-padded (trainer/batch.py): a real token's queries
+  only reach real keys, so the padding needs no mask; a left-padded or packed mask is refused.
+- every RMSNorm (a module with `weight` and `variance_epsilon`, class name ending in RMSNorm) becomes
+  `InvariantRMSNorm` (same weight): `megamoe.invariant.rms_norm` forward, the one vLLM's norm layers call
+  (rollout/bitwise.py); the residual adds stay transformers' own (`residual + x` in the model's dtype).
+- the model's rotary embedding (`model.model.rotary_emb`) becomes `InvariantRotary`: cos and sin rows of
+  `megamoe.invariant.rope_cache`, vLLM's table in this mode; transformers applies them as usual.
 """
 
 from __future__ import annotations
@@ -33,11 +38,75 @@ class InvariantLinear(nn.Linear):
         return invariant.InvariantLinearFn.apply(x, self.weight, self.bias)
 
 
+class _RMSNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        ctx.save_for_backward(x, w)
+        ctx.eps = eps
+        return invariant.rms_norm(x, w, eps)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        with torch.enable_grad():
+            xl, wl = x.detach().float().requires_grad_(True), w.detach().float().requires_grad_(True)
+            y = xl * torch.rsqrt(xl.pow(2).mean(-1, keepdim=True) + ctx.eps) * wl
+            dx, dw = torch.autograd.grad(y, (xl, wl), g.float())
+        return dx.to(x.dtype), dw.to(w.dtype), None
+
+
+class InvariantRMSNorm(nn.Module):
+    """An RMSNorm module (the same weight Parameter) whose forward is megamoe.invariant.rms_norm."""
+
+    def __init__(self, weight: nn.Parameter, eps: float):
+        super().__init__()
+        self.weight = weight
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RMSNormFn.apply(x, self.weight, self.variance_epsilon)
+
+
+class InvariantRotary(nn.Module):
+    """transformers' rotary-embedding module interface, (cos, sin) [B, T, dim] in x's dtype, from the rows of
+    megamoe.invariant.rope_cache (the table a bitwise vLLM engine's rotary layers hold)."""
+
+    def __init__(self, base: float, dim: int, max_positions: int):
+        super().__init__()
+        self.base, self.dim, self.max_positions = base, dim, max_positions
+        self._tables: dict = {}
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+        table = self._tables.get(x.device)
+        if table is None:
+            table = self._tables[x.device] = invariant.rope_cache(self.base, self.dim, self.max_positions).to(x.device)
+        if int(position_ids.max()) >= self.max_positions:
+            raise ValueError(f"position_ids: expected positions < max_position_embeddings={self.max_positions}, got "
+                             f"{int(position_ids.max())}")
+        c, s = table[position_ids.long()].chunk(2, dim=-1)
+        return torch.cat([c, c], -1).to(x.dtype), torch.cat([s, s], -1).to(x.dtype)
+
+
+def _rotary(module: nn.Module, config) -> InvariantRotary:
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", "default")
+    if rope_type != "default" or float(getattr(module, "attention_scaling", 1.0)) != 1.0:
+        raise NotImplementedError(f"numerics=bitwise: rope_type {rope_type!r} (attention scaling "
+                                  f"{getattr(module, 'attention_scaling', 1.0)}): the shared rotary table is the "
+                                  "default rope's")
+    dim = 2 * module.inv_freq.shape[0]
+    return InvariantRotary(float(params["rope_theta"]), dim, int(config.max_position_embeddings))
+
+
 class _AttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale):  # q [B, T, h, D], k [B, L, g, D], v [B, L, g, E]: the last T of L positions
         ctx.save_for_backward(q, k, v)
         ctx.scale = scale
+        if q.is_cuda:
+            from megamoe import invariant_gpu
+
+            return invariant_gpu.paged_attention(q, k, v, scale)
         B, T = q.shape[:2]
         seq = torch.arange(B, device=q.device).repeat_interleave(T)
         pos = _positions(q, k).repeat(B)
@@ -101,14 +170,42 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
 
 
+class _LogSoftmaxFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = invariant.log_softmax(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g - y.exp() * g.sum(-1, keepdim=True)
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """megamoe.invariant.log_softmax over the last dim (the sampler's kernel for its processed logprobs), with
+    log_softmax's gradient."""
+    return _LogSoftmaxFn.apply(logits)
+
+
+def _is_rms_norm(m: nn.Module) -> bool:
+    return type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and isinstance(
+        getattr(m, "weight", None), nn.Parameter)
+
+
 def install(model: nn.Module) -> int:
-    """Every nn.Linear of `model` -> InvariantLinear (same parameters), attention -> ATTENTION; returns
-    the number of linears replaced."""
+    """Every nn.Linear of `model` -> InvariantLinear (same parameters), every RMSNorm -> InvariantRMSNorm,
+    the rotary embedding -> InvariantRotary, attention -> ATTENTION; returns the number of linears replaced."""
     register_attention()
     replaced = 0
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
+            if _is_rms_norm(child):
+                setattr(parent, child_name, InvariantRMSNorm(child.weight, float(child.variance_epsilon)))
+            elif child_name == "rotary_emb" and hasattr(child, "inv_freq"):
+                setattr(parent, child_name, _rotary(child, model.config))
+            elif type(child) is nn.Linear:
                 new = InvariantLinear(child.in_features, child.out_features, bias=child.bias is not None,
                                       device="meta")
                 new.weight = child.weight

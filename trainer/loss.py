@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from megamoe.contract import BITWISE, FAST
 from trainer.config import IS_CORRECTIONS, LOSS_AGGS
 
 
@@ -45,16 +46,24 @@ def pad_lists(rows: Sequence[Sequence[float]], dtype=torch.float32, value: float
     return out, mask
 
 
-def token_logprobs(logits_BLV: torch.Tensor, targets_BL: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(logits_BLV: torch.Tensor, targets_BL: torch.Tensor, temperature: float = 1.0,
+                   numerics: str = FAST) -> torch.Tensor:
     """log_softmax(logits / temperature)[target], in fp32 whatever the logits' dtype.
 
     The sampler reports processed logprobs (after temperature), so the trainer divides by the same
     temperature; without it the two differ systematically (ANCHORS.md, "raw vs processed").
+    numerics="bitwise": the log_softmax is the sampler's batch-invariant kernel (trainer/bitwise.py).
     """
     logits = logits_BLV.float()
     if temperature != 1.0:
         logits = logits / temperature
-    return torch.gather(F.log_softmax(logits, dim=-1), -1, targets_BL.long().unsqueeze(-1)).squeeze(-1)
+    if numerics == BITWISE:
+        from trainer.bitwise import log_softmax
+
+        lsm = log_softmax(logits)
+    else:
+        lsm = F.log_softmax(logits, dim=-1)
+    return torch.gather(lsm, -1, targets_BL.long().unsqueeze(-1)).squeeze(-1)
 
 
 def group_advantages(rewards: Sequence[float] | torch.Tensor, group_size: int, *, scale_by_std: bool = True,

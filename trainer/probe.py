@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
+from megamoe.contract import FAST
 from trainer.batch import collate, micro_batches, validate_batch
 from trainer.experts import block_router, moe_blocks
 from trainer.loss import token_logprobs
@@ -29,9 +30,10 @@ from trainer.loss import token_logprobs
 
 @torch.no_grad()
 def score(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], *,
-          temperature: float = 1.0, micro_batch_size: int = 8, capture: bool = False
+          temperature: float = 1.0, micro_batch_size: int = 8, capture: bool = False, numerics: str = FAST
           ) -> tuple[list[list[float]], list[torch.Tensor] | None]:
-    """(per-token logprobs of each completion, hidden states entering each MoE block or None)."""
+    """(per-token logprobs of each completion, hidden states entering each MoE block or None); `numerics`:
+    the model's (load_model's), for the log-softmax."""
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
     pad = model.config.pad_token_id
@@ -59,7 +61,7 @@ def score(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]], completio
             logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
             V = logits.shape[-1]
             picked = torch.gather(logits, 1, mb.positions.unsqueeze(-1).expand(-1, -1, V))
-            lp = token_logprobs(picked, mb.targets, temperature).cpu()
+            lp = token_logprobs(picked, mb.targets, temperature, numerics).cpu()
             for r, s in enumerate(mb.seqs):
                 out[s.index] = lp[r, : len(s.completion)].tolist()
     finally:

@@ -160,7 +160,7 @@ class TrainerWorker:
         logits = out.logits
         V = logits.shape[-1]
         picked = torch.gather(logits, 1, mb.positions.unsqueeze(-1).expand(-1, -1, V))
-        return token_logprobs(picked, mb.targets, self.cfg.temperature)
+        return token_logprobs(picked, mb.targets, self.cfg.temperature, self.cfg.numerics)
 
     def _local(self, seqs: list) -> tuple[list, int]:
         """This rank's shard of `seqs` and the largest shard any rank has."""

@@ -5,7 +5,7 @@
 # .gpu-ray/ (carry both); the kernel stages (kernel_tests, bench, tune) run without them.
 # Stages: versions | rollout (tests/rollout/test_rollout_gpu.py) | sync_tests (tests/rollout/test_rollout_sync_gpu.py: the CUDA IPC
 # weight sync) | bench_sync (benchmarks/bench_weight_sync.py; SYNC_ARGS overrides its arguments) | consistency_tests (gpu tests of the
-# consistency issue) | invariance | consistency (the CLI, 8 layers H=1024 E=64 k=8 bf16) | rl_megamoe |
+# consistency issue) | invariance | consistency (the CLI, 8 layers H=1024 E=64 k=8 bf16) | bitwise (run.numerics=bitwise: divergence + consistency at two shapes) | rl_megamoe |
 # rl_reference | kernel_tests (the op's bf16 GPU tests + the trainer's) | kernel_tests_fp32 (the op's fp32
 # and TMA-weight GPU tests) | gpu_tests (both of those and the trainer's, as 8 concurrent pytest processes) | bench (bench_moe.py; carry .whl with the
 # Liger wheel; BENCH_ARGS overrides its shapes/tokens) | tune (tune_moe.py: stage split, tile
@@ -45,6 +45,21 @@ for stage in "$@"; do
         rollout.kv_cache_bytes=1073741824 "rollout.engine_kwargs=$ENGINE" --device cuda --prompts 32 \
         --impls megamoe,reference,stock --out "$RUNS/consistency-h200-bf16"; rc=$?
       cp "$RUNS"/consistency-h200-bf16/*.json "$LOG"/ ;;
+    bitwise) # run.numerics=bitwise: the divergence tool (an eager engine: every op of every layer) on a 2-layer
+      # model, then `consistency` (the engine's decode in CUDA graphs) at two shapes; BW_SHAPES overrides them
+      rc=0; $PY -m rl.cli make-model --out "$RUNS/bw-tiny" --overwrite --hidden 256 --experts 16 --intermediate 128 \
+        > /dev/null || rc=1
+      timeout 240 $PY -m rl.cli divergence --model "$RUNS/bw-tiny" --numerics bitwise --prompts 4 --max-tokens 8 \
+        > "$LOG/bitwise-divergence.txt" 2>&1 || rc=1
+      grep -E "^divergence|first op|^(L0\.|L1\.|logits|logprobs|final)|Error" "$LOG/bitwise-divergence.txt" | head -80
+      for shape in ${BW_SHAPES:-4,256,16,2,128 8,1024,64,8,512}; do IFS=, read -r nl hd ne tk im <<< "$shape"
+        timeout 300 $PY -m rl.cli consistency --config configs/tiny.yaml run.numerics=bitwise model.dtype=bfloat16 \
+          model.make.layers=$nl model.make.hidden=$hd model.make.experts=$ne model.make.topk=$tk model.make.intermediate=$im \
+          rollout.max_tokens=16 rollout.max_model_len=128 trainer.max_seq_len=128 rollout.kv_cache_bytes=1073741824 \
+          "rollout.engine_kwargs={gpu_memory_utilization: 0.3}" --device cuda --prompts 32 --impls megamoe \
+          --out "$RUNS/bw-consistency-$nl" > "$LOG/bitwise-consistency-$nl.log" 2>&1 || rc=1
+        echo "--- consistency bitwise layers=$nl H=$hd E=$ne k=$tk I=$im"; tail -20 "$LOG/bitwise-consistency-$nl.log"
+      done ;;
     rl_megamoe) timeout 330 $PY -m rl.cli train --config configs/h200_rl.yaml "${RL_ARGS[@]}" run.out_dir="$RUNS/rl-megamoe" \
         run.progress=false --overwrite; rc=$?; cp "$RUNS/rl-megamoe/metrics.jsonl" "$LOG/rl-megamoe-metrics.jsonl" ;;
     rl_reference) timeout 330 $PY -m rl.cli train --config configs/h200_rl.yaml "${RL_ARGS[@]}" rollout.moe_impl=reference \

@@ -18,8 +18,9 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
     ("rollout.moe_impl=reference", "rollout.moe_impl", "'megamoe'"),
     ("trainer.moe_impl=stock", "trainer.moe_impl", "'megamoe'"),
     ("rollout.top_p=0.9", "rollout.top_p", "1.0"),
-    ("rollout.gpus_per_worker=1", "rollout.gpus_per_worker", "0: the batch-invariant attention and linears"),
-    ("trainer.gpus_per_rank=1", "trainer.gpus_per_rank", "0: the batch-invariant attention and linears"),
+    ("rollout.gpus_per_worker=1", "trainer.gpus_per_rank", "> 0 as the sampler's rollout.gpus_per_worker=1.0 "
+     "(both sides on CPU, fp32, or both on CUDA"),
+    ("trainer.gpus_per_rank=1", "trainer.gpus_per_rank", "0 as the sampler's rollout.gpus_per_worker=0.0"),
     ("rollout.engine_kwargs={tensor_parallel_size: 2}", "rollout.engine_kwargs.tensor_parallel_size", "1"),
 ])
 def test_config_refuses_what_bitwise_cannot_compute(override, key, expected):
