@@ -8,9 +8,10 @@ megamoe.invariant's batch-invariant kernels, the functions vLLM's side calls (ro
   unchanged); its forward is `megamoe.invariant.linear`, its backward plain matmuls.
 - attention is the function registered in transformers' attention registry as ATTENTION
   (`megamoe.invariant.batched_causal_attention` on CPU, vLLM's unified attention over pages on CUDA:
-  megamoe.invariant_gpu; the backward is the gradient of the same softmax attention recomputed by plain
-  autograd, fp32). The trainer's batches are right-padded (trainer/batch.py): a real token's queries
-  only reach real keys, so the padding needs no mask; a left-padded or packed mask is refused.
+  megamoe.invariant_gpu; the backward is the gradient of the same softmax attention recomputed by
+  autograd: torch's fused causal attention for whole sequences, plain fp32 attention otherwise). The
+  trainer's batches are right-padded (trainer/batch.py): a real token's queries only reach real keys, so
+  the padding needs no mask; a left-padded or packed mask is refused.
 - every RMSNorm (a module with `weight` and `variance_epsilon`, class name ending in RMSNorm) becomes
   `InvariantRMSNorm` (same weight): `megamoe.invariant.rms_norm` forward, the one vLLM's norm layers call
   (rollout/bitwise.py); the residual adds stay transformers' own (`residual + x` in the model's dtype).
@@ -23,6 +24,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megamoe import invariant
@@ -117,9 +119,16 @@ class _AttentionFn(torch.autograd.Function):
     def backward(ctx, g):
         q, k, v = ctx.saved_tensors
         with torch.enable_grad():
-            leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
-            o = _plain_attention(*leaves, ctx.scale)
-            grads = torch.autograd.grad(o, leaves, g.float())
+            if q.shape[1] == k.shape[1] and q.shape[-1] == v.shape[-1]:
+                # a whole sequence (every training forward): torch's fused causal attention, in q's dtype
+                leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+                o = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in leaves), is_causal=True,
+                                                   scale=ctx.scale, enable_gqa=True).transpose(1, 2)
+                grads = torch.autograd.grad(o, leaves, g.to(o.dtype))
+            else:
+                leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+                o = _plain_attention(*leaves, ctx.scale)
+                grads = torch.autograd.grad(o, leaves, g.float())
         return tuple(d.to(t.dtype) for d, t in zip(grads, (q, k, v))) + (None,)
 
 

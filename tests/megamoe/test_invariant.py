@@ -108,3 +108,38 @@ def test_attention_and_linear_do_not_depend_on_the_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(one, many))
+
+
+def test_rms_norm_rows_are_invariant_and_match_fp64():
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(23, 96, generator=g) * 3
+    w = torch.randn(96, generator=g)
+    full = invariant.rms_norm(x, w, 1e-6)
+    for off, M in ((0, 1), (5, 7), (22, 1)):
+        assert torch.equal(invariant.rms_norm(x[off:off + M], w, 1e-6), full[off:off + M])
+    x64 = x.double()
+    ref = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    assert max_rel_err(full, ref) < INVARIANT_TOL
+    assert torch.equal(invariant.rms_norm(x, None, 1e-6), invariant.rms_norm(x, torch.ones(96), 1e-6))
+    assert invariant.rms_norm(x[:0], w, 1e-6).shape == (0, 96)
+    with pytest.raises(ValueError, match=r"w: expected a \[96\] weight, got \(95,\)"):
+        invariant.rms_norm(x, w[:95], 1e-6)
+
+
+def test_rope_cache_is_the_fp64_table_rounded_once():
+    c = invariant.rope_cache(10000.0, 8, 50)
+    assert c.shape == (50, 8) and c.dtype == torch.float32 and c.device.type == "cpu"
+    p = torch.arange(50, dtype=torch.float64)[:, None]
+    f = 10000.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    assert torch.equal(c, torch.cat([(p * f).cos(), (p * f).sin()], -1).float())
+    assert torch.equal(c[0], torch.tensor([1.0] * 4 + [0.0] * 4))
+    with pytest.raises(ValueError, match="even rotary_dim"):
+        invariant.rope_cache(10000.0, 7, 50)
+
+
+def test_log_softmax_rows_are_invariant():
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(9, 300, generator=g) * 4
+    full = invariant.log_softmax(x)
+    assert torch.equal(invariant.log_softmax(x[3:4]), full[3:4])
+    assert max_rel_err(full, torch.log_softmax(x.double(), -1)) < INVARIANT_TOL

@@ -218,3 +218,29 @@ def test_h200_shape_bf16_megamoe_layers_bitwise_and_end_to_end(tmp_path):
     mm, ss = _pair(report, "megamoe", "megamoe")["metrics"], _pair(report, "stock", "stock")["metrics"]
     assert mm["mismatch/k3_kl"] <= ss["mismatch/k3_kl"], (mm, ss)
     assert mm["mismatch/abs_logp_diff_mean"] <= ss["mismatch/abs_logp_diff_mean"], (mm, ss)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [{"layers": 4, "hidden": 256, "experts": 16, "topk": 2, "intermediate": 128},
+                                   {"layers": 8, "hidden": 1024, "experts": 64, "topk": 8, "intermediate": 512}],
+                         ids=["4x256", "8x1024"])
+def test_h200_bitwise_end_to_end(tmp_path, shape):
+    """run.numerics=bitwise on CUDA (bf16, vLLM's batch-invariant mode, the decode in CUDA graphs, T=0.8): every
+    trainer logprob equals the sampler's while generating and when scoring, bit for bit."""
+    pytest.importorskip("vllm")
+    from rl import config as C
+    from rl.consistency import format_table, prepare, run
+    from rollout.testing import gpu_engine_kwargs
+
+    cfg = C.load(_config(tmp_path, "bfloat16", shape, prompts=16, n=8, max_tokens=16),
+                 ["run.numerics=bitwise", "rollout.temperature=0.8", "rollout.max_model_len=128",
+                  "trainer.max_seq_len=128", f"rollout.kv_cache_bytes={1 << 30}",
+                  f"rollout.engine_kwargs={json.dumps(gpu_engine_kwargs())}"])
+    report = run(prepare(cfg, impls=("megamoe",), out_dir=tmp_path / "out", device="cuda"))
+    print(format_table(report))
+    (pair,) = report["pairs"]
+    for name, metrics in (("scored", pair["metrics"]), ("while generating", report["trainer_vs_generation"]["metrics"]),
+                          ("vLLM generating vs scoring", report["generation_vs_scoring"]["metrics"])):
+        assert metrics["mismatch/abs_logp_diff_max"] == 0.0, (name, metrics)
+        assert metrics["mismatch/k3_kl"] == 0.0, (name, metrics)
+    _assert_layers_bitwise(report, "megamoe")
