@@ -2,13 +2,18 @@
 
     python benchmarks/bench_numerics.py                                   # CPU, the tiny model
     python benchmarks/bench_numerics.py --layers 4 --hidden 256 --experts 16 --intermediate 128 --out r.md
+    python benchmarks/bench_numerics.py --device cuda --layers 8 --hidden 1024 --experts 64 --topk 8 \
+        --intermediate 512 --prompts 16 --n 8 --micro-batch 64 --profile      # one GPU, bf16 (h200_rl.yaml's model)
 
 For each numerics (fast first, then bitwise, then fast again: the order effect shows): one vLLM engine
 (moe_impl megamoe) generates --prompts x --n completions of --max-tokens at temperature 0.8 in one
 `generate` call (wall time: completion tokens / s, engine start excluded), then the trainer
-(trainer.model.load_model with that numerics, fp32) runs forward + backward of the GRPO loss's
-logprobs over those sequences in micro-batches of --micro-batch (prompt + completion tokens / s, best
-of --reps). Also checks that the bitwise trainer reproduces the bitwise sampler's logprobs.
+(trainer.model.load_model with that numerics; fp32 on CPU, bf16 on CUDA) runs forward + backward of the
+GRPO loss's logprobs over those sequences in micro-batches of --micro-batch (prompt + completion tokens / s,
+best of --reps). Also checks that the bitwise trainer reproduces the bitwise sampler's logprobs.
+On CUDA a bitwise trainer leaves its process in vLLM's batch-invariant mode (megamoe.invariant_gpu): the
+second fast run's training measures what that mode alone costs. --profile adds, per run, the 12 kernels
+with the most GPU time of one training pass (torch.profiler).
 """
 
 from __future__ import annotations
@@ -26,29 +31,49 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 ORDER = ("fast", "bitwise", "fast")
 
 
-def train_tokens_per_s(model_dir, numerics, prompts, completions, micro_batch: int, reps: int) -> float:
+def train_tokens_per_s(model_dir, numerics, prompts, completions, micro_batch: int, reps: int, device: str,
+                       profile: bool = False) -> tuple[float, str]:
     import torch
 
     from trainer.batch import collate, micro_batches, validate_batch
     from trainer.loss import token_logprobs
     from trainer.model import load_model
 
-    model = load_model(model_dir, "megamoe", numerics=numerics).train()
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = load_model(model_dir, "megamoe", dtype=dtype, device=device, numerics=numerics).train()
     seqs, _ = validate_batch({"prompt_ids": prompts, "completion_ids": completions}, vocab_size=model.config.vocab_size,
                              max_seq_len=max(len(p) + len(c) for p, c in zip(prompts, completions)), truncate=False,
                              need_training_fields=False)
     tokens = sum(len(p) + len(c) for p, c in zip(prompts, completions))
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
+
+    def one_pass():
         for mb_seqs in micro_batches(seqs, len(seqs), micro_batch):
-            mb = collate(mb_seqs, 0, torch.device("cpu"))
+            mb = collate(mb_seqs, 0, torch.device(device))
             logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
             picked = torch.gather(logits, 1, mb.positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-            (token_logprobs(picked, mb.targets, 0.8) * mb.mask).sum().backward()  # TrainerWorker's forward
+            # TrainerWorker's forward
+            (token_logprobs(picked, mb.targets, 0.8, numerics) * mb.mask).sum().backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    best = float("inf")
+    for _ in range(reps + (device == "cuda")):  # on CUDA a first pass compiles the Triton kernels
+        t0 = time.perf_counter()
+        one_pass()
         best = min(best, time.perf_counter() - t0)
         model.zero_grad(set_to_none=True)
-    return tokens / best
+    table = ""
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with torch_profile(activities=acts) as prof:
+            one_pass()
+        key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=key, row_limit=12)
+        model.zero_grad(set_to_none=True)
+    return tokens / best, table
 
 
 def main() -> None:
@@ -63,6 +88,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--profile", action="store_true", help="the 12 busiest kernels of one training pass per run")
     p.add_argument("--out", default=None, help="also write the table (markdown) here")
     args = p.parse_args()
 
@@ -72,14 +99,22 @@ def main() -> None:
     from rl.make_model import make_model
     from rollout.worker import RolloutWorker
 
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    engine = {}
+    if device == "cuda":
+        from rollout.testing import gpu_engine_kwargs
+
+        engine = dict(engine_kwargs=gpu_engine_kwargs(), kv_cache_memory_bytes=2 << 30)
+
     tmp = tempfile.mkdtemp(prefix="bench_numerics_")
     model_dir = make_model(os.path.join(tmp, "model"), layers=args.layers, hidden=args.hidden, experts=args.experts,
                            topk=args.topk, intermediate=args.intermediate)
     prompts = [f"digit {i % 10}: the red bird is number {i}" for i in range(args.prompts)]
-    rows, sampled = [], {}
+    rows, sampled, profiles = [], {}, []
     for numerics in ORDER:
-        w = RolloutWorker(model_dir, "megamoe", dtype="float32", seed=0, max_model_len=256,
-                          kv_cache_memory_bytes=256 << 20, numerics=numerics)
+        w = RolloutWorker(model_dir, "megamoe", dtype=dtype, seed=0, max_model_len=256,
+                          **{"kv_cache_memory_bytes": 256 << 20, **engine}, numerics=numerics)
         try:
             sampling = {"temperature": 0.8, "max_tokens": args.max_tokens, "seed": 1, "ignore_eos": True}
             w.generate(prompts[:2], 2, sampling)  # warm-up
@@ -91,28 +126,34 @@ def main() -> None:
         P, C = [s["prompt_ids"] for s in samples], [s["completion_ids"] for s in samples]
         sampled[numerics] = samples
         rollout = sum(map(len, C)) / gen_s
-        train = train_tokens_per_s(model_dir, numerics, P, C, args.micro_batch, args.reps)
+        train, table = train_tokens_per_s(model_dir, numerics, P, C, args.micro_batch, args.reps, device, args.profile)
         rows.append((numerics, rollout, train))
+        profiles.append((numerics, table))
         print(f"{numerics}: rollout {rollout:.0f} tok/s, training {train:.0f} tok/s", flush=True)
 
     from trainer.model import load_model
     from trainer.probe import score
 
     s = sampled["bitwise"]
-    got, _ = score(load_model(model_dir, "megamoe", numerics="bitwise").eval(), [x["prompt_ids"] for x in s],
-                   [x["completion_ids"] for x in s], temperature=0.8, micro_batch_size=args.micro_batch)
+    model = load_model(model_dir, "megamoe", dtype=getattr(torch, dtype), device=device, numerics="bitwise").eval()
+    got, _ = score(model, [x["prompt_ids"] for x in s], [x["completion_ids"] for x in s], temperature=0.8,
+                   micro_batch_size=args.micro_batch, numerics="bitwise")
     same = got == [x["logprobs"] for x in s]
     fast_r = [r for r in rows if r[0] == "fast"]
     bw = [r for r in rows if r[0] == "bitwise"][0]
-    head = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores | torch {torch.__version__} | "
+    machine = torch.cuda.get_device_name() if device == "cuda" else f"{platform.processor() or platform.machine()}"
+    head = (f"{machine}, {os.cpu_count()} cores | torch {torch.__version__} | "
             f"vLLM {vllm.__version__} | {datetime.date.today()} | Qwen3-MoE layers={args.layers} H={args.hidden} "
-            f"E={args.experts} k={args.topk} I={args.intermediate} fp32 | {args.prompts}x{args.n} completions of "
+            f"E={args.experts} k={args.topk} I={args.intermediate} {dtype} | {args.prompts}x{args.n} completions of "
             f"{args.max_tokens} tokens")
     lines = [head, "", "| numerics | rollout tok/s | training tok/s |", "|---|---|---|"]
     lines += [f"| {n} | {r:.0f} | {t:.0f} |" for n, r, t in rows]
     lines.append(f"\nbitwise / fast (mean of the two fast runs): rollout "
                  f"{bw[1] / (sum(r[1] for r in fast_r) / 2):.2f}x, training {bw[2] / (sum(r[2] for r in fast_r) / 2):.2f}x; "
                  f"bitwise trainer reproduces the bitwise sampler's logprobs: {same}")
+    for numerics, table in profiles:
+        if table:
+            lines += ["", f"training pass, {numerics}:", "```", table, "```"]
     text = "\n".join(lines)
     print(text)
     if args.out:

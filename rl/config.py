@@ -210,9 +210,10 @@ class RunConfig:
     plot: bool = field(True, "write plot.png (reward and mismatch over steps) at the end")
     numerics: Literal[NUMERICS] = field(
         FAST, "the ops outside the MoE: fast (each side's own kernels; logprobs differ by float rounding) or "
-              "bitwise (both sides on megamoe.invariant's batch-invariant linears and attention: the trainer's "
-              "logprobs equal the sampler's bit for bit; vLLM CPU, megamoe on both sides, top_p 1, "
-              "Qwen3-MoE, OLMoE or Mixtral; docs/CONSISTENCY.md)")
+              "bitwise (both sides on megamoe.invariant's batch-invariant linears, attention and norms: the "
+              "trainer's logprobs equal the sampler's bit for bit; both sides on CPU (fp32) or both on CUDA "
+              "(vLLM 0.26's batch-invariant mode), megamoe on both sides, top_p 1, Qwen3-MoE, OLMoE or "
+              "Mixtral; docs/CONSISTENCY.md)")
     export_final: bool = field(True, "at the end, write the last step's policy to <out_dir>/final as a "
                                      "Hugging Face checkpoint (what `megamoe-rl export` writes)")
 

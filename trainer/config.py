@@ -168,8 +168,8 @@ class TrainerWorkerConfig(TrainerSettings):
         "auto", "compute dtype (model.dtype): auto = bfloat16 on CUDA, float32 on CPU. Master weights, optimizer "
                 "state and gradient reduction stay fp32; bfloat16 is FSDP2's MixedPrecisionPolicy")
     seed: int = field(0, "seed of torch's RNG on every rank (run.seed; the same everywhere)")
-    numerics: Literal[NUMERICS] = field(FAST, "run.numerics: bitwise puts the dense linears and attention on "
-                                              "megamoe.invariant's kernels (trainer/bitwise.py)")
+    numerics: Literal[NUMERICS] = field(FAST, "run.numerics: bitwise puts the dense linears, attention and norms "
+                                              "on megamoe.invariant's kernels (trainer/bitwise.py)")
 
     def validate(self, at: str = "") -> None:
         super().validate(at)

@@ -5,6 +5,7 @@ starts in this file."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -111,6 +112,53 @@ def test_rollout_worker_refuses_bitwise_before_the_engine(kwargs, missing):
     assert _check_numerics("fast", **{**args, **kwargs}) == {}
     with pytest.raises(ValueError, match=r"numerics: expected one of \('fast', 'bitwise'\)"):
         _check_numerics("exact", **args)
+
+
+def test_rollout_worker_on_cuda_needs_the_batch_invariant_kernels_and_their_engine_settings(monkeypatch):
+    """The CUDA branch of the engine checks, on this CPU machine: CUDA faked visible. vLLM CPU 0.32 lacks
+    vLLM 0.26's batch-invariant module: refused naming it; with the kernels there, the engine arguments the
+    mode sets (TRITON_ATTN, no torch.compile, decode CUDA graphs) and the ones that contradict it."""
+    import torch
+
+    from megamoe import invariant_gpu
+    from rollout import bitwise
+    from rollout import worker as W
+
+    args = dict(moe_impl="megamoe", architecture="Qwen3MoeForCausalLM", tensor_parallel_size=1, engine_kwargs={})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    try:
+        invariant_gpu.require()
+        has_kernels = True
+    except ImportError:
+        has_kernels = False
+    if not has_kernels:
+        with pytest.raises(ValueError, match=r"numerics='bitwise': needs numerics='bitwise' on CUDA needs vLLM's "
+                                             r"batch-invariant kernels \(vllm.model_executor.layers.batch_invariant"):
+            W._check_numerics("bitwise", **args)
+    monkeypatch.setattr(invariant_gpu, "require", lambda: None)
+    out = W._check_numerics("bitwise", **{**args, "engine_kwargs": {"compilation_config": {
+        "cudagraph_capture_sizes": [1, 2]}}})
+    assert out["attention_config"] == {"backend": "TRITON_ATTN"}
+    assert out["compilation_config"] == {"cudagraph_capture_sizes": [1, 2], "custom_ops": bitwise.CUSTOM_OPS,
+                                         **bitwise.CUDA_COMPILATION}
+    for engine_kwargs, missing in (({"attention_config": {"backend": "FLASH_ATTN"}}, "attention_config.backend="
+                                    "'TRITON_ATTN' (got 'FLASH_ATTN'"),
+                                   ({"compilation_config": {"mode": 3}}, "compilation_config.mode=0 (got 3)"),
+                                   ({"compilation_config": {"cudagraph_mode": "PIECEWISE"}},
+                                    "compilation_config.cudagraph_mode='FULL_DECODE_ONLY' (got 'PIECEWISE')")):
+        with pytest.raises(ValueError, match=re.escape(missing)):
+            W._check_numerics("bitwise", **{**args, "engine_kwargs": engine_kwargs})
+    # the batch-invariant environment: set for a bitwise engine, removed again for a later fast one
+    monkeypatch.delenv(bitwise.ENV_BATCH_INVARIANT, raising=False)
+    monkeypatch.setitem(W._SET_BATCH_INVARIANT, "by_us", False)
+    W._batch_invariant_env("bitwise")
+    assert os.environ[bitwise.ENV_BATCH_INVARIANT] == "1"
+    W._batch_invariant_env("fast")
+    assert bitwise.ENV_BATCH_INVARIANT not in os.environ
+    monkeypatch.setenv(bitwise.ENV_BATCH_INVARIANT, "1")  # the user's own setting stays
+    W._batch_invariant_env("bitwise")
+    W._batch_invariant_env("fast")
+    assert os.environ[bitwise.ENV_BATCH_INVARIANT] == "1"
 
 
 def test_plugin_variable_is_checked(monkeypatch):
