@@ -5,7 +5,7 @@
 # .gpu-ray/ (carry both); the kernel stages (kernel_tests, bench, tune) run without them.
 # Stages: versions | rollout (tests/rollout/test_rollout_gpu.py) | sync_tests (tests/rollout/test_rollout_sync_gpu.py: the CUDA IPC
 # weight sync) | bench_sync (benchmarks/bench_weight_sync.py; SYNC_ARGS overrides its arguments) | consistency_tests (gpu tests of the
-# consistency issue) | invariance | consistency (the CLI, 8 layers H=1024 E=64 k=8 bf16) | bitwise (run.numerics=bitwise: divergence + consistency at two shapes) | rl_megamoe |
+# consistency issue) | invariance | consistency (the CLI, 8 layers H=1024 E=64 k=8 bf16) | bitwise (run.numerics=bitwise: divergence + consistency at two shapes) | bitwise_families (the same for the tiny OLMoE and Mixtral) | rl_megamoe |
 # rl_reference | kernel_tests (the op's bf16 GPU tests + the trainer's) | kernel_tests_fp32 (the op's fp32
 # and TMA-weight GPU tests) | gpu_tests (both of those and the trainer's, as 8 concurrent pytest processes) | bench (bench_moe.py; carry .whl with the
 # Liger wheel; BENCH_ARGS overrides its shapes/tokens) | tune (tune_moe.py: stage split, tile
@@ -59,6 +59,14 @@ for stage in "$@"; do
           "rollout.engine_kwargs={gpu_memory_utilization: 0.3}" --device cuda --prompts 32 --impls megamoe \
           --out "$RUNS/bw-consistency-$nl" > "$LOG/bitwise-consistency-$nl.log" 2>&1 || rc=1
         echo "--- consistency bitwise layers=$nl H=$hd E=$ne k=$tk I=$im"; tail -20 "$LOG/bitwise-consistency-$nl.log"
+      done ;;
+    bitwise_families) # run.numerics=bitwise `consistency` for the tiny OLMoE and Mixtral (make-model defaults, bf16)
+      rc=0; for arch in olmoe mixtral; do
+        timeout 240 $PY -m rl.cli consistency --config configs/tiny.yaml run.numerics=bitwise model.dtype=bfloat16 \
+          model.make.arch=$arch rollout.max_tokens=16 rollout.max_model_len=128 trainer.max_seq_len=128 \
+          "rollout.engine_kwargs={gpu_memory_utilization: 0.3}" --device cuda --prompts 16 --impls megamoe \
+          --out "$RUNS/bw-consistency-$arch" > "$LOG/bitwise-consistency-$arch.log" 2>&1 || rc=1
+        echo "--- consistency bitwise $arch"; tail -12 "$LOG/bitwise-consistency-$arch.log"
       done ;;
     rl_megamoe) timeout 330 $PY -m rl.cli train --config configs/h200_rl.yaml "${RL_ARGS[@]}" run.out_dir="$RUNS/rl-megamoe" \
         run.progress=false --overwrite; rc=$?; cp "$RUNS/rl-megamoe/metrics.jsonl" "$LOG/rl-megamoe-metrics.jsonl" ;;
