@@ -6,6 +6,7 @@ does (checkpoints/step_000002, latest.json); the export of that checkpoint must
 - hold the trainer's weights bit for bit in the base checkpoint's names, shapes and dtype,
 - load in transformers and in vLLM CPU with logprobs equal to the trainer's (fp32, FP32_LOGPROB_TOL),
 - start a new trainer (model.path) from exactly those weights (same logprobs, bitwise),
+- with run.numerics=bitwise, serve in vLLM CPU with the bitwise trainer's logprobs bit for bit,
 and every bad input is refused before anything is written.
 """
 
@@ -146,6 +147,29 @@ def test_export_serves_in_vllm(served):
     err = max_abs_diff(scores, exported["trainer_logprobs"])
     print(f"[export] vLLM CPU vs trainer: max |dlogp| {err:.2e}")
     assert err <= FP32_LOGPROB_TOL and len(samples[0]["completion_ids"]) == 4
+
+
+@pytest.mark.slow  # a vLLM engine
+def test_export_serves_bitwise_in_vllm(exported_one):
+    """run.numerics=bitwise on the exported folder: vLLM CPU's logprobs are the bitwise trainer's, bit for bit."""
+    from rollout.worker import RolloutWorker
+    from trainer.testing import free_port
+    from trainer.worker import TrainerWorker
+
+    out, probe = str(exported_one["out"]), exported_one["probe"]
+    trainer = TrainerWorker(0, 1, "127.0.0.1", free_port(), out, "megamoe",
+                            {"dtype": "float32", "device": "cpu", "numerics": "bitwise"})
+    try:
+        expected = trainer.logprobs(probe)
+    finally:
+        trainer.close()
+    engine = RolloutWorker(out, "megamoe", dtype="float32", seed=0, max_model_len=64, numerics="bitwise")
+    try:
+        got = engine.score(probe["prompt_ids"], probe["completion_ids"])
+    finally:
+        engine.close()
+    assert got == expected
+    assert expected != exported_one["trainer_logprobs"]  # the fast trainer's differ: the equality is the mode's
 
 
 def test_export_in_bf16_and_in_shards(exported_one, tmp_path):
