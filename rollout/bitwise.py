@@ -292,7 +292,7 @@ def census(model: torch.nn.Module) -> dict:
     layers, norms and rotaries on this mode's kernels, the MoE gates (megamoe.router's batch-invariant
     logits in either numerics), and the names of the others. On CUDA a linear counts as bitwise when it is
     unquantized and vLLM's batch-invariant mode is on (its method then calls linear_batch_invariant), an
-    attention layer when it is the TRITON_ATTN backend's."""
+    attention layer when it is the TRITON_ATTN backend's (`vllm_batch_invariant`: that mode is on)."""
     from rollout.adapter import MegaMoERouterMethod
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
@@ -314,7 +314,7 @@ def census(model: torch.nn.Module) -> dict:
         attn_impl = TritonAttentionImpl
     norm, rotary = _STATE.get("norm_rotary", (None, None))
     out = {"bitwise_linears": 0, "router_gates": 0, "other_linears": [], "bitwise_attention": 0,
-           "other_attention": [], "bitwise_norms": 0, "other_norms": []}
+           "other_attention": [], "bitwise_norms": 0, "other_norms": [], "vllm_batch_invariant": cuda_invariant}
     for name, m in model.named_modules():
         qm = getattr(m, "quant_method", None)
         if isinstance(qm, LinearMethodBase) or isinstance(m, ParallelLMHead):

@@ -251,7 +251,11 @@ class RolloutWorker:
                                              or not ops["bitwise_norms"]):
                 raise RuntimeError(f"vLLM worker {rank}: numerics='bitwise' but not every dense op runs the "
                                    f"batch-invariant kernels: {ops}")
-            if self.numerics == FAST and (ops["bitwise_linears"] or ops["bitwise_attention"] or ops["bitwise_norms"]):
+            # a fast engine must not carry this mode's registrations; vLLM's own batch-invariant kernels (a
+            # user's VLLM_BATCH_INVARIANT=1 on CUDA) are not ours and compute a fast engine's ops fine
+            ours = ops["bitwise_norms"] or (not ops["vllm_batch_invariant"]
+                                            and (ops["bitwise_linears"] or ops["bitwise_attention"]))
+            if self.numerics == FAST and ours:
                 raise RuntimeError(f"vLLM worker {rank}: numerics='fast' but some dense ops run the bitwise "
                                    f"mode's kernels (registrations left from another engine?): {ops}")
             if s["megamoe_router_gates"] < s["self_routed_moe_layers"]:
