@@ -164,6 +164,25 @@ def batched_causal_attention(q_QhD: torch.Tensor, k_RLgD: torch.Tensor, v_RLgE: 
                                   q_pos_Q, scale)
 
 
+def _key_block(k_NgBD: torch.Tensor, v_NgBE: torch.Tensor, table_RM: torch.Tensor, start: int):
+    """Keys and values start .. start + KEY_BLOCK of each row's sequence, [R, g, KB, D|E] in fp32: page j of
+    a row is k[table[row, j]] (a page past the table's width reads its last page: masked by the caller)."""
+    bs, width = k_NgBD.shape[2], table_RM.shape[1]
+    R, g = table_RM.shape[0], k_NgBD.shape[1]
+    if KEY_BLOCK % bs == 0:  # whole pages
+        cols = (start // bs + torch.arange(KEY_BLOCK // bs, device=table_RM.device)).clamp(max=width - 1)
+        pages = table_RM[:, cols]                                                    # [R, KB / bs]
+        return tuple(c[pages].transpose(1, 2).reshape(R, g, KEY_BLOCK, c.shape[3]).float() for c in (k_NgBD, v_NgBE))
+    if bs % KEY_BLOCK == 0:  # part of one page
+        page = table_RM[:, min(start // bs, width - 1)]
+        off = start % bs
+        return tuple(c[:, :, off:off + KEY_BLOCK][page].float() for c in (k_NgBD, v_NgBE))
+    idx = start + torch.arange(KEY_BLOCK, device=table_RM.device)[None, :].expand(R, -1)
+    page = table_RM[torch.arange(R, device=table_RM.device)[:, None], (idx // bs).clamp(max=width - 1)][:, None, :]
+    heads = torch.arange(g, device=table_RM.device)[None, :, None]
+    return tuple(c[page, heads, (idx % bs)[:, None, :]].float() for c in (k_NgBD, v_NgBE))
+
+
 def paged_causal_attention(q_QhD: torch.Tensor, k_NgBD: torch.Tensor, v_NgBE: torch.Tensor, block_table_RM: torch.Tensor,
                            lengths_R: torch.Tensor, q_seq_Q: torch.Tensor, q_pos_Q: torch.Tensor,
                            scale: float) -> torch.Tensor:
@@ -171,7 +190,7 @@ def paged_causal_attention(q_QhD: torch.Tensor, k_NgBD: torch.Tensor, v_NgBE: to
     :, j % B], for j < lengths[r]; query i belongs to sequence q_seq[i] at position q_pos[i]. Bitwise the
     same per query as `causal_attention` of that sequence alone (module docstring)."""
     Q, h, D = q_QhD.shape
-    g, bs = k_NgBD.shape[1], k_NgBD.shape[2]
+    g = k_NgBD.shape[1]
     R = block_table_RM.shape[0]
     if h % g or k_NgBD.dim() != 4 or k_NgBD.shape[3] != D or tuple(v_NgBE.shape[:3]) != tuple(k_NgBD.shape[:3]):
         raise ValueError(f"causal_attention: expected q [Q, h, D], k [L, g, D], v [L, g, E] with h a multiple of g; "
@@ -212,37 +231,46 @@ def paged_causal_attention(q_QhD: torch.Tensor, k_NgBD: torch.Tensor, v_NgBE: to
     # GEMM per (tile, key head) covers them; query head j * rep + i reads key head j
     qt = q_QhD.float()[tile_rows].view(nt, QUERY_TILE, g, rep, D).permute(0, 2, 3, 1, 4)
     qt = qt.reshape(nt, g, rep * QUERY_TILE, D)
-    tpos = pos[tile_rows]                                                 # [nt, QT]
-    m = qt.new_full((nt, g, rep * QUERY_TILE), -math.inf)
-    s_sum = qt.new_zeros(nt, g, rep * QUERY_TILE)
-    acc = qt.new_zeros(nt, g, rep * QUERY_TILE, E)
+    # The softmax state is kept per query (its own rows of its tile's GEMMs): the elementwise steps run on
+    # the real queries only, the GEMMs on whole tiles (a row's result does not depend on the other rows'
+    # values, only on the GEMM's shape; the tile's filler rows of p are zeros).
+    q_tile = torch.empty(Q, dtype=torch.long, device=dev)
+    q_slot = torch.empty(Q, dtype=torch.long, device=dev)
+    q_tile[order] = tile_id
+    q_slot[order] = rank % QUERY_TILE
+    m = qt.new_full((Q, g, rep), -math.inf)
+    s_sum = qt.new_zeros(Q, g, rep)
+    acc = qt.new_zeros(Q, g, rep, E)
     offs = torch.arange(KEY_BLOCK, device=dev)
-    heads_g = torch.arange(g, device=dev)[None, :, None]
-    tile_max = tpos.amax(1)
+    tile_max = pos.new_full((nt,), -1).scatter_reduce_(0, q_tile, pos, "amax")
+    local = torch.full((nt,), -1, dtype=torch.long, device=dev)             # a tile's place among the active
     for blk in range(int(tile_max.max()) // KEY_BLOCK + 1):
         start = blk * KEY_BLOCK
         act = torch.nonzero(tile_max >= start).flatten()                 # the tiles that see this block
         na = act.numel()
+        local[act] = torch.arange(na, device=dev)
+        qa = torch.nonzero(tile_max[q_tile] >= start).flatten()          # their queries
+        t_a, i_a = local[q_tile[qa]], q_slot[qa]
         r_n = tile_seq[act]
         idx = start + offs[None, :].expand(na, -1)                       # [na, KB] key positions
-        page = table[r_n[:, None], (idx // bs).clamp(max=table.shape[1] - 1)][:, None, :]
-        kb = k_NgBD[page, heads_g, (idx % bs)[:, None, :]].float()       # [na, g, KB, D], from the pages
-        vb = v_NgBE[page, heads_g, (idx % bs)[:, None, :]].float()       # [na, g, KB, E]
+        kb, vb = _key_block(k_NgBD, v_NgBE, table[r_n], start)           # [na, g, KB, D|E], from the pages
         # a key past its sequence's length holds anything (a cache's stale or unwritten slots): its score
         # is masked below, its value zeroed here, so that p = 0 times it is exactly 0
         vb = vb.masked_fill(~(idx < lengths[r_n][:, None])[:, None, :, None], 0.0)
         # one GEMM shape for every tile and block: [rep * QT, D] @ [D, KB], then [rep * QT, KB] @ [KB, E]
-        s = torch.matmul(qt[act], kb.transpose(-1, -2)) * scale          # [na, g, rep * QT, KB]
-        masked = idx[:, None, :] > tpos[act][:, :, None]                 # [na, QT, KB]
-        s = s.view(na, g, rep, QUERY_TILE, KEY_BLOCK).masked_fill(masked[:, None, None], -math.inf).view(s.shape)
-        m_old = m[act]
+        s = torch.matmul(qt if na == nt else qt[act], kb.transpose(-1, -2)) * scale  # [na, g, rep * QT, KB]
+        s = s.view(na, g, rep, QUERY_TILE, KEY_BLOCK)[t_a, :, :, i_a]     # [qa, g, rep, KB]: the real rows
+        s = s.masked_fill((start + offs[None, :] > pos[qa][:, None])[:, None, None, :], -math.inf)
+        m_old = m[qa]
         m_new = torch.maximum(m_old, s.amax(-1))
         p = torch.exp(s - m_new[..., None])                              # masked keys: exactly 0
         alpha = torch.exp(m_old - m_new)                                 # first block: 0; a row it skips: 1
-        s_sum[act] = s_sum[act] * alpha + p.sum(-1)
-        acc[act] = acc[act] * alpha[..., None] + torch.matmul(p, vb)
-        m[act] = m_new
-    o = (acc / s_sum[..., None]).view(nt, g, rep, QUERY_TILE, E).permute(0, 3, 1, 2, 4).reshape(nt, QUERY_TILE, h, E)
-    out = q_QhD.new_empty(Q, h, E, dtype=torch.float32)
-    out[tile_rows[real]] = o[real]
+        s_sum[qa] = s_sum[qa] * alpha + p.sum(-1)
+        p_tiles = p.new_zeros(na, g, rep, QUERY_TILE, KEY_BLOCK)
+        p_tiles[t_a, :, :, i_a] = p
+        pv = torch.matmul(p_tiles.view(na, g, rep * QUERY_TILE, KEY_BLOCK), vb)
+        acc[qa] = acc[qa] * alpha[..., None] + pv.view(na, g, rep, QUERY_TILE, E)[t_a, :, :, i_a]
+        m[qa] = m_new
+        local[act] = -1
+    out = (acc / s_sum[..., None]).reshape(Q, h, E)
     return out.to(out_dtype)

@@ -143,3 +143,36 @@ def test_log_softmax_rows_are_invariant():
     full = invariant.log_softmax(x)
     assert torch.equal(invariant.log_softmax(x[3:4]), full[3:4])
     assert max_rel_err(full, torch.log_softmax(x.double(), -1)) < INVARIANT_TOL
+
+
+@pytest.mark.parametrize("block_size", [16, 24, 64, 128])
+def test_paged_attention_is_each_sequence_alone_at_any_page_size(block_size):
+    """Keys and values on shuffled pages (vLLM's layout, NaN in the slots no sequence owns), decode queries
+    and prefill chunks mixed: each query bitwise its sequence's causal_attention (one contiguous page)."""
+    g_ = torch.Generator().manual_seed(13)
+    h, gk, D, lens, q_lens = 4, 2, 16, [130, 7, 49, 64], [1, 7, 3, 64]
+    n_pages = [-(-L // block_size) for L in lens]
+    perm = torch.randperm(sum(n_pages) + 2, generator=g_)
+    k = torch.full((len(perm), gk, block_size, D), float("nan"))
+    v = torch.full((len(perm), gk, block_size, D), float("nan"))
+    table = torch.zeros(len(lens), max(n_pages), dtype=torch.long)
+    keys, vals, queries, seq, pos, start = [], [], [], [], [], 0
+    for r, (L, ql, n) in enumerate(zip(lens, q_lens, n_pages)):
+        table[r, :n] = perm[start:start + n]
+        start += n
+        kr, vr = torch.randn(L, gk, D, generator=g_), torch.randn(L, gk, D, generator=g_)
+        for j in range(L):
+            k[table[r, j // block_size], :, j % block_size] = kr[j]
+            v[table[r, j // block_size], :, j % block_size] = vr[j]
+        keys.append(kr), vals.append(vr)
+        queries.append(torch.randn(ql, h, D, generator=g_))
+        seq += [r] * ql
+        pos += list(range(L - ql, L))
+    q = torch.cat(queries)
+    out = invariant.paged_causal_attention(q, k, v, table, torch.tensor(lens), torch.tensor(seq), torch.tensor(pos), 0.3)
+    assert not out.isnan().any()
+    row = 0
+    for r, (L, ql) in enumerate(zip(lens, q_lens)):
+        alone = invariant.causal_attention(queries[r], keys[r], vals[r], torch.arange(L - ql, L), 0.3)
+        assert torch.equal(out[row:row + ql], alone), (block_size, r)
+        row += ql
