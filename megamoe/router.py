@@ -7,10 +7,16 @@ otherwise compute `x @ w.T` with different GEMMs: on CPU vLLM prepacks the gate 
 kernel and computes it in the model dtype, while the trainer calls F.linear; on GPU either side's BLAS
 picks a kernel by the number of rows. Different kernels round differently, and one flipped top-k
 choice changes a token's output completely (ANCHORS.md, "Pitfalls seen"). Here both operands are
-upcast to fp32 and the product is computed in fixed blocks of ROWS rows (the last one zero-padded),
-so every row goes through a GEMM call of the same shape whatever T is: a row's logits depend only on
-that row and w, bitwise, on one device (the same scheme as megamoe's CPU expert GEMMs). A router bias
-(gpt-oss's) is added to the fp32 product afterwards, elementwise: still row by row.
+upcast to fp32 and every row's logits are computed the same way whatever T is, so a row's logits
+depend only on that row and w, bitwise, on one device:
+- CUDA: Triton (megamoe/kernels/router_kernels.py: fixed blocks; IEEE fp32 multiply-adds over chunks
+  of 256 columns, the chunks' sums added in order). It replaced one BLAS call per 32 rows, whose
+  launches were a quarter of the host time of a training pass at configs/h200_rl.yaml's shape (91 GEMM
+  calls per layer for a micro-batch of about 2,900 tokens; H200,
+  benchmarks/results/2026-12-04-h200-bench-numerics-before.md).
+- CPU: fixed blocks of ROWS rows through the BLAS (the last one zero-padded), so every row goes through
+  a GEMM call of the same shape (the same scheme as megamoe's CPU expert GEMMs).
+A router bias (gpt-oss's) is added to the fp32 product afterwards, elementwise: still row by row.
 
 Registered as the torch.library op `megamoe::router_logits` (fake implementation + autograd) so that
 torch.compile treats it as one opaque call instead of tracing a loop over T.
@@ -21,8 +27,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import triton
 
 from megamoe.blocked import ROWS, rows_mm  # noqa: F401  (ROWS: the rows per GEMM call, documented above)
+from megamoe.fused.backend import pick_backend
 
 
 def check_router_inputs(x_TH: torch.Tensor, w_EH: torch.Tensor, b_E: torch.Tensor | None = None) -> None:
@@ -65,12 +73,45 @@ def _ieee_fp32(device: torch.device):
         torch.backends.cuda.matmul.allow_tf32 = prev
 
 
-def router_logits_fwd(x_TH: torch.Tensor, w_EH: torch.Tensor, b_E: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 logits [T, E] = x @ w.T (+ b), computed in ROWS-row blocks (inputs unchecked)."""
-    x = x_TH.float()
-    w_HE = w_EH.float().t().contiguous()  # one layout on both sides: the BLAS call is identical
-    with _ieee_fp32(x.device):
-        logits = rows_mm(x, w_HE)
+BLOCKS = dict(BT=16, BE=32, BH=64, CH=256)
+"""The Triton kernels' blocks (rows, experts, columns per step, columns per chunk): fixed, never chosen by
+shape, since the chunks decide the order of the sums. Small row and expert blocks and short chunks spread
+a decode step's few rows over many programs (megamoe/kernels/router_kernels.py)."""
+
+
+def _logits_triton(x_TH: torch.Tensor, w_EH: torch.Tensor) -> torch.Tensor:
+    from megamoe.fused.launch import launch_device
+    from megamoe.kernels.router_kernels import _router_logits_chunk_kernel, _router_logits_sum_kernel
+
+    x, w = x_TH.contiguous(), w_EH.contiguous()
+    (T, H), E = x.shape, w.shape[0]
+    BT, BE, BH, CH = BLOCKS["BT"], BLOCKS["BE"], BLOCKS["BH"], BLOCKS["CH"]
+    S = triton.cdiv(H, CH)
+    out = torch.empty(T, E, device=x.device, dtype=torch.float32)
+    if T == 0:
+        return out
+    part = out if S == 1 else torch.empty(S, T, E, device=x.device, dtype=torch.float32)
+    blocks = (triton.cdiv(T, BT), triton.cdiv(E, BE))
+    with launch_device(x.device):
+        _router_logits_chunk_kernel[blocks + (S,)](x, w, part, T, E, H, x.stride(0), w.stride(0),
+                                                   part.stride(0) if S > 1 else 0, E, BT=BT, BE=BE, BH=BH, CH=CH,
+                                                   num_warps=4)
+        if S > 1:
+            _router_logits_sum_kernel[blocks](part, out, T, E, part.stride(0), E, E, BT=BT, BE=BE, S=S, num_warps=4)
+    return out
+
+
+def router_logits_fwd(x_TH: torch.Tensor, w_EH: torch.Tensor, b_E: torch.Tensor | None = None,
+                      backend: str | None = None) -> torch.Tensor:
+    """fp32 logits [T, E] = x @ w.T (+ b) (inputs unchecked). backend: "triton" (the default on CUDA; on
+    CPU under TRITON_INTERPRET=1, fp32) or "torch" (ROWS-row BLAS blocks; the default on CPU)."""
+    if pick_backend(x_TH, backend) == "triton":
+        logits = _logits_triton(x_TH, w_EH)
+    else:
+        x = x_TH.float()
+        w_HE = w_EH.float().t().contiguous()  # one layout on both sides: the BLAS call is identical
+        with _ieee_fp32(x.device):
+            logits = rows_mm(x, w_HE)
     return logits if b_E is None else logits + b_E.float()
 
 

@@ -182,6 +182,30 @@ def check(overrides: dict | None = None, E: int = 128) -> list[dict]:
                          async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
                          tma_loads=k.asm["ttgir"].count("async_tma_copy_global_to_local"),
                          **_resources(k.asm["cubin"]), **_local_ops(k.asm["cubin"])))
+        if not overrides:
+            rows += router_rows(tname)
+    return rows
+
+
+def router_rows(tname: str) -> list[dict]:
+    """megamoe.router's two kernels (x and w in `tname`), with the launcher's blocks and a real launch's
+    specialisation (E, H and the row strides divisible by 16; T and the partials' stride not specialised);
+    the chunk sum at S = 8 chunks (H = 2048)."""
+    from megamoe.kernels import router_kernels as rk
+    from megamoe.router import BLOCKS
+
+    rows = []
+    k = _compile(rk._router_logits_chunk_kernel, {"x_ptr": f"*{tname}", "w_ptr": f"*{tname}", "out_ptr": "*fp32"},
+                 dict(BLOCKS), ("E", "H", "stride_xt", "stride_we", "stride_ot"), 4, 3)
+    rows.append(dict(kernel="router logits chunks", dtype=tname, shared=k.metadata.shared,
+                     async_copies=k.asm["ttgir"].count("async_copy_global_to_local"), tma_loads=0,
+                     **_resources(k.asm["cubin"]), **_local_ops(k.asm["cubin"])))
+    sums = {n: BLOCKS[n] for n in ("BT", "BE")}
+    k = _compile(rk._router_logits_sum_kernel, {"part_ptr": "*fp32", "out_ptr": "*fp32"}, dict(sums, S=8),
+                 ("E", "stride_pt", "stride_ot"), 4, 3)
+    rows.append(dict(kernel="router logits sum", dtype=tname, shared=k.metadata.shared,
+                     async_copies=k.asm["ttgir"].count("async_copy_global_to_local"), tma_loads=0,
+                     **_resources(k.asm["cubin"]), **_local_ops(k.asm["cubin"])))
     return rows
 
 

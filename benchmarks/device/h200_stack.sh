@@ -9,7 +9,7 @@
 # rl_reference | kernel_tests (the op's bf16 GPU tests + the trainer's) | kernel_tests_fp32 (the op's fp32
 # and TMA-weight GPU tests) | gpu_tests (both of those and the trainer's, as 8 concurrent pytest processes) | bench (bench_moe.py; carry .whl with the
 # Liger wheel; BENCH_ARGS overrides its shapes/tokens) | tune (tune_moe.py: stage split, tile
-# variants) | profile (one training step under torch.profiler: kernels and gaps) | host (host_path.py: host time per layer, one-call latency vs a CUDA graph) | probe (the Gluon
+# variants) | router (megamoe.router's GPU tests and router_probe.py) | profile (one training step under torch.profiler: kernels and gaps) | host (host_path.py: host time per layer, one-call latency vs a CUDA graph) | probe (the Gluon
 # GEMM1 prototype's check and timing, the backward's per-item timeline, the E=256 GPU tests) | ep (multigpu EP tests + bench_ep.py; needs 2 GPUs). docs/CONTRIBUTING.md: costs.
 set -u
 cd "$(dirname "$0")/../.."
@@ -97,6 +97,11 @@ for stage in "$@"; do
         > "$LOG/liger_warm.log" 2>&1; echo "liger_warm rc=$? ($(tail -1 "$LOG/liger_warm.log"))"
       PYTHONPATH="${PYTHONPATH:-}:/tmp/ligersite" timeout 540 $PY benchmarks/bench_moe.py "${BENCH[@]}" \
         --reps 50 --out "$LOG/bench_moe.md"; rc=$? ;;
+    router) # megamoe.router's Triton kernels: their GPU tests, then against the cuBLAS row blocks (no vLLM needed)
+      timeout 200 $PY -m pytest -p no:cacheprovider -q -rA -m gpu tests/megamoe/test_router.py tests/rl/test_consistency_invariance.py \
+        > "$LOG/router_tests.log" 2>&1; rc=$?; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$LOG/router_tests.log"
+      for shape in "1024 64" "2048 128" "7168 256"; do read -r hd ne <<< "$shape"
+        timeout 100 $PY benchmarks/device/router_probe.py --hidden $hd --experts $ne || rc=1; done ;;
     profile) timeout 240 $PY benchmarks/device/profile_step.py --shape qwen3 --tokens 4096 16384; rc=$? ;;
     host) timeout 200 $PY benchmarks/device/host_path.py --shape qwen3 --tokens 64 512 4096; rc=$? ;;
     tune) timeout 300 $PY benchmarks/tune_moe.py --shape qwen3 --tokens 64 4096 16384 --reps 15; rc=$? ;;
