@@ -49,11 +49,15 @@ class _RMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        # The gradient of y = x r w, r = (mean(x^2) + eps)^-1/2, in fp32, written out: a handful of kernels
+        # (recomputing the norm through autograd took ~0.9 ms of host time per call on the H200) and sums,
+        # not means (a bitwise trainer's process routes aten's mean through vLLM's Triton kernel).
         x, w = ctx.saved_tensors
-        with torch.enable_grad():
-            xl, wl = x.detach().float().requires_grad_(True), w.detach().float().requires_grad_(True)
-            y = xl * torch.rsqrt(xl.pow(2).mean(-1, keepdim=True) + ctx.eps) * wl
-            dx, dw = torch.autograd.grad(y, (xl, wl), g.float())
+        xf, gw = x.float(), g.float() * w.float()
+        inv_h = 1.0 / x.shape[-1]
+        r = torch.rsqrt(xf.square().sum(-1, keepdim=True) * inv_h + ctx.eps)
+        dx = r * gw - xf * (r.pow(3) * (gw * xf).sum(-1, keepdim=True) * inv_h)
+        dw = (g.float() * xf * r).reshape(-1, x.shape[-1]).sum(0)
         return dx.to(x.dtype), dw.to(w.dtype), None
 
 
