@@ -135,6 +135,14 @@ def _local_ops(cubin: bytes) -> dict:
     return dict(local_ops=total, inner_loop_local_ops=inner)
 
 
+def _row(kernel: str, tname: str, k) -> dict:
+    """A compiled kernel's report row: shared memory, pipelined and TMA loads, registers, local memory."""
+    return dict(kernel=kernel, dtype=tname, shared=k.metadata.shared,
+                async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
+                tma_loads=k.asm["ttgir"].count("async_tma_copy_global_to_local"),
+                **_resources(k.asm["cubin"]), **_local_ops(k.asm["cubin"]))
+
+
 def check(overrides: dict | None = None, E: int = 128) -> list[dict]:
     """One row per kernel variant. `overrides`: KernelConfig fields replaced in the bf16 config
     (then only bf16 is compiled). E: the expert count (the phase-0 key width KB and the expert
@@ -173,15 +181,9 @@ def check(overrides: dict | None = None, E: int = 128) -> list[dict]:
         for tma in ((True, False) if cfg.dw_tma else (False,)):
             k = _compile(mk._moe_bwd_dw_kernel, {**data, **dw_desc_types(tname, cfg, tma)},
                          fused.dw_constexprs(cfg, dtype, tma), ("H", "I"), cfg.dw_warps, cfg.dw_stages)
-            rows.append(dict(kernel="weight gradients" + (" tma" if tma else ""), dtype=tname, shared=k.metadata.shared,
-                             async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
-                             tma_loads=k.asm["ttgir"].count("async_tma_copy_global_to_local"),
-                             **_resources(k.asm["cubin"]), **_local_ops(k.asm["cubin"])))
+            rows.append(_row("weight gradients" + (" tma" if tma else ""), tname, k))
         k = _compile(mk._moe_bwd_bias_kernel, data, fused.bias_grad_constexprs(), ("H", "I"), 4, 3)
-        rows.append(dict(kernel="bias gradients", dtype=tname, shared=k.metadata.shared,
-                         async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
-                         tma_loads=k.asm["ttgir"].count("async_tma_copy_global_to_local"),
-                         **_resources(k.asm["cubin"]), **_local_ops(k.asm["cubin"])))
+        rows.append(_row("bias gradients", tname, k))
         if not overrides:
             rows += router_rows(tname)
     return rows
@@ -194,19 +196,11 @@ def router_rows(tname: str) -> list[dict]:
     from megamoe.kernels import router_kernels as rk
     from megamoe.router import BLOCKS
 
-    rows = []
-    k = _compile(rk._router_logits_chunk_kernel, {"x_ptr": f"*{tname}", "w_ptr": f"*{tname}", "out_ptr": "*fp32"},
-                 dict(BLOCKS), ("E", "H", "stride_xt", "stride_we", "stride_ot"), 4, 3)
-    rows.append(dict(kernel="router logits chunks", dtype=tname, shared=k.metadata.shared,
-                     async_copies=k.asm["ttgir"].count("async_copy_global_to_local"), tma_loads=0,
-                     **_resources(k.asm["cubin"]), **_local_ops(k.asm["cubin"])))
-    sums = {n: BLOCKS[n] for n in ("BT", "BE")}
-    k = _compile(rk._router_logits_sum_kernel, {"part_ptr": "*fp32", "out_ptr": "*fp32"}, dict(sums, S=8),
-                 ("E", "stride_pt", "stride_ot"), 4, 3)
-    rows.append(dict(kernel="router logits sum", dtype=tname, shared=k.metadata.shared,
-                     async_copies=k.asm["ttgir"].count("async_copy_global_to_local"), tma_loads=0,
-                     **_resources(k.asm["cubin"]), **_local_ops(k.asm["cubin"])))
-    return rows
+    chunks = _compile(rk._router_logits_chunk_kernel, {"x_ptr": f"*{tname}", "w_ptr": f"*{tname}", "out_ptr": "*fp32"},
+                      dict(BLOCKS), ("E", "H", "stride_xt", "stride_we", "stride_ot"), 4, 3)
+    sums = _compile(rk._router_logits_sum_kernel, {"part_ptr": "*fp32", "out_ptr": "*fp32"},
+                    dict(BT=BLOCKS["BT"], BE=BLOCKS["BE"], S=8), ("E", "stride_pt", "stride_ot"), 4, 3)
+    return [_row("router logits chunks", tname, chunks), _row("router logits sum", tname, sums)]
 
 
 def warp_specialize_probe() -> dict:

@@ -1,5 +1,5 @@
-"""megamoe.router's Triton kernel (megamoe/kernels/router_kernels.py): fp32 router logits in one launch,
-each row's bits independent of the batch. On CPU under the Triton interpreter (fp32), on CUDA for real
+"""megamoe.router's Triton kernels (megamoe/kernels/router_kernels.py): fp32 router logits over fixed chunks
+of H, the chunks' partial sums added in order, each row's bits independent of the batch. On CPU under the Triton interpreter (fp32), on CUDA for real
 (fp32 and bf16 inputs). The torch path and the op's gradients: tests/rl/test_consistency_invariance.py.
 
     .venv/bin/python -m pytest -q tests/megamoe/test_router.py
@@ -101,8 +101,8 @@ def test_chunks_are_summed_in_order_interpreter():
                                    pytest.param(2600, 2048, 128, id="T2600-H2048-E128"),
                                    pytest.param(333, 2880, 32, id="T333-H2880-E32")])
 def test_triton_router_logits_gpu(T, H, E, dtype):
-    """CUDA: against fp64, rows invariant to the batch, the same bits as a CUDA-graph replay and as the
-    interpreter would compute (fp32 FMAs from column 0: within fp32 rounding of fp64)."""
+    """CUDA: within fp32 rounding of fp64 (IEEE fp32 multiply-adds, no TF32), rows invariant to the batch,
+    and a CUDA-graph replay gives the same bits (T=333 at H=2880: 12 chunks, the sum kernel's unrolled loads)."""
     x, w = _inputs(T, H, E, dtype, "cuda", seed=4)
     full = router_logits(x, w)  # the public function: the Triton kernel on CUDA
     assert_close("logits", full, (x.double() @ w.double().t()).float(), TOLERANCES[torch.float32])
