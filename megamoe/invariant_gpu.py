@@ -15,11 +15,10 @@ run one implementation of each op (vLLM 0.26: `vllm.model_executor.layers.batch_
   pages of PAGE tokens, one sequence per row of the block table.
 
 The engine's worker process runs in vLLM's batch-invariant mode (its aten overrides of softmax, mean,
-log-softmax and bmm, cuBLASLt without reduced-precision reductions, IEEE fp32 matmuls); the trainer's
-process enters the same regime through `enable_process_mode()` (trainer.model.load_model does, for a
-bitwise model on CUDA), so that the ops which reach aten on both sides (the routing's softmax) also take
-the same kernels. (When the router logits were cuBLAS calls, they differed by 2e-6 without it, H200;
-they are a Triton kernel now, megamoe.router.)
+log-softmax and bmm; no split-K); the trainer's process does not (those overrides are Python functions
+and cost a trainer about half its speed, H200): every op of a bitwise forward that would reach one of them
+calls the shared kernel itself (this module's four functions, megamoe.router's Triton kernel, megamoe.routing's softmax
+spelled out as the overriding sequence of aten ops).
 
 Imported lazily (only a CUDA tensor reaches it); `require()` names what a vLLM install lacks.
 """
@@ -43,25 +42,6 @@ def require():
                           f"(vllm.model_executor.layers.batch_invariant and the Triton unified attention of "
                           f"vLLM 0.26): {e}") from e
     return batch_invariant, triton_unified_attention
-
-
-def enable_process_mode() -> None:
-    """vLLM's batch-invariant mode in this process (idempotent), as vLLM's worker enters it, less its NCCL
-    and compile environment (this process is not an engine) and less its preference for cuBLASLt: no GEMM
-    of a bitwise forward reaches aten (the linears, the router, the experts and attention are Triton
-    kernels), and through cuBLASLt each of the trainer's backward GEMMs cost 165-215 us of host time
-    against 25 us through cuBLAS (H200, benchmarks/results/2026-12-04-h200-bench-numerics-before.md: a fast
-    trainer lost 3x in this mode). It stays on for the process's lifetime."""
-    bi, _ = require()
-    blas = torch.backends.cuda.preferred_blas_library()
-    bi.enable_batch_invariant_mode()
-    torch.backends.cuda.preferred_blas_library(blas)
-    # vLLM forbids split-K reductions as (allow, allow_splitk) = (False, False), which only cuBLASLt accepts
-    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    torch.backends.cuda.matmul.fp32_precision = "ieee"
-    torch.backends.cudnn.conv.fp32_precision = "ieee"
-    torch.backends.cudnn.rnn.fp32_precision = "ieee"
 
 
 def linear(x_MK: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None) -> torch.Tensor:

@@ -77,6 +77,15 @@ def _descending(scores: torch.Tensor) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices
 
 
+def _softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim as five aten ops (max, subtract, exp, sum, divide): the sequence vLLM's
+    batch-invariant mode substitutes for aten's softmax (vllm.model_executor.layers.batch_invariant). Spelled
+    out here, a bitwise engine (which runs in that mode) and a trainer process (which does not) take the same
+    kernels for the routing scores, with no aten override in the trainer's process."""
+    e = torch.exp(x - torch.amax(x, dim=-1, keepdim=True))
+    return e / torch.sum(e, dim=-1, keepdim=True)
+
+
 def route(router_logits_TE: torch.Tensor, top_k: int, scoring: str = "softmax",
           renormalize: bool = False, *, e_score_correction_bias: torch.Tensor | None = None,
           n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
@@ -104,7 +113,7 @@ def route(router_logits_TE: torch.Tensor, top_k: int, scoring: str = "softmax",
                        e_score_correction_bias=e_score_correction_bias, n_group=n_group, topk_group=topk_group,
                        routed_scaling_factor=routed_scaling_factor)
     logits = router_logits_TE.float()
-    scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+    scores = _softmax(logits) if scoring == "softmax" else torch.sigmoid(logits)
     choice = scores.detach()
     if e_score_correction_bias is not None:
         choice = choice + e_score_correction_bias.detach().float()

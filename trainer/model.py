@@ -198,10 +198,6 @@ def load_model(model_dir: str | Path, moe_impl: str, *, dtype: torch.dtype = tor
         from trainer import bitwise
 
         bitwise.install(model)
-        if torch.device(device).type == "cuda":
-            from megamoe import invariant_gpu
-
-            invariant_gpu.enable_process_mode()
     # Training semantics without randomness the sampler does not have (dropout is 0 in these
     # architectures; Mixtral's router jitter is 0 unless configured).
     model.config.use_cache = False
