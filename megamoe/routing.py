@@ -78,10 +78,11 @@ def _descending(scores: torch.Tensor) -> torch.Tensor:
 
 
 def _softmax(x: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dim as five aten ops (max, subtract, exp, sum, divide): the sequence vLLM's
-    batch-invariant mode substitutes for aten's softmax (vllm.model_executor.layers.batch_invariant). Spelled
-    out here, a bitwise engine (which runs in that mode) and a trainer process (which does not) take the same
-    kernels for the routing scores, with no aten override in the trainer's process."""
+    """Softmax over the last dim as five aten ops (max, subtract, exp, sum, divide), none of which vLLM's
+    batch-invariant mode overrides (0.26 and 0.32; it overrides softmax itself, in 0.26 with this very
+    sequence). A bitwise engine runs in that mode and the trainer's process does not (its Python overrides
+    cost a trainer about half its speed on the H200): spelled out, both take the same kernels for the
+    routing scores."""
     e = torch.exp(x - torch.amax(x, dim=-1, keepdim=True))
     return e / torch.sum(e, dim=-1, keepdim=True)
 

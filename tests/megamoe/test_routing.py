@@ -333,3 +333,27 @@ def test_bad_grouped_route_input(changes, exc, pattern):
         route(**args)
     route(router_logits_TE=args["router_logits_TE"], top_k=2, scoring="sigmoid",
           e_score_correction_bias=_bias(8, 2), n_group=4, topk_group=2, routed_scaling_factor=2.0)  # control
+
+
+def test_route_reaches_no_aten_op_vllm_overrides():
+    """A bitwise engine runs in vLLM's batch-invariant mode, which overrides aten's softmax, log-softmax, mean
+    and bmm (and mm, addmm, matmul, linear on some GPUs); the trainer's process does not. route must take the
+    same kernels in both, so none of those ops may run in it (forward and backward): each is overridden here
+    by an impl that fails, as vLLM's mode would replace it."""
+    overridden = ("softmax.int", "_softmax", "_log_softmax", "mean.dim", "bmm", "mm", "addmm", "matmul", "linear")
+    reached = []
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        for op in overridden:
+            def fail(*args, _op=op, **kwargs):
+                reached.append(_op)
+                raise RuntimeError(f"route reached aten::{_op}")
+
+            lib.impl(op, fail, "CPU")
+        logits = _logits(37, 16, torch.float32, 3).requires_grad_(True)
+        w, ids = route(logits, 4, "softmax", renormalize=True)
+        (w * torch.arange(1.0, 5.0)).sum().backward()
+    finally:
+        lib._destroy()
+    assert reached == []
+    assert torch.isfinite(logits.grad).all()
