@@ -5,7 +5,7 @@
 # .gpu-ray/ (carry both); the kernel stages (kernel_tests, bench, tune) run without them.
 # Stages: versions | rollout (tests/rollout/test_rollout_gpu.py) | sync_tests (tests/rollout/test_rollout_sync_gpu.py: the CUDA IPC
 # weight sync) | bench_sync (benchmarks/bench_weight_sync.py; SYNC_ARGS overrides its arguments) | consistency_tests (gpu tests of the
-# consistency issue) | invariance | consistency (the CLI, 8 layers H=1024 E=64 k=8 bf16) | bitwise (run.numerics=bitwise: divergence + consistency at two shapes) | bitwise_families (the same for the tiny OLMoE and Mixtral) | rl_megamoe |
+# consistency issue) | invariance | consistency (the CLI, 8 layers H=1024 E=64 k=8 bf16) | bitwise (run.numerics=bitwise: divergence + consistency at two shapes) | bitwise_families (the same for the tiny OLMoE and Mixtral) | dsv3 (consistency for the tiny DeepSeek-V3, MLA off) | rl_megamoe |
 # rl_reference | kernel_tests (the op's bf16 GPU tests + the trainer's) | kernel_tests_fp32 (the op's fp32
 # and TMA-weight GPU tests) | gpu_tests (both of those and the trainer's, as 8 concurrent pytest processes) | bench (bench_moe.py; carry .whl with the
 # Liger wheel; BENCH_ARGS overrides its shapes/tokens) | tune (tune_moe.py: stage split, tile
@@ -60,6 +60,14 @@ for stage in "$@"; do
           --out "$RUNS/bw-consistency-$nl" > "$LOG/bitwise-consistency-$nl.log" 2>&1 || rc=1
         echo "--- consistency bitwise layers=$nl H=$hd E=$ne k=$tk I=$im"; tail -20 "$LOG/bitwise-consistency-$nl.log"
       done ;;
+    dsv3) # the tiny DeepSeek-V3 (configs/tiny_deepseek_v3.yaml, bf16): megamoe and stock, sampler vs trainer. The bundle
+      # has no MLA prefill backend (RESULTS.md, 2026-12-03), so the engine runs vLLM's non-MLA DeepSeek attention
+      # (VLLM_MLA_DISABLE=1, vLLM's own switch: K/V decompressed, V padded to the QK head size); the MoE layers,
+      # what this compares, are the same either way
+      VLLM_MLA_DISABLE=1 timeout 300 $PY -m rl.cli consistency --config configs/tiny_deepseek_v3.yaml model.dtype=bfloat16 \
+        rollout.max_tokens=16 rollout.max_model_len=128 trainer.max_seq_len=128 "rollout.engine_kwargs=$ENGINE" \
+        --device cuda --prompts 16 --impls megamoe,stock --out "$RUNS/consistency-dsv3" > "$LOG/consistency-dsv3.log" 2>&1; rc=$?
+      tail -30 "$LOG/consistency-dsv3.log" ;;
     bitwise_families) # run.numerics=bitwise `consistency` for the tiny OLMoE and Mixtral (make-model defaults, bf16)
       rc=0; for arch in olmoe mixtral; do
         timeout 240 $PY -m rl.cli consistency --config configs/tiny.yaml run.numerics=bitwise model.dtype=bfloat16 \
