@@ -131,7 +131,8 @@ class GptOssForCausalLM(gpt_oss.GptOssForCausalLM):
             raise NotImplementedError(f"vLLM {vllm.__version__}: gpt_oss.GptOssModel has no per-expert weight loading "
                                       "(_try_load_streamed_expert), which the megamoe hook loads gpt-oss's experts "
                                       "through so that weight syncs reach them (rollout/models.py, written against "
-                                      "vLLM 0.32)")
+                                      "vLLM 0.32); this version's FusedMoE weight loader takes no unquantized expert "
+                                      "biases, and its gpt-oss router (`router`, with a bias) is not megamoe.router")
         super().__init__(vllm_config=vllm_config, prefix=prefix)
 
     def _sinks(self, name: str, loaded: torch.Tensor) -> str:
