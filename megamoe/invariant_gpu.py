@@ -17,8 +17,8 @@ run one implementation of each op (vLLM 0.26: `vllm.model_executor.layers.batch_
 The engine's worker process runs in vLLM's batch-invariant mode (its aten overrides of softmax, mean,
 log-softmax and bmm; no split-K); the trainer's process does not (those overrides are Python functions
 and cost a trainer about half its speed, H200): every op of a bitwise forward that would reach one of them
-calls the shared kernel itself (this module's four functions, megamoe.router's Triton kernel, megamoe.routing's softmax
-spelled out as the overriding sequence of aten ops).
+calls the shared kernel itself (this module's four functions, megamoe.router's Triton kernel,
+megamoe.routing's softmax spelled out in aten ops that vLLM's mode leaves alone).
 
 Imported lazily (only a CUDA tensor reaches it); `require()` names what a vLLM install lacks.
 """

@@ -58,7 +58,8 @@ def sweep(w, g):
 
     default = dict(router.BLOCKS)
     cands = [(16, 32, 64), (32, 32, 64), (32, 64, 64), (64, 64, 32), (64, 64, 64), (64, 128, 32), (128, 64, 32)]
-    print(f"H={w.shape[1]} E={w.shape[0]}: us per call as a replayed graph; blocks BT,BE,BH (chunks of {default['CH']})")
+    print(f"H={w.shape[1]} E={w.shape[0]}: us per call as a replayed graph; blocks BT,BE,BH "
+          f"(chunks of {default['CH']})")
     print("T | " + " | ".join(",".join(map(str, c)) for c in cands))
     for T in (1, 128, 1536, 16384):
         x = torch.randn(T, w.shape[1], generator=g).bfloat16().cuda()
