@@ -142,10 +142,10 @@ def main() -> None:
         rollout.append((numerics, sum(len(x["completion_ids"]) for x in samples) / best))
         print(f"{numerics}: rollout {rollout[-1][1]:.0f} tok/s", flush=True)
 
-    passes, times, profiles = {}, {}, []
+    passes, tokens, times, profiles = {}, {}, {}, []
     for numerics in ("fast", "bitwise"):
         s = sampled[numerics]
-        passes[numerics], tokens = training_pass(model_dir, numerics, [x["prompt_ids"] for x in s],
+        passes[numerics], tokens[numerics] = training_pass(model_dir, numerics, [x["prompt_ids"] for x in s],
                                                  [x["completion_ids"] for x in s], args.micro_batch, device)
         passes[numerics]()  # compiles the Triton kernels (CUDA) and warms the allocator
         times[numerics] = []
@@ -154,7 +154,7 @@ def main() -> None:
             t0 = time.perf_counter()
             one_pass()
             times[numerics].append(time.perf_counter() - t0)
-    training = {n: (tokens / statistics.median(t), tokens / min(t)) for n, t in times.items()}
+    training = {n: (tokens[n] / statistics.median(t), tokens[n] / min(t)) for n, t in times.items()}
     for numerics, (median, best) in training.items():
         print(f"{numerics}: training {median:.0f} tok/s median, {best:.0f} best of {args.reps}", flush=True)
         if args.profile:
@@ -174,7 +174,7 @@ def main() -> None:
     head = (f"{machine}, {os.cpu_count()} cores | torch {torch.__version__} | "
             f"vLLM {vllm.__version__} | {datetime.date.today()} | Qwen3-MoE layers={args.layers} H={args.hidden} "
             f"E={args.experts} k={args.topk} I={args.intermediate} {dtype} | {args.prompts}x{args.n} completions of "
-            f"{args.max_tokens} tokens, {tokens} tokens per training pass")
+            f"{args.max_tokens} tokens, {tokens['bitwise']} tokens per training pass")
     lines = [head, "", f"| numerics | rollout tok/s (best of {args.gen_reps}) |", "|---|---|"]
     lines += [f"| {n} | {r:.0f} |" for n, r in rollout]
     lines += ["", f"| numerics | training tok/s, median of {args.reps} | best |", "|---|---|---|"]

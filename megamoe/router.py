@@ -79,25 +79,27 @@ shape, since the chunks decide the order of the sums. Small row and expert block
 a decode step's few rows over many programs (megamoe/kernels/router_kernels.py)."""
 
 
-def _logits_triton(x_TH: torch.Tensor, w_EH: torch.Tensor) -> torch.Tensor:
+def _logits_triton(x_TH: torch.Tensor, w_EH: torch.Tensor, blocks: dict = BLOCKS) -> torch.Tensor:
+    """The Triton kernels over x, w; `blocks` other than BLOCKS only for measuring other tiles (router_probe.py
+    --sweep, test_router.py)."""
     from megamoe.fused.launch import launch_device
     from megamoe.kernels.router_kernels import _router_logits_chunk_kernel, _router_logits_sum_kernel
 
     x, w = x_TH.contiguous(), w_EH.contiguous()
     (T, H), E = x.shape, w.shape[0]
-    BT, BE, BH, CH = BLOCKS["BT"], BLOCKS["BE"], BLOCKS["BH"], BLOCKS["CH"]
+    BT, BE, BH, CH = blocks["BT"], blocks["BE"], blocks["BH"], blocks["CH"]
     S = triton.cdiv(H, CH)
     out = torch.empty(T, E, device=x.device, dtype=torch.float32)
     if T == 0:
         return out
     part = out if S == 1 else torch.empty(S, T, E, device=x.device, dtype=torch.float32)
-    blocks = (triton.cdiv(T, BT), triton.cdiv(E, BE))
+    grid = (triton.cdiv(T, BT), triton.cdiv(E, BE))
     with launch_device(x.device):
-        _router_logits_chunk_kernel[blocks + (S,)](x, w, part, T, E, H, x.stride(0), w.stride(0),
+        _router_logits_chunk_kernel[grid + (S,)](x, w, part, T, E, H, x.stride(0), w.stride(0),
                                                    part.stride(0) if S > 1 else 0, E, BT=BT, BE=BE, BH=BH, CH=CH,
                                                    num_warps=4)
         if S > 1:
-            _router_logits_sum_kernel[blocks](part, out, T, E, part.stride(0), E, E, BT=BT, BE=BE, S=S, num_warps=4)
+            _router_logits_sum_kernel[grid](part, out, T, E, part.stride(0), E, E, BT=BT, BE=BE, S=S, num_warps=4)
     return out
 
 

@@ -53,30 +53,26 @@ def main():
 
 
 def sweep(w, g):
-    """Graph-replay time of the Triton kernel per (BT, BE, BH) block (the chunk of 256 columns kept)."""
-    from megamoe import router
+    """Graph-replay time of the Triton kernel per (BT, BE, BH) block (the chunk of CH columns kept)."""
+    from megamoe.router import BLOCKS, _logits_triton
 
-    default = dict(router.BLOCKS)
     cands = [(16, 32, 64), (32, 32, 64), (32, 64, 64), (64, 64, 32), (64, 64, 64), (64, 128, 32), (128, 64, 32)]
     print(f"H={w.shape[1]} E={w.shape[0]}: us per call as a replayed graph; blocks BT,BE,BH "
-          f"(chunks of {default['CH']})")
+          f"(chunks of {BLOCKS['CH']})")
     print("T | " + " | ".join(",".join(map(str, c)) for c in cands))
     for T in (1, 128, 1536, 16384):
         x = torch.randn(T, w.shape[1], generator=g).bfloat16().cuda()
         row = []
         for bt, be, bh in cands:
-            router.BLOCKS.update(BT=bt, BE=be, BH=bh)
+            blocks = dict(BLOCKS, BT=bt, BE=be, BH=bh)
             try:
-                router_logits_fwd(x, w, backend="triton")
+                _logits_triton(x, w, blocks)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    router_logits_fwd(x, w, backend="triton")
+                    _logits_triton(x, w, blocks)
                 row.append(f"{timed(graph.replay, reps=50):.1f}")
             except Exception as e:  # a block that does not compile (shared memory, registers) reads as such
                 row.append(type(e).__name__)
-            finally:
-                router.BLOCKS.clear()
-                router.BLOCKS.update(default)
         print(f"{T} | " + " | ".join(row), flush=True)
 
 

@@ -1,6 +1,7 @@
 """megamoe.router's Triton kernels (megamoe/kernels/router_kernels.py): fp32 router logits over fixed chunks
-of H, the chunks' partial sums added in order, each row's bits independent of the batch. On CPU under the Triton interpreter (fp32), on CUDA for real
-(fp32 and bf16 inputs). The torch path and the op's gradients: tests/rl/test_consistency_invariance.py.
+of H, the chunks' partial sums added in order, each row's bits independent of the batch. On CPU under the
+Triton interpreter (fp32), on CUDA for real (fp32 and bf16 inputs). The torch path and the op's gradients:
+tests/rl/test_consistency_invariance.py.
 
     .venv/bin/python -m pytest -q tests/megamoe/test_router.py
 """
@@ -12,7 +13,7 @@ import os
 import pytest
 import torch
 
-from megamoe.router import BLOCKS, router_logits, router_logits_fwd
+from megamoe.router import BLOCKS, _logits_triton, router_logits, router_logits_fwd
 from megamoe.testing import TOLERANCES, assert_close
 
 # (T, H, E): a tile's worth, H and E not multiples of the blocks (H=100: one chunk, a partial BH block;
@@ -43,7 +44,8 @@ def _check_rows_invariant(x, w, full, backend):
         n = min(n, T - start)
         part = router_logits_fwd(x[start:start + n], w, backend=backend)
         assert torch.equal(part, full[start:start + n]), \
-            f"rows {start}:{start + n} alone differ from the batch of {T} (max {float((part - full[start:start + n]).abs().max()):.3e})"
+            (f"rows {start}:{start + n} alone differ from the batch of {T} "
+             f"(max {float((part - full[start:start + n]).abs().max()):.3e})")
 
 
 @pytest.mark.parametrize("T,H,E", SHAPES)
@@ -128,12 +130,7 @@ def test_row_and_expert_blocks_leave_the_bits_alone_gpu(H, E):
     Not relied on yet: this is what choosing the blocks by T (small for decode, large for training) would
     need, and it must hold on every GPU the project supports before that is done."""
     x, w = _inputs(1536, H, E, torch.bfloat16, "cuda", seed=8)
-    default = dict(BLOCKS)
     want = router_logits_fwd(x, w, backend="triton")
-    try:
-        for bt, be, bh in ((32, 32, 64), (64, 64, 32), (64, 128, 32), (128, 64, 32)):
-            BLOCKS.update(BT=bt, BE=be, BH=bh)
-            assert torch.equal(router_logits_fwd(x, w, backend="triton"), want), f"blocks {bt}, {be}, {bh}"
-    finally:
-        BLOCKS.clear()
-        BLOCKS.update(default)
+    for bt, be, bh in ((32, 32, 64), (64, 64, 32), (64, 128, 32), (128, 64, 32)):
+        got = _logits_triton(x, w, dict(BLOCKS, BT=bt, BE=be, BH=bh))
+        assert torch.equal(got, want), f"blocks {bt}, {be}, {bh}"
