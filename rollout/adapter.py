@@ -302,7 +302,8 @@ class MegaMoEGate(GateLinear or torch.nn.Module):  # the base only matters where
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if not self.is_unquantized or (self.bias is not None and self.skip_bias_add):
+        # (vLLM 0.32's GateLinear names this test `is_unquantized`; 0.26's has no such attribute)
+        if not isinstance(self.quant_method, UnquantizedLinearMethod) or (self.bias is not None and self.skip_bias_add):
             raise NotImplementedError(f"megamoe rollout hook: gate {self.prefix!r} is quantized or returns its bias "
                                       "unadded (skip_bias_add); megamoe.router computes unquantized gates with the "
                                       "bias added (use moe_impl='stock')")
