@@ -70,7 +70,7 @@ def iter_full_weights(model: nn.Module, *, dtype: torch.dtype | None = None, to_
     for name, t in _unique_state(model):
         if select is not None and not select(name):
             continue
-        full = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+        full = _full_tensor(t)
         if dst is not None and rank != dst:
             del full
             continue
@@ -86,6 +86,18 @@ def iter_full_weights(model: nn.Module, *, dtype: torch.dtype | None = None, to_
         if to_cpu:
             full = full.cpu()
         yield name, full
+
+
+def _full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a parameter on this rank. On a one-rank mesh the local shard is the whole
+    tensor, so no collective runs (DTensor.full_tensor() there costs ~85 us of host time per tensor,
+    to_local() ~12: 7.6 vs 1.1 ms for configs/h200_rl.yaml's 91 tensors, CPU machine); every rank
+    of a mesh takes the same branch."""
+    if not isinstance(t, DTensor):
+        return t.detach()
+    if t.device_mesh.size() == 1:
+        return t.to_local().detach()
+    return t.full_tensor()
 
 
 def weight_metadata(model: nn.Module, dtype: torch.dtype | None = None) -> list[tuple[str, list[int], str]]:
