@@ -3,7 +3,9 @@
     python benchmarks/bench_numerics.py                                   # CPU, the tiny model
     python benchmarks/bench_numerics.py --layers 4 --hidden 256 --experts 16 --intermediate 128 --out r.md
     python benchmarks/bench_numerics.py --device cuda --layers 8 --hidden 1024 --experts 64 --topk 8 \
-        --intermediate 512 --prompts 16 --n 8 --micro-batch 64 --profile      # one GPU, bf16 (h200_rl.yaml's model)
+        --intermediate 512 --prompts 64 --n 8 --max-tokens 64 --micro-batch 64 --reps 5 --gen-reps 3
+        # one GPU, bf16 (h200_rl.yaml's model); on the H200 a rollout of 16 x 8 completions of 32 tokens
+        # (about 0.3 s per call) was too short to time: two fast engines differed by up to 43 %
 
 Rollout: for each numerics in turn (fast, bitwise, fast again: the order effect shows) one vLLM engine
 (moe_impl megamoe) generates --prompts x --n completions of --max-tokens at temperature 0.8, after a warm-up
