@@ -8,9 +8,10 @@ E=64, k=8, I=512); qwen3_dims = 8 layers with Qwen3-30B-A3B's layer dims (H=2048
 k=8). The trainer is a one-rank FSDP2 TrainerWorker (fp32 master weights); the engine a
 RolloutWorker (megamoe, eager: the sync does not depend on CUDA graphs). Each mode is timed `reps`
 times after one warm-up (files: once, it is ~100x slower); GB/s = bytes on the wire / seconds.
-Two IPC layouts: `ipc` (the routed experts fused, in kernel format, copied into the engine's
-parameters; what moe_impl megamoe uses) and `ipc-per-expert` (every expert's tensors through vLLM's
-layer-wise reload, as moe_impl stock needs). Memory: the trainer's torch peak over its resting
+Three IPC layouts (rollout.sync.FORMATS): `ipc/kernel` (every tensor as the engine's own parameter,
+copied in place, no vLLM reload; what `auto` picks for moe_impl megamoe on CUDA), `ipc/experts` (the
+routed experts so, the rest through vLLM's layer-wise reload) and `ipc/checkpoint` (everything,
+each expert's tensors included, through vLLM's reload, as moe_impl stock needs). Memory: the trainer's torch peak over its resting
 allocation during a sync (its IPC buffer is kept for the run: rollout/sync.py IPCBuffer), the
 engine's torch peak, and the device's used memory after each sync (flat when nothing leaks).
 """
@@ -72,8 +73,8 @@ def bench_model(name: str, dims: dict, reps: int, bucket_bytes: int, root: Path)
     rows = []
     try:
         engine.generate(["warm up"], 1, {"temperature": 0.0, "max_tokens": 4})
-        for kernel in (True, False):  # experts fused in kernel format / per expert through vLLM's reload
-            engine.kernel_experts = kernel
+        for fmt in ("kernel", "experts", "checkpoint"):
+            engine.sync_format = fmt
             push_ipc_local(trainer, [engine], model_dir=str(model_dir), dtype="bfloat16", bucket_bytes=bucket_bytes)
             times, infos, used = [], [], []
             rest = torch.cuda.memory_allocated()
@@ -90,17 +91,17 @@ def bench_model(name: str, dims: dict, reps: int, bucket_bytes: int, root: Path)
             eng = engine.gpu_memory()
             nbytes = infos[0]["bytes"]
             med = statistics.median(times)
-            rows.append({"model": name, "mode": "ipc" if kernel else "ipc-per-expert", "bytes": nbytes,
+            rows.append({"model": name, "mode": f"ipc/{fmt}", "bytes": nbytes,
                          "seconds": med, "min_s": min(times), "gb_per_s": nbytes / med / 1e9,
                          # rollout.sync.send_ipc's phases, each the median over the syncs
                          "phases_ms": {k: 1e3 * statistics.median(i["seconds"][k] for i in infos)
                                        for k in infos[0]["seconds"] if k != "total"},
-                         "chunks": infos[0]["chunks"], "kernel_experts": infos[0]["kernel_experts"],
+                         "chunks": infos[0]["chunks"], "format": infos[0]["format"],
                          "trainer_peak_extra_gib": trainer_extra / GiB,
                          "trainer_reserved_gib": torch.cuda.memory_reserved() / GiB,
                          "engine_torch_peak_gib": eng["torch_peak_allocated_bytes"] / GiB,
                          "device_used_gib_per_sync": used, "bucket_bytes": bucket_bytes})
-        engine.kernel_experts = True
+        engine.sync_format = "auto"
         t0 = time.perf_counter()
         named = trainer.export_weights("bfloat16")
         t_export = time.perf_counter() - t0

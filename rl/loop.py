@@ -101,6 +101,7 @@ class Loop:
         from rl.config import resolve_weight_sync
 
         self.weight_sync = resolve_weight_sync(cfg)
+        self._sync_format: str | None = None  # the format of the last streamed sync, logged when it changes
         self.on_gpu = cfg.rollout.gpus_per_worker > 0
         self.placement: Placement | None = None
         self.trainers: list = []
@@ -232,6 +233,10 @@ class Loop:
                 return self.push_weights(rest) if rest else {"total": time.perf_counter() - t0}
             except ray.exceptions.RayError as e:
                 raise ActorError(self._actor_of(e, "an actor"), what, self.where, e) from e
+            if info.get("format") != self._sync_format:  # the layout the engines load (rollout.sync.FORMATS), once
+                self._sync_format = info.get("format")
+                why = "; ".join(f"not {k}: {v}" for k, v in (info.get("why") or {}).items())
+                log.info("weight sync %s: format %s%s", self.weight_sync, self._sync_format, f" ({why})" if why else "")
             times.update({k: v for k, v in info["seconds"].items() if k != "total"})  # rollout.sync.send_ipc's / send_nccl's phases
             times["total"] = time.perf_counter() - t0
             return times

@@ -279,6 +279,8 @@ class MegaMoERouterMethod(UnquantizedLinearMethod):
     vLLM would prepack it for its own GEMM and drop the [E, H] tensor router_logits reads). Used by
     MegaMoEGate and by rollout/models.py."""
 
+    keeps_weights_as_loaded = True  # kernel_format_blockers
+
     def process_weights_after_loading(self, layer) -> None:
         return None
 
@@ -291,6 +293,8 @@ class KeepWeightLinearMethod(UnquantizedLinearMethod):
     """An unquantized linear method that keeps the weight as loaded (vLLM CPU would prepack it and drop
     the [N, K] tensor): for linears whose module computes with the weight itself (rollout/models.py's
     shared experts). Its own apply is vLLM's."""
+
+    keeps_weights_as_loaded = True  # kernel_format_blockers
 
     def process_weights_after_loading(self, layer) -> None:
         return None
@@ -443,6 +447,46 @@ def sampled_logprobs(completion) -> list[float]:
 
 def worker_model(worker) -> torch.nn.Module:
     return worker.model_runner.get_model()
+
+
+def engine_packed_modules(model: torch.nn.Module) -> dict[str, list[str]]:
+    """The model's `packed_modules_mapping` ({fused module: its checkpoint shards, in order})."""
+    return {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}
+
+
+def kernel_format_blockers(model: torch.nn.Module) -> list[str]:
+    """Why copying an update into this engine's parameters (kernel format, rollout/kernel_format.py)
+    would not give the model a load from the same checkpoint gives: every layer that computes
+    something from its weights after loading, named ([] when none does).
+
+    Checked against vLLM 0.26 (CUDA) and 0.32: Unquantized{Linear,Embedding}Method keep the weight as
+    loaded on CUDA and repack it on CPU; this project's linear methods keep it
+    (`keeps_weights_as_loaded`); megamoe's MoE method keeps w13/w2 but for gpt-oss's interleaved
+    rows; vLLM's own MoE methods repack; MLA derives its absorbed projections from kv_b_proj."""
+    from vllm.model_executor.layers.attention import MLAAttention
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.platforms import current_platform
+
+    as_loaded = set()
+    if current_platform.is_cuda_alike():
+        as_loaded = {UnquantizedLinearMethod.process_weights_after_loading,
+                     UnquantizedEmbeddingMethod.process_weights_after_loading}
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, MLAAttention):
+            out.append(f"{name}: MLA derives its absorbed projections from kv_b_proj after loading")
+        qm = getattr(m, "quant_method", None)
+        if qm is None:
+            continue
+        if isinstance(qm, MegaMoEMethod) and qm.megamoe_impl != "stock" and not qm.interleaved:
+            continue
+        if isinstance(qm, FusedMoEMethodBase):
+            out.append(f"{name}: {type(qm).__name__} repacks or re-lays its experts after loading")
+        elif not (getattr(qm, "keeps_weights_as_loaded", False)
+                  or type(qm).process_weights_after_loading in as_loaded):
+            out.append(f"{name}: {type(qm).__name__} processes its weights after loading "
+                       f"({current_platform.device_type})")
+    return out
 
 
 def load_weights_in_place(worker, named_tensors: list[tuple[str, torch.Tensor]]) -> None:

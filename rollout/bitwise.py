@@ -62,6 +62,8 @@ def _methods():
     class InvariantLinearMethod(UnquantizedLinearMethod):
         """megamoe.invariant.linear_parts over the layer's output partitions; weight kept as loaded."""
 
+        keeps_weights_as_loaded = True  # rollout.adapter.kernel_format_blockers
+
         def process_weights_after_loading(self, layer) -> None:
             return None
 
@@ -72,6 +74,8 @@ def _methods():
     class InvariantEmbeddingMethod(UnquantizedEmbeddingMethod):
         """The LM head's logits through megamoe.invariant.linear over the real vocabulary (vLLM pads the
         weight's rows; the logits processor keeps the first org_vocab_size columns); the lookup as vLLM's."""
+
+        keeps_weights_as_loaded = True  # rollout.adapter.kernel_format_blockers
 
         def process_weights_after_loading(self, layer) -> None:
             return None

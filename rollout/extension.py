@@ -143,27 +143,28 @@ class MegaMoEWorkerExtension:
             out[name] = hashlib.sha1(data.tobytes()).hexdigest()
         return out
 
-    def megamoe_kernel_expert_params(self) -> dict:
-        """{vLLM parameter name: (shape, dtype name)} of the routed experts that a kernel-format
-        update may write (`w13_weight` / `w2_weight` of the MoE layers megamoe computes), or {}
-        when vLLM repacks them after loading (moe_impl stock), which only checkpoint format handles."""
+    def megamoe_engine_params(self) -> dict:
+        """What a kernel-format update may write (rollout/kernel_format.py): {"params": {name: (shape,
+        dtype name)} of every parameter, "experts": the names of the routed experts' `w13_weight` /
+        `w2_weight` of the MoE layers megamoe computes ([] when vLLM repacks them after loading,
+        moe_impl stock, which only checkpoint format handles), "packed": the model's
+        packed_modules_mapping, "blockers": the layers that compute from their weights after loading
+        (rollout.adapter.kernel_format_blockers; none: the whole update may come in kernel format)}."""
         model = adapter.worker_model(self)
-        out = {}
-        for name, impl in adapter.hooked_moe_layers(model).items():
-            if impl == "stock":
-                return {}
-            layer = model.get_submodule(name)
-            for attr in weights.KERNEL_EXPERT_SUFFIXES.values():
-                p = getattr(layer, attr)
-                out[f"{name}.{attr}"] = (tuple(p.shape), str(p.dtype).removeprefix("torch."))
-        return out
+        params = {n: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()}
+        layers = adapter.hooked_moe_layers(model)
+        experts = [] if "stock" in layers.values() else [
+            f"{name}.{attr}" for name in layers for attr in weights.KERNEL_EXPERT_SUFFIXES.values()]
+        return {"params": params, "experts": [n for n in experts if n in params],
+                "packed": adapter.engine_packed_modules(model), "blockers": adapter.kernel_format_blockers(model)}
 
     def megamoe_receive_kernel_chunk(self, blob: bytes) -> None:
-        """One chunk of kernel-format experts from the trainer's IPC buffer, copied straight into the
-        engine's `w13_weight` / `w2_weight` (what vLLM's reload_weights(is_checkpoint_format=False)
-        does per tensor, without its warning that lists every parameter a partial update leaves
-        alone). Runs before vLLM's update session of the same sync starts (its layer-wise reload
-        takes the MoE layers' parameters off the device until it finishes, then puts these back)."""
+        """One chunk of kernel-format tensors from the trainer's IPC buffer, each copied straight into
+        the engine parameter of its name (what vLLM's reload_weights(is_checkpoint_format=False) does
+        per tensor, without its warning that lists every parameter a partial update leaves alone); a
+        tensor with fewer rows than its parameter (a padded vocabulary) fills the leading rows. Runs
+        before vLLM's update session of the same sync, if there is one (its layer-wise reload takes
+        the MoE layers' parameters off the device until it finishes, then puts these back)."""
         import pickle
 
         info = pickle.loads(blob)
@@ -176,7 +177,10 @@ class MegaMoEWorkerExtension:
             for name, shape, dtype, size in zip(info["names"], info["shapes"], info["dtype_names"],
                                                 info["tensor_sizes"]):
                 src = buf[offset:offset + size].view(getattr(torch, dtype)).view(shape)
-                params[name].copy_(src)
+                dst = params[name]
+                if src.dim() and src.shape[0] != dst.shape[0]:
+                    dst = dst[:src.shape[0]]
+                dst.copy_(src)
                 offset += size
         torch.cuda.current_stream().synchronize()  # the trainer overwrites the buffer once this returns
         del buf

@@ -8,11 +8,12 @@ Transports (`rollout.weight_sync`):
   engine (`vllm.distributed.weight_transfer`, backend "ipc"). The trainer packs its tensors, cast to
   the sampler's dtype in the copy, into one GPU buffer it exported once (`IPCBuffer`) and hands
   vLLM's packed update info (names, shapes, dtypes, sizes, the buffer's IPC handle) to the engine,
-  which reads the bytes in place; nothing leaves the GPU. Two streams per sync when the engine
-  computes the experts with megamoe (moe_impl megamoe / reference, one GPU per engine): first the
-  routed experts in kernel format (whole `w13_weight` / `w2_weight` per layer, the layout megamoe
-  reads and the trainer holds, copied straight into the engine's parameters), then the rest in
-  checkpoint format through vLLM's update session (its layer-wise reload). Otherwise everything in
+  which reads the bytes in place; nothing leaves the GPU. The engine's plan picks the layout
+  (`FORMATS`): where no layer of the engine computes from its weights after loading (megamoe's
+  experts, unquantized linears on CUDA, one GPU per engine), every tensor comes in kernel format,
+  as the engine's own parameter (q/k/v packed into qkv_proj, the experts whole), and is copied in
+  place, with no vLLM reload (rollout/kernel_format.py); else the routed experts so and the rest in
+  checkpoint format through vLLM's update session (its layer-wise reload); else everything in
   checkpoint format. The version-specific calls are in rollout/adapter.py.
 - `nccl`: trainer and sampler on different GPUs, through vLLM's NCCL weight-transfer engine
   (rollout/sync_nccl.py). Not yet run on two GPUs: opt in with rollout.weight_sync=nccl (`auto`
@@ -41,6 +42,12 @@ from collections.abc import Iterable
 
 MODES = ("files", "ipc", "nccl")
 STREAMED = ("ipc", "nccl")  # the transports of the streamed protocol (plan, init, start, chunks, finish)
+# The layouts a streamed update comes in, most direct first (RolloutWorker.plan_weight_update picks):
+# "kernel": every tensor as the engine's own parameter (rollout/kernel_format.py), copied in place,
+#   no vLLM reload; where no layer computes from its weights after loading (ipc, one GPU per engine).
+# "experts": the routed experts so (megamoe computes them), the rest through vLLM's layer-wise reload.
+# "checkpoint": everything through vLLM's layer-wise reload (moe_impl stock, nccl, TP > 1).
+FORMATS = ("kernel", "experts", "checkpoint")
 AUTO = "auto"
 # The packed IPC buffer: vLLM's default for its packed transfer (1 GiB). Larger buffers mean fewer
 # round trips per sync (each costs a Ray call and an engine RPC) at the price of GPU memory held
@@ -165,8 +172,10 @@ class IPCBuffer:
     def chunks(self, named_tensors: Iterable, dtype, limit: int | None = None) -> Iterable[dict]:
         """Pack (name, GPU tensor) pairs, cast to `dtype` (None: as they are), into chunks of at most
         `limit` bytes (default: the buffer); each chunk is yielded as {names, shapes, dtype_names,
-        tensor_sizes} once its bytes are on the GPU. The consumer must be done with a chunk before
-        the generator is resumed."""
+        tensor_sizes} once its bytes are on the GPU. A pair may carry a list of tensors instead: one
+        tensor, their concatenation along dim 0 (a kernel-format parameter such as qkv_proj), each
+        part copied into its place. The consumer must be done with a chunk before the generator is
+        resumed."""
         import torch
 
         limit = self.nbytes if limit is None else limit
@@ -175,27 +184,44 @@ class IPCBuffer:
 
         chunk, used = _new_chunk(), 0
         for name, t in named_tensors:
+            parts = list(t) if isinstance(t, (list, tuple)) else [t]
+            t = parts[0]
+            if any(p.dim() == 0 or p.shape[1:] != t.shape[1:] for p in parts[1:]):
+                raise ValueError(f"tensor {name!r}: its parts {[list(p.shape) for p in parts]} do not stack "
+                                 "along dim 0")
+            shape = [sum(p.shape[0] for p in parts), *t.shape[1:]] if len(parts) > 1 else list(t.shape)
             out_dtype = dtype or t.dtype
-            size = t.numel() * out_dtype.itemsize
+            size = sum(p.numel() for p in parts) * out_dtype.itemsize
             if size > limit:
                 raise ValueError(f"tensor {name!r} is {size} bytes, more than an IPC chunk's {limit} "
                                  f"(rollout.ipc_bucket_bytes); use at least {size}")
             if used and used + size > limit:
-                torch.cuda.current_stream().synchronize()
+                self._synchronize()
                 yield chunk
                 chunk, used = _new_chunk(), 0
             if used % out_dtype.itemsize:
                 raise ValueError(f"tensor {name!r} ({out_dtype}) would start at byte {used} of the IPC buffer, "
                                  "which is not a multiple of its element size: one dtype per sync")
-            self.tensor[used:used + size].view(out_dtype).view(t.shape).copy_(t)
+            at = used
+            for p in parts:
+                n = p.numel() * out_dtype.itemsize
+                self.tensor[at:at + n].view(out_dtype).view(p.shape).copy_(p)
+                at += n
             chunk["names"].append(name)
-            chunk["shapes"].append(list(t.shape))
+            chunk["shapes"].append(shape)
             chunk["dtype_names"].append(str(out_dtype).removeprefix("torch."))
             chunk["tensor_sizes"].append(size)
             used += size
         if used:
-            torch.cuda.current_stream().synchronize()
+            self._synchronize()
             yield chunk
+
+    def _synchronize(self) -> None:
+        """The chunk's bytes are in the buffer (the copies are queued on this process's stream)."""
+        import torch
+
+        if self.tensor.is_cuda:
+            torch.cuda.current_stream(self.tensor.device).synchronize()
 
 
 def _new_chunk() -> dict:
@@ -241,14 +267,15 @@ def send_ipc(trainer, client, *, model_dir: str, dtype: str | None,
     """One CUDA IPC sync of `trainer`'s weights into the engines behind `client`, run in the
     trainer's process on every trainer rank (each rank's copy serves the engine on its GPU; rank 0
     drives the client). Returns {"seconds": {phase: s}, "bytes", "sent_bytes", "chunks",
-    "kernel_experts"}.
+    "format", "why"} (why: the engines' reasons a more direct format was not taken).
 
     Nothing is applied before the whole update passed two checks: NaN/Inf in the sampler's dtype
     on every rank's GPU (`TrainerWorker.nonfinite_weights`, all-reduced), and the engines' plan of
     the update's names, shapes and dtypes (`RolloutWorker.plan_weight_update`, from metadata
-    alone); either raises ValueError, on every rank. Then the stream: with kernel-format experts
-    (the engines' plan says so) the routed experts first, fused, then the rest in checkpoint format
-    through vLLM's reload; else everything in checkpoint format.
+    alone); either raises ValueError, on every rank. Then the stream, in the format the engines'
+    plan names (`FORMATS`): "kernel", every engine parameter packed from its trainer tensors in the
+    plan's layout; "experts", the routed experts first, fused, then the rest in checkpoint format
+    through vLLM's reload; "checkpoint", everything through vLLM's reload.
 
     Phases (seconds): check, plan, start, pack (gathering and casting into the buffer, on this
     rank), send (the engines' chunk calls, as this rank sees them), finish; and the engines' own
@@ -265,29 +292,35 @@ def send_ipc(trainer, client, *, model_dir: str, dtype: str | None,
     metas = trainer_checked_metas(trainer, dtype, clock)
 
     def decide(client):
-        buffer_bytes = plan_buffer_bytes(metas, bucket_bytes)
         plans = client.plan_weight_update(metas)
-        return {"buffer_bytes": buffer_bytes, "kernel": agreed_kernel_experts(plans), "bytes": plans[0]["bytes"]}
+        fmt, layout = agreed_format(plans), plans[0]["layout"]
+        # the tensors as they travel: in kernel format the engine's (qkv_proj is larger than q_proj)
+        sent = [(name, shape, dtype) for name, shape, dtype, _ in layout] if fmt == "kernel" else metas
+        return {"buffer_bytes": plan_buffer_bytes(sent, bucket_bytes), "format": fmt, "why": plans[0]["why"],
+                "layout": layout, "bytes": plans[0]["bytes"]}
 
     decision = rank0_decides(rank, decide, client)
     clock.lap("plan")
     spec = checkpoint_spec(model_dir)
     out_dtype = getattr(torch, dtype) if dtype else None
     buf = ipc_buffer(decision["buffer_bytes"])
-    kernel = decision["kernel"]
-    if kernel:
-        passes = [lambda n: wts.is_fused_experts(spec, n), lambda n: not wts.is_fused_experts(spec, n)]
+    fmt = decision["format"]
+    if fmt == "kernel":
+        streams = [lambda: kernel_stream(trainer, decision["layout"])]
+    elif fmt == "experts":  # the experts whole first, then the rest in checkpoint format
+        streams = [lambda fused=fused: wts.to_checkpoint_names(
+                       spec, trainer.iter_device_weights(lambda n: wts.is_fused_experts(spec, n) == fused),
+                       kernel_experts=True) for fused in (True, False)]
     else:
-        passes = [lambda n: True]
+        streams = [lambda: wts.to_checkpoint_names(spec, trainer.iter_device_weights())]
     if rank == 0:
         if adapter.ipc_needs_init():
             client.init_weight_transfer_engine({"packed": True})
         client.start_weight_update()
     clock.lap("start")
     sent = {"bytes": 0, "chunks": 0}
-    for select in passes:
-        stream = wts.to_checkpoint_names(spec, trainer.iter_device_weights(select), kernel_experts=kernel)
-        for chunk in buf.chunks(stream, out_dtype, decision["buffer_bytes"]):
+    for stream in streams:
+        for chunk in buf.chunks(stream(), out_dtype, decision["buffer_bytes"]):
             buf.barrier()  # every rank's copy of this chunk is on its GPU
             clock.lap("pack")
             if rank == 0:
@@ -297,7 +330,19 @@ def send_ipc(trainer, client, *, model_dir: str, dtype: str | None,
             sent["bytes"] += sum(chunk["tensor_sizes"])
             sent["chunks"] += 1
     return finished_report(rank, client, clock, bytes=decision["bytes"], sent_bytes=sent["bytes"], chunks=sent["chunks"],
-                     kernel_experts=kernel)
+                           format=fmt, why=decision["why"])
+
+
+def kernel_stream(trainer, layout: list) -> Iterable[tuple[str, list]]:
+    """(engine parameter, [its trainer tensors, in order]) per entry of a kernel-format plan's
+    layout, the trainer's tensors read once each in the layout's order (the same on every rank)."""
+    tensors = trainer.iter_device_weights(names=[n for *_, parts in layout for n in parts])
+    for engine_name, _, _, parts in layout:
+        got = [next(tensors) for _ in parts]
+        if [n for n, _ in got] != list(parts):
+            raise RuntimeError(f"kernel-format stream: expected {parts} for {engine_name!r}, the trainer gave "
+                               f"{[n for n, _ in got]}")
+        yield engine_name, [t for _, t in got]
 
 
 def trainer_checked_metas(trainer, dtype: str | None, clock: "Clock") -> list:
@@ -383,10 +428,11 @@ def push_ipc_local(trainer, workers: list, *, model_dir: str, dtype: str | None,
                     bucket_bytes=bucket_bytes)
 
 
-def agreed_kernel_experts(plans: list[dict]) -> bool:
-    """Whether the engines' plans take the experts in kernel format; they must all agree (one stream)."""
-    kinds = {bool(p["kernel_experts"]) for p in plans}
-    if len(kinds) != 1:
-        raise ValueError("weight sync: the engines disagree on kernel-format experts (their moe_impl or "
-                         "tensor_parallel_size differ); one sync streams one layout")
-    return kinds.pop()
+def agreed_format(plans: list[dict]) -> str:
+    """The format (`FORMATS`) the engines' plans take the update in; they must all agree, and on a
+    kernel-format layout (one stream serves every engine)."""
+    if len({(p["format"], repr(p["layout"])) for p in plans}) != 1:
+        raise ValueError(f"weight sync: the engines take the update in different layouts "
+                         f"({sorted({p['format'] for p in plans})}: their moe_impl, tensor_parallel_size or model "
+                         "differ); one sync streams one layout")
+    return plans[0]["format"]

@@ -12,7 +12,7 @@ checks before anything moves are send_ipc's. Not yet run on two GPUs (README).
 
 from __future__ import annotations
 
-from rollout.sync import (DEFAULT_IPC_BUCKET_BYTES, Clock, agreed_kernel_experts, checkpoint_spec, finished_report,
+from rollout.sync import (DEFAULT_IPC_BUCKET_BYTES, Clock, agreed_format, checkpoint_spec, finished_report,
                           plan_buffer_bytes, rank0_decides, trainer_checked_metas)
 
 # vLLM's packed broadcast keeps this many buffers in flight on each side (its default).
@@ -98,12 +98,13 @@ def send_nccl(trainer, client, *, model_dir: str, dtype: str | None,
 
     def decide(client):
         plans = client.plan_weight_update(metas)
-        if agreed_kernel_experts(plans):
+        if agreed_format(plans) != "checkpoint":
             raise ValueError("rollout.weight_sync: 'nccl' streams checkpoint format; these engines expect "
-                             "kernel-format experts (built for weight_sync='ipc')")
+                             "kernel-format tensors (built for weight_sync='ipc')")
         stream_metas[:] = checkpoint_metadata(spec, metas)
         world_size, offsets = nccl_world(plans)
         return {"buffer_bytes": plan_buffer_bytes(stream_metas, bucket_bytes), "bytes": plans[0]["bytes"],
+                "why": plans[0]["why"],
                 "world_size": world_size, "offsets": offsets,
                 "groups": [p.get("transfer_group") for p in plans]}
 
@@ -127,4 +128,4 @@ def send_nccl(trainer, client, *, model_dir: str, dtype: str | None,
             pass
     clock.lap("send")
     return finished_report(rank, client, clock, bytes=decision["bytes"], sent_bytes=decision["bytes"], chunks=1,
-                     kernel_experts=False)
+                           format="checkpoint", why=decision["why"])

@@ -286,6 +286,17 @@ def to_checkpoint_names(spec: CheckpointSpec, named_tensors: Iterable[tuple[str,
         yield from _translate(spec, name, t, kernel_experts)
 
 
+def kernel_sources(spec: CheckpointSpec, metas: Iterable[tuple[str, Iterable[int], str]]) -> dict[str, str]:
+    """{update name: the trainer tensor it is} of a stream with `kernel_experts` (each trainer tensor
+    gives one update tensor; a tied lm_head gives none), from metadata alone."""
+    out = {}
+    for name, shape, dtype in metas:
+        meta = torch.empty(tuple(shape), dtype=getattr(torch, str(dtype)), device="meta")
+        for update_name, _ in to_checkpoint_names(spec, [(name, meta)], kernel_experts=True):
+            out[update_name] = name
+    return out
+
+
 def is_fused_experts(spec: CheckpointSpec, name: str) -> bool:
     """Whether trainer tensor `name` is a layer's fused routed experts (gate_up_proj / down_proj)."""
     for cand in _disk_candidates(spec, name):

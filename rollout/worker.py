@@ -34,8 +34,8 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from megamoe.contract import BITWISE, FAST, HOST_IMPLS, MEGAMOE, NUMERICS
-from rollout import plugin, weights
-from rollout.sync import STREAMED
+from rollout import kernel_format, plugin, weights
+from rollout.sync import FORMATS, STREAMED
 
 logger = logging.getLogger(__name__)
 
@@ -182,15 +182,14 @@ class RolloutWorker:
         self._updating = False
         self._session = False  # vLLM's update session (the checkpoint-format stream) has started
         self._seconds: dict[str, float] = {}  # this update's engine calls, by phase (finish reports them)
-        self._kernel_params: dict[str, tuple] | None = None  # engine's kernel-format expert params
-        self._kernel_names: dict[str, str] = {}  # update name -> engine parameter (plan_weight_update)
+        self._engine_params: dict | None = None  # megamoe_engine_params (the model's parameters do not change)
+        self._kernel_names: dict[str, str] = {}  # update name -> engine parameter, kernel-format tensors
         self._last_plan: tuple | None = None  # (the update's description, its checked plan)
         self.tensor_parallel_size = tensor_parallel_size
-        # An IPC sync streams the routed experts fused, in kernel format, where megamoe computes them
-        # on one GPU (plan_weight_update); False streams them per expert through vLLM's reload (the
-        # only way for moe_impl="stock"; benchmarks/bench_weight_sync.py compares the two).
-        # vLLM's NCCL engine loads what it receives through load_weights: checkpoint format only.
-        self.kernel_experts = self.moe_impl != "stock" and tensor_parallel_size == 1 and weight_sync == "ipc"
+        # The layout of a streamed update (rollout.sync.FORMATS; plan_weight_update): "auto" takes the
+        # most direct one this engine can load, and the sync report says which and why not a more
+        # direct one. Tests and benchmarks set one to compare them.
+        self.sync_format = "auto"
         self._transfer_group: str | None = None  # the trainer's NCCL group joined (address:port; nccl)
         self.model_dir = str(os.fspath(model_dir))
         self.spec = weights.CheckpointSpec.from_dir(self.model_dir)
@@ -424,57 +423,93 @@ class RolloutWorker:
         """Check a whole update, described as (name, shape, dtype name) per trainer tensor, against
         the checkpoint before any byte moves; raises naming the first bad tensor, changes nothing.
 
-        Returns {"tensors", "bytes", "kernel_experts", "workers", "transfer_group"}: kernel_experts
-        says the routed experts are to come fused in kernel format (rollout/sync.py), which this
-        engine takes over ipc when megamoe computes them on one GPU (moe_impl megamoe / reference,
-        tensor_parallel_size 1); the fused shapes and dtypes are checked against the engine's own
-        parameters as well. workers: the engine's ranks in an NCCL group; transfer_group: the
-        trainer's NCCL group it joined (address:port), or None."""
+        Returns {"tensors", "bytes", "format", "why", "layout", "workers", "transfer_group"}: format is
+        the layout the chunks must come in (rollout.sync.FORMATS: `sync_format`, or with "auto" the
+        most direct one this engine can load), why says why each more direct one was not taken,
+        layout (format "kernel") lists each engine parameter as [name, shape, dtype name, the trainer
+        tensors it is made of, concatenated along dim 0] (rollout/kernel_format.py); kernel-format
+        shapes and dtypes are checked against the engine's own parameters. workers: the engine's
+        ranks in an NCCL group; transfer_group: the trainer's NCCL group it joined (address:port), or
+        None."""
         self._need_ipc("plan_weight_update")
         if self._updating:
             raise RuntimeError("plan_weight_update: an update is being received; finish it first")
-        kernel = self.kernel_experts
-        if kernel and (self.moe_impl == "stock" or self.tensor_parallel_size != 1):
-            raise ValueError("kernel_experts: expected False with moe_impl='stock' or tensor_parallel_size > 1 "
-                             "(vLLM repacks or shards the experts)")
+        if self.sync_format not in ("auto",) + FORMATS:
+            raise ValueError(f"sync_format: expected one of {('auto',) + FORMATS}, got {self.sync_format!r}")
         # A run's syncs describe the same update every time: the checks of the last one are reused
         # when the description is equal (they depend on nothing else: the checkpoint is fixed).
-        key = (kernel, tuple((n, tuple(shape), str(dt)) for n, shape, dt in metas))
+        key = (self.sync_format, tuple((n, tuple(shape), str(dt)) for n, shape, dt in metas))
         if self._last_plan is not None and self._last_plan[0] == key:
-            plan, self._kernel_names = self._last_plan[1]
+            fmt, plan, self._kernel_names, layout, why = self._last_plan[1]
         else:
-            plan = weights.plan_metadata(self.spec, metas, kernel_experts=kernel)
-            self._kernel_names = self._match_kernel_params(plan) if kernel else {}
-            self._last_plan = (key, (plan, self._kernel_names))
+            fmt, plan, self._kernel_names, layout, why = self._choose_format(metas)
+            self._last_plan = (key, (fmt, plan, self._kernel_names, layout, why))
         self._plan = plan
         nbytes = sum(math.prod(shape) * getattr(torch, dt).itemsize for shape, dt in plan.values())
-        return {"tensors": len(plan), "bytes": nbytes, "kernel_experts": kernel,
+        return {"tensors": len(plan), "bytes": nbytes, "format": fmt, "why": dict(why), "layout": layout,
                 "workers": self.tensor_parallel_size, "transfer_group": self._transfer_group}
 
-    def _match_kernel_params(self, plan: dict) -> dict[str, str]:
+    def _engine(self) -> dict:
+        if self._engine_params is None:
+            self._engine_params = self.llm.collective_rpc("megamoe_engine_params")[0]
+        return self._engine_params
+
+    def _choose_format(self, metas: list) -> tuple:
+        """(format, plan {update name: (shape, dtype)}, {update name: engine parameter} of the tensors
+        copied in place, layout or None, {format: why not}) for `metas`; ValueError for an update
+        that does not fit the checkpoint or, in kernel format, the engine's parameters."""
+        why = {}
+        if self.weight_sync != "ipc":
+            why["kernel"] = why["experts"] = "vLLM's NCCL engine loads what it receives through load_weights"
+        elif self.tensor_parallel_size != 1:
+            why["kernel"] = why["experts"] = "tensor_parallel_size > 1: vLLM shards the weights as it loads them"
+        else:
+            engine = self._engine()
+            blockers = engine["blockers"]
+            if blockers:
+                why["kernel"] = (f"{len(blockers)} layer(s) compute from their weights after loading, e.g. "
+                                 f"{'; '.join(blockers[:2])}")
+            if not engine["experts"]:
+                why["experts"] = "vLLM computes the experts (moe_impl 'stock') and repacks them after loading"
+        chosen = FORMATS if self.sync_format == "auto" else (self.sync_format,)
+        for fmt in chosen:
+            if fmt in why:
+                if self.sync_format != "auto":
+                    raise ValueError(f"sync_format: {fmt!r} cannot load into this engine: {why[fmt]}")
+                continue
+            if fmt == "checkpoint":
+                return fmt, weights.plan_metadata(self.spec, metas), {}, None, why
+            plan = weights.plan_metadata(self.spec, metas, kernel_experts=True)
+            if fmt == "experts":
+                return fmt, plan, self._expert_names(plan), None, why
+            engine = self._engine()
+            try:
+                layout = kernel_format.kernel_layout(plan, engine["params"], engine["packed"])
+            except ValueError as e:  # the engine's parameters are not this checkpoint's in kernel format
+                if self.sync_format != "auto":
+                    raise
+                why["kernel"] = str(e)
+                continue
+            sources = weights.kernel_sources(self.spec, metas)
+            plan = {name: (shape, dtype) for name, shape, dtype, _ in layout}
+            layout = [[name, list(shape), dtype, [sources[u] for u in parts]] for name, shape, dtype, parts in layout]
+            return fmt, plan, {n: n for n in plan}, layout, why
+        raise AssertionError("checkpoint format is always possible")
+
+    def _expert_names(self, plan: dict) -> dict[str, str]:
         """{update name `<experts prefix>.w13_weight`: the engine's parameter holding it}, checked in
-        shape and dtype. vLLM names the parameter after the checkpoint's experts module, possibly
-        below it (vLLM 0.26: `<experts prefix>.routed_experts.w13_weight`): the one engine parameter
-        with that suffix at or below the prefix."""
-        if self._kernel_params is None:
-            self._kernel_params = self.llm.collective_rpc("megamoe_kernel_expert_params")[0]
+        shape and dtype (rollout.kernel_format.expert_param)."""
+        engine = self._engine()
         names = {}
         for name, want in plan.items():
             if not weights.is_kernel_expert_name(name):
                 continue
-            prefix, suffix = name.rsplit(".", 1)
-            found = [p for p in self._kernel_params
-                     if p.endswith("." + suffix) and (p == name or p.startswith(prefix + "."))]
-            if len(found) != 1:
-                raise ValueError(f"tensor {name!r}: expected one engine parameter for it at or below "
-                                 f"{prefix!r}, found {found or 'none'} (engine expert parameters: "
-                                 f"{sorted(self._kernel_params)[:4]}...); kernel_experts=False sends experts "
-                                 "through vLLM's reload instead")
-            have = self._kernel_params[found[0]]
+            found = kernel_format.expert_param(name, engine["experts"])
+            have = engine["params"][found]
             if tuple(have[0]) != tuple(want[0]) or have[1] != want[1]:
-                raise ValueError(f"tensor {name!r}: the engine's {found[0]!r} is {list(have[0])} {have[1]}, "
+                raise ValueError(f"tensor {name!r}: the engine's {found!r} is {list(have[0])} {have[1]}, "
                                  f"the update brings {list(want[0])} {want[1]}")
-            names[name] = found[0]
+            names[name] = found
         return names
 
     def start_weight_update(self) -> None:
@@ -510,9 +545,10 @@ class RolloutWorker:
         """One chunk (vLLM's update info: names, shapes, dtypes, and for ipc the sizes and the
         buffer's handle; for nccl the call receives the broadcast while the trainer sends), checked
         against the plan (each planned tensor exactly once, its shape and dtype), then loaded: a
-        chunk of kernel-format experts straight into the engine's expert parameters, a chunk in
-        checkpoint format through vLLM's update session (started at the first such chunk; kernel
-        chunks must come before it, while the MoE layers hold their parameters)."""
+        chunk of kernel-format tensors straight into the engine's parameters, a chunk in checkpoint
+        format through vLLM's update session (started at the first such chunk; kernel chunks must
+        come before it, while the MoE layers hold their parameters). An update all in kernel format
+        never opens vLLM's session."""
         import pickle
 
         from rollout import adapter
@@ -531,13 +567,13 @@ class RolloutWorker:
                 if (tuple(shape), dtype) != want:
                     raise ValueError(f"tensor {name!r}: planned {list(want[0])} {want[1]}, got {shape} {dtype}")
                 self._received.add(name)
-                kinds.add(weights.is_kernel_expert_name(name))
+                kinds.add(name in self._kernel_names)
             if len(kinds) > 1:
-                raise ValueError("a chunk mixes kernel-format experts and checkpoint-format tensors; the "
-                                 "trainer streams them separately (rollout/sync.py)")
+                raise ValueError("a chunk mixes kernel-format and checkpoint-format tensors; the trainer "
+                                 "streams them separately (rollout/sync.py)")
             if kinds == {True}:
                 if self._session:
-                    raise ValueError("kernel-format experts arrived after checkpoint-format tensors; they "
+                    raise ValueError("kernel-format tensors arrived after checkpoint-format tensors; they "
                                      "must come first (rollout/sync.py)")
                 info = {**update_info, "names": [self._kernel_names[n] for n in update_info["names"]]}
                 blob = pickle.dumps(info)

@@ -53,7 +53,7 @@ def _unique_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def iter_full_weights(model: nn.Module, *, dtype: torch.dtype | None = None, to_cpu: bool = True,
-                      rank: int = 0, dst: int | None = 0, select=None,
+                      rank: int = 0, dst: int | None = 0, select=None, names: list[str] | None = None,
                       may_alias: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) in state_dict order with transformers' names, one tensor at a time.
 
@@ -64,10 +64,19 @@ def iter_full_weights(model: nn.Module, *, dtype: torch.dtype | None = None, to_
     because neither FSDP2 nor our experts rename parameters.
 
     select: a predicate on names (the same on every rank): only those tensors are gathered.
+    names: exactly these tensors, in this order (the same on every rank; KeyError for one the model
+    does not hold), instead of state_dict order.
     may_alias: the caller copies each tensor before the weights change (a CUDA IPC sync packs it
     into its buffer at once), so a tensor that is the live parameter itself is not cloned.
     """
-    for name, t in _unique_state(model):
+    state = _unique_state(model)
+    if names is not None:
+        held = dict(state)
+        missing = [n for n in names if n not in held]
+        if missing:
+            raise KeyError(f"names: the model holds no tensor {missing[0]!r} ({len(missing)} missing)")
+        state = ((n, held[n]) for n in names)
+    for name, t in state:
         if select is not None and not select(name):
             continue
         full = _full_tensor(t)
@@ -80,9 +89,10 @@ def iter_full_weights(model: nn.Module, *, dtype: torch.dtype | None = None, to_
         # What the consumer holds must never alias live weights (the next optimizer step changes
         # them in place): a plain parameter, or a DTensor whose full_tensor() is its own local shard
         # (a one-rank mesh gathers nothing), is cloned.
-        local = t.to_local() if isinstance(t, DTensor) else t
-        if not may_alias and full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
-            full = full.clone()
+        if not may_alias:
+            local = t.to_local() if isinstance(t, DTensor) else t
+            if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+                full = full.clone()
         if to_cpu:
             full = full.cpu()
         yield name, full

@@ -253,6 +253,10 @@ class TrainerWorker:
                     totals[k] = min(totals.get(k, math.inf), v)
                 else:
                     totals[k] = totals.get(k, 0.0) + v
+        if self.device.type == "cuda":
+            # The last optimizer step is still queued on the GPU: wait for it here, so that this step's
+            # time is its own and not the next call's (a weight sync's first read waited for it).
+            torch.cuda.synchronize(self.device)
         self.step += 1
         metrics = finish_stats(totals)
         metrics.update({
@@ -295,14 +299,14 @@ class TrainerWorker:
         name = dtype or self.cfg.export_dtype
         return iter_full_weights(self.model, dtype=_DTYPES[name] if name else None, rank=self.rank)
 
-    def iter_device_weights(self, select=None) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_device_weights(self, select=None, names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor on this rank's device, in the trainer's dtype), one at a time, on every
-        rank, for the names `select` accepts (all by default): a CUDA IPC sync, where each rank's copy
-        serves the engine on its GPU and is cast to the sampler's dtype as it is packed. A tensor may
-        be the live parameter: copy it before the next optimizer step. Every rank must iterate it
-        to the end."""
+        rank, for the names `select` accepts (all by default), or exactly `names` in that order: a
+        CUDA IPC sync, where each rank's copy serves the engine on its GPU and is cast to the
+        sampler's dtype as it is packed. A tensor may be the live parameter: copy it before the next
+        optimizer step. Every rank must iterate it to the end."""
         return iter_full_weights(self.model, to_cpu=False, rank=self.rank, dst=None, select=select,
-                                 may_alias=True)
+                                 names=names, may_alias=True)
 
     def sync_dtype(self, dtype: str | None = None) -> str | None:
         """The dtype name a weight sync sends in: `dtype`, else the trainer's export dtype (None: as held)."""

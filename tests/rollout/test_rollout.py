@@ -260,3 +260,24 @@ def test_reference_with_cuda_graphs_is_refused_on_gpu(models, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(ValueError, match="enforce_eager: expected True or None with moe_impl='reference'"):
         RolloutWorker(models[0], "reference", enforce_eager=False)
+
+
+# -- kernel format (rollout/kernel_format.py): the names vLLM really gives the parameters -------------
+
+def test_every_engine_parameter_is_made_of_named_checkpoint_tensors(worker, models, hf):
+    """A kernel-format update names vLLM's parameters from the checkpoint's by the model's
+    packed_modules_mapping: here every parameter of vLLM's own Qwen3-MoE is reached, and CPU vLLM is
+    reported as what keeps this engine in checkpoint format (it repacks its linears after loading).
+    Shapes are not compared: CPU vLLM drops a repacked linear's weight ([0])."""
+    from rollout.kernel_format import kernel_targets
+    from rollout.weights import CheckpointSpec, plan_metadata
+
+    engine = worker.llm.collective_rpc("megamoe_engine_params")[0]
+    spec = CheckpointSpec.from_dir(models[0])
+    metas = [(n, list(t.shape), "float32") for n, t in hf[0].state_dict().items()]  # the trainer's names
+    update = plan_metadata(spec, metas, kernel_experts=True)
+    targets = kernel_targets(update, engine["params"], engine["packed"])
+    assert set(targets) == set(engine["params"])
+    assert [len(p) for n, p in targets.items() if n.endswith("qkv_proj.weight")] == [3] * LAYERS
+    assert len(engine["experts"]) == 2 * LAYERS and all(e in engine["params"] for e in engine["experts"])
+    assert engine["blockers"] and all("(cpu)" in b for b in engine["blockers"]), engine["blockers"][:3]

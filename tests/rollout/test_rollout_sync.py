@@ -4,6 +4,8 @@ IPC transfer itself runs in tests/rollout/test_rollout_sync_gpu.py (H200)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -151,14 +153,15 @@ def test_kernel_format_stream_is_the_trainers_fused_tensors(ckpt):
 
 
 class _FakeLLM:
-    """vLLM's LLM as the streamed protocol sees it: records the calls, holds kernel parameters."""
+    """vLLM's LLM as the streamed protocol sees it: records the calls, describes its parameters
+    (RolloutWorker's megamoe_engine_params)."""
 
-    def __init__(self, params):
-        self.params, self.calls = params, []
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
 
     def collective_rpc(self, method, args=()):
         self.calls.append(method)
-        return [self.params if method == "megamoe_kernel_expert_params" else None]
+        return [self.engine if method == "megamoe_engine_params" else None]
 
     def start_weight_update(self):
         self.calls.append("start")
@@ -176,18 +179,48 @@ def _protocol_worker(spec, engine_params, weight_sync="ipc", tensor_parallel_siz
 
     w = object.__new__(RolloutWorker)
     w.__dict__.update(weight_sync=weight_sync, moe_impl="megamoe", tensor_parallel_size=tensor_parallel_size,
-                      kernel_experts=weight_sync == "ipc",
+                      sync_format="auto",
                       spec=spec, _plan=None, _received=set(), _updating=False, _session=False,
-                      _kernel_params=None, _kernel_names={}, _last_plan=None, _asleep=set(), sleep_mode=False, _seconds={},
+                      _engine_params=None, _kernel_names={}, _last_plan=None, _asleep=set(), sleep_mode=False, _seconds={},
                       _transfer_group=None,
                       _weights_broken=None, llm=_FakeLLM(engine_params))
     return w
 
 
-def _engine_params(spec, below="routed_experts"):
+QWEN3_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+"""vLLM's Qwen3MoeForCausalLM.packed_modules_mapping (vLLM 0.26 and 0.32)."""
+BLOCKED = ["model.layers.0.self_attn.attn: (test) a layer that computes from its weights after loading"]
+
+
+def _expert_params(spec, below="routed_experts"):
     return {f"{p}.{below}.{s}": (shape, "bfloat16") for p, g in spec.expert_groups.items()
             for s, shape in (("w13_weight", (g.num_experts, 2 * g.intermediate, g.hidden)),
                              ("w2_weight", (g.num_experts, g.hidden, g.intermediate)))}
+
+
+def _vllm_params(spec, below="routed_experts"):
+    """The parameters vLLM's Qwen3-MoE holds for this checkpoint at tensor_parallel_size 1: q/k/v
+    packed into qkv_proj (rows q, k, v), each layer's experts fused below its experts module, the
+    rest under the checkpoint's names."""
+    params = _expert_params(spec, below)
+    for name, shape in spec.shapes.items():
+        if ".experts." in name:
+            continue
+        for shard in QWEN3_PACKED["qkv_proj"]:
+            if f".{shard}." in name:
+                name = name.replace(shard, "qkv_proj")
+                rows = params.get(name, ((0,), None))[0][0]
+                shape = (rows + shape[0],) + tuple(shape[1:])
+        params[name] = (tuple(shape), "bfloat16")
+    return params
+
+
+def _engine_params(spec, below="routed_experts", blockers=BLOCKED, whole=False):
+    """megamoe_engine_params of a megamoe engine: by default one that keeps checkpoint format for the
+    non-expert weights (a blocker) and lists only its expert parameters; whole: every parameter."""
+    experts = _expert_params(spec, below)
+    return {"params": _vllm_params(spec, below) if whole else experts, "experts": sorted(experts),
+            "packed": QWEN3_PACKED, "blockers": list(blockers)}
 
 
 def _chunk(names, plan):
@@ -199,7 +232,8 @@ def test_streamed_update_sends_kernel_experts_first_to_the_engines_own_parameter
     _, spec, state, _ = ckpt
     w = _protocol_worker(spec, _engine_params(spec))
     info = w.plan_weight_update(_metas(state))
-    assert info["kernel_experts"] and info["tensors"] == len(w._plan)
+    assert info["format"] == "experts" and info["tensors"] == len(w._plan)
+    assert BLOCKED[0] in info["why"]["kernel"] and info["layout"] is None
     kernel = [n for n in w._plan if n.endswith(("w13_weight", "w2_weight"))]
     rest = [n for n in w._plan if n not in kernel]
     # plan names map to the engine's parameters below each experts module
@@ -212,7 +246,7 @@ def test_streamed_update_sends_kernel_experts_first_to_the_engines_own_parameter
     # the engine's time per phase of this update, one entry per kind of engine call it made
     assert set(done["seconds"]) == {"wake", "kernel", "session_start", "reload", "session_finish",
                                     "reset_prefix_cache"} and all(v >= 0 for v in done["seconds"].values())
-    assert w.llm.calls == ["megamoe_kernel_expert_params", "megamoe_receive_kernel_chunk", "start",
+    assert w.llm.calls == ["megamoe_engine_params", "megamoe_receive_kernel_chunk", "start",
                            "megamoe_update_weights", "finish", "reset"]
 
 
@@ -241,17 +275,22 @@ def test_streamed_update_out_of_protocol_breaks_the_engine_until_a_complete_one(
     assert w.llm.calls.count("start") == w.llm.calls.count("finish")  # vLLM's session never left open
 
 
-@pytest.mark.parametrize("engine, match", [
-    (lambda p: {}, "found none"),
+def _edit_experts(engine, edit):
+    params = edit(engine["params"])
+    return {**engine, "params": params, "experts": sorted(params)}
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda p: {k.replace(".experts.", ".elsewhere."): v for k, v in p.items()}, "found none"),
     (lambda p: {**p, **{k.replace("routed_experts", "other"): v for k, v in p.items()}}, "expected one"),
     (lambda p: {k: ((1,) + v[0][1:], v[1]) for k, v in p.items()}, "the update brings"),
 ])
-def test_kernel_plan_refuses_engine_parameters_that_do_not_fit(ckpt, engine, match):
+def test_kernel_plan_refuses_engine_parameters_that_do_not_fit(ckpt, edit, match):
     _, spec, state, _ = ckpt
-    w = _protocol_worker(spec, engine(_engine_params(spec)))
+    w = _protocol_worker(spec, _edit_experts(_engine_params(spec), edit))
     with pytest.raises(ValueError, match=match):
         w.plan_weight_update(_metas(state))
-    assert w._plan is None and w.llm.calls == ["megamoe_kernel_expert_params"]  # nothing else happened
+    assert w._plan is None and w.llm.calls == ["megamoe_engine_params"]  # nothing else happened
 
 
 class _CheckedTrainer:
@@ -271,7 +310,7 @@ class _CheckedTrainer:
     def weight_metadata(self, dtype):
         return self.metas
 
-    def iter_device_weights(self, select=None):
+    def iter_device_weights(self, select=None, names=None):
         raise AssertionError("a refused sync must not read the weights")
 
 
@@ -310,6 +349,155 @@ def test_engine_reuses_a_plan_only_for_the_same_update(ckpt):
     assert w.plan_weight_update(_metas(state)) == first
 
 
+# -- kernel format: every tensor as the engine's own parameter (rollout/kernel_format.py) -------------
+
+def _vllm_tensor(spec, disk, name):
+    """What vLLM holds in parameter `name` after loading the checkpoint (`_vllm_params`' layout), from
+    the checkpoint's own tensors on disk."""
+    if name.endswith("qkv_proj.weight"):
+        return torch.cat([disk[name.replace("qkv_proj", s)] for s in QWEN3_PACKED["qkv_proj"]])
+    prefix, below, kind = name.rsplit(".", 2) if ".experts." in name else (None, None, None)
+    if kind in ("w13_weight", "w2_weight"):
+        g = spec.expert_groups[prefix]
+        if kind == "w2_weight":
+            return torch.stack([disk[g.name(e, g.down)] for e in range(g.num_experts)])
+        return torch.stack([torch.cat([disk[g.name(e, g.gate)], disk[g.name(e, g.up)]]) for e in range(g.num_experts)])
+    return disk[name]
+
+
+def test_kernel_layout_packs_q_k_v_into_qkv_and_fills_every_engine_parameter(ckpt):
+    from rollout.kernel_format import kernel_layout
+
+    _, spec, state, disk = ckpt
+    plan = plan_metadata(spec, _metas(state), kernel_experts=True)
+    engine = _vllm_params(spec)
+    layout = kernel_layout(plan, engine, QWEN3_PACKED)
+    assert sorted(n for n, *_ in layout) == sorted(engine)  # every engine parameter, once
+    for name, shape, dtype, parts in layout:
+        assert (shape, dtype) == engine[name], name
+        if name.endswith("qkv_proj.weight"):
+            assert parts == [name.replace("qkv_proj", s) for s in ("q_proj", "k_proj", "v_proj")]
+        elif ".experts." in name:
+            assert parts == [name.replace(".routed_experts", "")]
+        else:
+            assert parts == [name]
+    assert sum(len(p) for *_, p in layout) == len(plan)  # every update tensor lands somewhere
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda e: {k: v for k, v in e.items() if "layers.1.self_attn.qkv_proj" not in k}, "no shard of|does not have"),
+    (lambda e: {**e, "model.layers.0.mlp.shared.weight": ((4, 4), "bfloat16")}, "get nothing"),
+    (lambda e: {k.replace("o_proj", "out_proj"): v for k, v in e.items()}, "no parameter of that name"),
+    (lambda e: {k: ((v[0][0] + 8,) + v[0][1:], v[1]) if "qkv_proj" in k else v for k, v in e.items()}, "rows"),
+    (lambda e: {k: (v[0][:1] + (v[0][1] + 1,), v[1]) if k.endswith("o_proj.weight") else v for k, v in e.items()},
+     "o_proj.weight' is"),
+    (lambda e: {k: (v[0], "float32") if k.endswith("norm.weight") else v for k, v in e.items()}, "is float32"),
+])
+def test_kernel_layout_refuses_an_engine_it_cannot_fill_naming_the_parameter(ckpt, edit, match):
+    from rollout.kernel_format import kernel_layout
+
+    _, spec, state, _ = ckpt
+    plan = plan_metadata(spec, _metas(state), kernel_experts=True)
+    with pytest.raises(ValueError, match=match):
+        kernel_layout(plan, edit(_vllm_params(spec)), QWEN3_PACKED)
+
+
+def test_kernel_layout_takes_a_padded_vocabulary_but_no_partial_shards(ckpt):
+    from rollout.kernel_format import kernel_layout, kernel_targets
+
+    _, spec, state, _ = ckpt
+    plan = plan_metadata(spec, _metas(state), kernel_experts=True)
+    engine = _vllm_params(spec)
+    rows, hidden = engine["model.embed_tokens.weight"][0]
+    padded = {**engine, "model.embed_tokens.weight": ((rows + 64, hidden), "bfloat16")}
+    got = {n: shape for n, shape, _, _ in kernel_layout(plan, padded, QWEN3_PACKED)}
+    assert got["model.embed_tokens.weight"] == (rows, hidden)  # the leading rows; the padding stays
+    without_v = [n for n in plan if not n.endswith("v_proj.weight")]
+    with pytest.raises(ValueError, match=r"shards \[0, 1\] of 3"):
+        kernel_targets(without_v, engine, QWEN3_PACKED)
+
+
+class _KernelFakeLLM(_FakeLLM):
+    """An engine that takes kernel-format chunks: what each parameter would receive, read from the
+    (CPU) buffer the trainer packed, at the offsets the chunk's update info gives."""
+
+    def __init__(self, engine, buffer):
+        super().__init__(engine)
+        self.buffer, self.received = buffer, {}
+
+    def init_weight_transfer_engine(self, request):
+        self.calls.append("init")
+
+    def collective_rpc(self, method, args=()):
+        if method == "megamoe_receive_kernel_chunk":
+            import pickle
+
+            info, at = pickle.loads(args[0]), 0
+            for name, shape, dtype, size in zip(info["names"], info["shapes"], info["dtype_names"],
+                                                info["tensor_sizes"]):
+                self.received[name] = self.buffer[at:at + size].view(getattr(torch, dtype)).view(shape).clone()
+                at += size
+        return super().collective_rpc(method, args)
+
+
+def test_kernel_format_sync_gives_each_engine_parameter_its_loaded_value_without_vllms_reload(ckpt, monkeypatch):
+    from rollout import sync
+    from rollout.sync import LocalClient, send_ipc
+
+    _, spec, state, disk = ckpt
+    buf = object.__new__(sync.IPCBuffer)  # the packing of IPCBuffer over a CPU tensor (no CUDA here)
+    buf.__dict__.update(nbytes=1 << 20, tensor=torch.empty(1 << 20, dtype=torch.uint8), handle={},
+                        multi_rank=False)
+    monkeypatch.setattr(sync, "ipc_buffer", lambda nbytes: buf)
+    w = _protocol_worker(spec, None)
+    w.llm = _KernelFakeLLM(_engine_params(spec, blockers=(), whole=True), buf.tensor)
+    # a bucket as large as the largest engine parameter (a w13): several chunks
+    bucket = max(math.prod(shape) * 2 for shape, _ in _vllm_params(spec).values())
+    with pytest.raises(ValueError, match="rollout.ipc_bucket_bytes: tensor .* is 65536 bytes"):  # before any chunk
+        send_ipc(_StreamTrainer(state), LocalClient(w), model_dir=str(spec.model_dir), dtype="bfloat16",
+                 bucket_bytes=bucket - 2)
+    assert "megamoe_receive_kernel_chunk" not in w.llm.calls
+    out = send_ipc(_StreamTrainer(state), LocalClient(w), model_dir=str(spec.model_dir), dtype="bfloat16",
+                   bucket_bytes=bucket)
+    assert out["format"] == "kernel" and out["why"] == {} and out["chunks"] > 1
+    got = w.llm.received
+    assert sorted(got) == sorted(_vllm_params(spec))
+    for name, t in got.items():  # bit for bit what vLLM's loader makes of the checkpoint, in bf16
+        assert t.dtype == torch.bfloat16 and torch.equal(t, _vllm_tensor(spec, disk, name).to(torch.bfloat16)), name
+    # no vLLM update session (its layer-wise reload): the chunks, then the prefix cache reset
+    assert "start" not in w.llm.calls and "finish" not in w.llm.calls and w.llm.calls[-1] == "reset"
+    assert out["sent_bytes"] == out["bytes"] == sum(t.numel() * 2 for t in got.values())
+
+
+@pytest.mark.parametrize("fmt, engine, match", [
+    ("kernel", dict(), "sync_format: 'kernel' cannot load into this engine: 1 layer"),
+    ("experts", dict(below="routed_experts"), None),
+    ("bogus", dict(), "sync_format: expected one of"),
+])
+def test_an_asked_format_is_taken_or_refused_naming_why(ckpt, fmt, engine, match):
+    _, spec, state, _ = ckpt
+    w = _protocol_worker(spec, _engine_params(spec, **engine))
+    w.sync_format = fmt
+    if match is None:
+        assert w.plan_weight_update(_metas(state))["format"] == fmt
+        return
+    with pytest.raises(ValueError, match=match):
+        w.plan_weight_update(_metas(state))
+    assert w._plan is None
+
+
+def test_auto_says_why_it_left_kernel_format(ckpt):
+    _, spec, state, _ = ckpt
+    engine = _engine_params(spec, blockers=(), whole=True)
+    engine["params"]["model.layers.0.mlp.shared_expert_gate.weight"] = ((1, 4), "bfloat16")  # nothing fills it
+    w = _protocol_worker(spec, engine)
+    info = w.plan_weight_update(_metas(state))
+    assert info["format"] == "experts" and "shared_expert_gate" in info["why"]["kernel"]
+    w.sync_format = "kernel"
+    with pytest.raises(ValueError, match="get nothing"):
+        w.plan_weight_update(_metas(state))
+
+
 # -- nccl: what the CPU can check of the separate-GPU path (its run needs two GPUs) ------------------
 
 def test_nccl_world_puts_the_trainer_first_then_each_engines_workers():
@@ -344,8 +532,10 @@ class _StreamTrainer(_CheckedTrainer):
     def weight_metadata(self, dtype):
         return _metas(self.state, dtype or "float32")
 
-    def iter_device_weights(self, select=None):
-        return iter(self.state.items())
+    def iter_device_weights(self, select=None, names=None):
+        if names is not None:
+            return ((n, self.state[n]) for n in names)
+        return ((n, t) for n, t in self.state.items() if select is None or select(n))
 
 
 @pytest.fixture
@@ -372,9 +562,9 @@ def test_nccl_sync_joins_once_then_streams_the_checkpoint_to_every_engine(ckpt, 
 
     _, spec, state, disk = ckpt
     sent, groups = nccl_wire
-    engines = [_protocol_worker(spec, {}, "nccl", tensor_parallel_size=tp) for tp in (1, 2)]
+    engines = [_protocol_worker(spec, None, "nccl", tensor_parallel_size=tp) for tp in (1, 2)]
     for w in engines:
-        w.llm = _NcclFakeLLM({})
+        w.llm = _NcclFakeLLM(None)
     trainer = _StreamTrainer(state)
     out = send_nccl(trainer, LocalClient(*engines), model_dir=str(spec.model_dir), dtype="bfloat16")
     (port, world), = groups
@@ -391,15 +581,15 @@ def test_nccl_sync_joins_once_then_streams_the_checkpoint_to_every_engine(ckpt, 
         assert [c for c in w.llm.calls if not isinstance(c, tuple)] == ["start", "megamoe_update_weights",
                                                                          "finish", "reset"]
         assert not w._updating and w._weights_broken is None
-    assert out["kernel_experts"] is False and out["bytes"] == sum(t.numel() * 2 for _, t in tensors)
+    assert out["format"] == "checkpoint" and out["bytes"] == sum(t.numel() * 2 for _, t in tensors)
     assert {"check", "plan", "start", "send", "finish"} <= set(out["seconds"])
 
     send_nccl(trainer, LocalClient(*engines), model_dir=str(spec.model_dir), dtype="bfloat16")
     assert len(groups) == 1 and sent[1][0] == "group1"  # the group is kept between syncs
 
     # a restarted engine (never joined) and a sync to a subset: a new group each time, never a stale one
-    engines[1] = _protocol_worker(spec, {}, "nccl", tensor_parallel_size=2)
-    engines[1].llm = _NcclFakeLLM({})
+    engines[1] = _protocol_worker(spec, None, "nccl", tensor_parallel_size=2)
+    engines[1].llm = _NcclFakeLLM(None)
     send_nccl(trainer, LocalClient(*engines), model_dir=str(spec.model_dir), dtype="bfloat16")
     assert len(groups) == 2 and groups[1][1] == 4 and sent[2][0] == "group2"
     send_nccl(trainer, LocalClient(engines[0]), model_dir=str(spec.model_dir), dtype="bfloat16")
@@ -408,7 +598,7 @@ def test_nccl_sync_joins_once_then_streams_the_checkpoint_to_every_engine(ckpt, 
 
 @pytest.mark.parametrize("case, match", [
     ("nonfinite", "hold NaN/Inf in bfloat16"),
-    ("kernel", "kernel-format experts"),
+    ("kernel", "kernel-format tensors"),
     ("bucket", "rollout.ipc_bucket_bytes"),
 ])
 def test_nccl_sync_refuses_before_any_group_or_update(ckpt, nccl_wire, case, match):
@@ -424,4 +614,4 @@ def test_nccl_sync_refuses_before_any_group_or_update(ckpt, nccl_wire, case, mat
         send_nccl(trainer, LocalClient(w), model_dir=str(spec.model_dir), dtype="bfloat16",
                   bucket_bytes=1024 if case == "bucket" else 1 << 30)
     assert not groups and not sent and not w._updating
-    assert not [c for c in w.llm.calls if c != "megamoe_kernel_expert_params"]
+    assert not [c for c in w.llm.calls if c != "megamoe_engine_params"]

@@ -4,11 +4,13 @@ same GPU, bf16, megamoe on both sides, the engine with CUDA graphs and sleep mod
     python -m pytest -q -s -m gpu tests/rollout/test_rollout_sync_gpu.py        # on the H200 machine
 
 One module fixture runs the scenario once; the tests read its record:
-- the trainer scales its experts x1.5 and syncs (experts in kernel format): the engine's logprobs
-  (greedy decode and prefill scores) move, and equal, bit for bit, those of a fresh engine loaded
-  from the same weights saved to disk (in the folder the first engine was started from, so the
-  fresh engine runs the graph vLLM compiled for it: see `record`);
-- the same weights sent per expert through vLLM's reload give the same bits;
+- the trainer scales its experts x1.5 and every other weight x1.0625 and syncs (format "kernel":
+  every tensor as the engine's own parameter, no vLLM reload): the engine's logprobs (greedy decode
+  and prefill scores) move, and equal, bit for bit, those of a fresh engine loaded from the same
+  weights saved to disk (in the folder the first engine was started from, so the fresh engine runs
+  the graph vLLM compiled for it: see `record`), every parameter SHA-1-equal;
+- the same weights in format "experts" (the rest through vLLM's reload) and "checkpoint" (every
+  expert's tensors through vLLM's reload) give the same bits;
 - the same sync after sleep level 1 and after level 2 gives the same bits;
 - a NaN in the last layer's experts is refused before anything is applied (bits unchanged);
 - a chunk that breaks the plan half-way leaves the engine refusing to sample, and the next complete
@@ -113,16 +115,16 @@ def record(tmp_path_factory):
         out["base"] = _observe(engine)
         with torch.no_grad():
             for name, p in trainer.model.named_parameters():
-                if ".experts." in name:
-                    p.mul_(1.5)
+                p.mul_(1.5 if ".experts." in name else 1.0625)
         out["info"] = push(bucket_bytes=SMALL_BUCKET)
         out["synced"] = _observe(engine)
         out["synced_experts"] = [engine.read_experts(i) for i in range(4)]
         out["synced_digests"] = engine.llm.collective_rpc("megamoe_param_digests")[0]
-        engine.kernel_experts = False  # the same weights per expert through vLLM's reload
-        out["per_expert_info"] = push(bucket_bytes=SMALL_BUCKET)
-        out["per_expert"] = _observe(engine)
-        engine.kernel_experts = True
+        for fmt in ("experts", "checkpoint"):  # the same weights through vLLM's reload
+            engine.sync_format = fmt
+            out[f"{fmt}_info"] = push(bucket_bytes=SMALL_BUCKET)
+            out[fmt] = _observe(engine)
+        engine.sync_format = "auto"
         for level in (1, 2):
             mem = {"awake": engine.gpu_memory()}
             engine.sleep(level)
@@ -184,16 +186,18 @@ def record(tmp_path_factory):
 
 def test_sync_moves_the_logprobs(record):
     moved = max_abs_diff(record["synced"]["score"], record["base"]["score"])
-    print(f"[sync] experts x1.5: max |dlogp| {moved:.3e} vs before the sync")
+    print(f"[sync] experts x1.5, the rest x1.0625: max |dlogp| {moved:.3e} vs before the sync")
     assert moved > MOVED_MIN
     info = record["info"]
-    assert info["kernel_experts"] and info["chunks"] > 2, info
+    assert info["format"] == "kernel" and info["why"] == {} and info["chunks"] > 2, info
     assert info["sent_bytes"] == info["bytes"] > 0
+    assert "engine_session_start" not in info["seconds"] and "engine_reload" not in info["seconds"], info
 
 
-def test_per_expert_sync_gives_the_same_bits(record):
-    assert not record["per_expert_info"]["kernel_experts"]
-    assert record["per_expert"] == record["synced"]
+@pytest.mark.parametrize("fmt", ["experts", "checkpoint"])
+def test_the_other_formats_give_the_same_bits(record, fmt):
+    assert record[f"{fmt}_info"]["format"] == fmt
+    assert record[fmt] == record["synced"]
 
 
 def test_synced_engine_equals_a_fresh_engine_bitwise(record):
