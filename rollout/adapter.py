@@ -25,6 +25,9 @@ Extension points used (no vLLM file is edited, nothing of vLLM is monkey-patched
 - `Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`: vLLM's in-place
   layer-wise reload, which re-runs each layer's `process_weights_after_loading` and copies the
   result into the tensors the model already uses (so CPU-prepacked linears stay correct).
+- Kernel-format weight updates (rollout/kernel_format.py): the model's `packed_modules_mapping` names
+  what each fused parameter is made of, and `kernel_format_blockers` the layers whose
+  `process_weights_after_loading` computes something, which only vLLM's reload may load.
 - `vllm.distributed.weight_transfer` (backend "ipc"): the engine's side of a CUDA IPC sync
   (`LLM.start_weight_update` / `update_weights` / `finish_weight_update`); `ipc_update_info` writes
   the packed update info each version parses (0.26: `packed` per update; >= 0.32: at init).
