@@ -120,6 +120,7 @@ def _run(model_dir, impl, update_state, one_at_a_time=False):
     w = RolloutWorker(model_dir, impl, dtype="float32", seed=0, max_model_len=128, kv_cache_memory_bytes=64 << 20)
     try:
         status = w.status()[0]
+        blockers = w.llm.collective_rpc("megamoe_engine_params")[0]["blockers"]
         w.reset_moe_calls()
         before = generate(w)
         calls = w.moe_calls()
@@ -127,7 +128,7 @@ def _run(model_dir, impl, update_state, one_at_a_time=False):
         after = generate(w)
     finally:
         w.close()
-    return {"status": status, "calls": calls, "before": before, "after": after}
+    return {"status": status, "calls": calls, "before": before, "after": after, "blockers": blockers}
 
 
 def _logprobs(samples):
@@ -155,6 +156,18 @@ def test_deepseek_v2_through_megamoe_matches_vllm_stock(deepseek):
         assert err <= LOGPROB_TOL_FP32
     # The update changed the model, so "after" compares the new weights in both engines.
     assert [s["completion_ids"] for s in ours["before"]] != [s["completion_ids"] for s in ours["after"]]
+
+
+@pytest.mark.slow  # the module's `deepseek` engines
+def test_deepseek_v2_keeps_its_mla_and_stock_experts_out_of_kernel_format(deepseek):
+    """rollout.adapter.kernel_format_blockers on vLLM's real classes: MLA derives matrices from kv_b_proj
+    after loading, vLLM's own MoE method repacks its experts, CPU vLLM repacks its linears; a weight sync
+    must load those through vLLM's reload (rollout/kernel_format.py)."""
+    ours, stock = deepseek["megamoe"]["blockers"], deepseek["stock"]["blockers"]
+    assert any("MLA" in b for b in ours) and any("MLA" in b for b in stock), ours[:3]
+    assert not any("experts after loading" in b for b in ours)  # megamoe keeps w13 / w2 as loaded
+    assert any("experts after loading" in b for b in stock), stock[:3]
+    assert any("processes its weights after loading (cpu)" in b for b in ours), ours[:3]
 
 
 def test_deepseek_v3_config_vllm_would_route_otherwise_is_refused():
