@@ -26,7 +26,8 @@ Kernel format (the CUDA IPC sync, moe_impl megamoe / reference): the routed expe
 fused, under vLLM's parameter names `<on-disk experts prefix>.w13_weight [E,2I,H]` and `.w2_weight
 [E,H,I]` (`KERNEL_EXPERT_SUFFIXES`), the layout megamoe computes from and the trainer holds, so
 the engine copies them into its parameters whole instead of re-assembling 3E per-expert tensors
-(`to_checkpoint_names(..., kernel_experts=True)`, `plan_metadata(..., kernel_experts=True)`).
+(`to_checkpoint_names(..., kernel_experts=True)`, `plan_metadata(..., kernel_experts=True)`); where the
+engine allows, the rest of the update travels as the engine's parameters too (rollout/kernel_format.py).
 
 Shape legend: E experts, I expert intermediate, H hidden.
 """
