@@ -10,10 +10,11 @@ RolloutWorker (megamoe, eager: the sync does not depend on CUDA graphs). Each mo
 times after one warm-up (files: once, it is ~100x slower); GB/s = bytes on the wire / seconds.
 Three IPC layouts (rollout.sync.FORMATS): `ipc/kernel` (every tensor as the engine's own parameter,
 copied in place, no vLLM reload; what `auto` picks for moe_impl megamoe on CUDA), `ipc/experts` (the
-routed experts so, the rest through vLLM's layer-wise reload) and `ipc/checkpoint` (everything,
-each expert's tensors included, through vLLM's reload, as moe_impl stock needs). Memory: the trainer's torch peak over its resting
-allocation during a sync (its IPC buffer is kept for the run: rollout/sync.py IPCBuffer), the
-engine's torch peak, and the device's used memory after each sync (flat when nothing leaks).
+routed experts so, the rest through vLLM's layer-wise reload) and `ipc/checkpoint` (everything, each
+expert's tensors included, through vLLM's reload, as moe_impl stock needs). Memory: the trainer's
+torch peak over its resting allocation during a sync (its IPC buffer is kept for the run:
+rollout/sync.py IPCBuffer), the engine's torch peak, and the device's used memory after each sync
+(flat when nothing leaks).
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def kernel_layout(plan: Mapping[str, tuple], engine_params: Mapping[str, tuple],
                                  f"{[list(s) for s in shapes]} ({names})")
             out.append((target, have_shape, have_dtype, names))
             continue
-        if any(len(s) != len(have_shape) or len(s) == 0 or s[1:] != have_shape[1:] for s in shapes):
+        if any(len(s) != len(have_shape) or s[1:] != have_shape[1:] for s in shapes):
             raise ValueError(f"engine parameter {target!r} is {list(have_shape)}, the update brings "
                              f"{[list(s) for s in shapes]} ({names})")
         rows = sum(s[0] for s in shapes)
