@@ -8,6 +8,8 @@ E=64, k=8, I=512); qwen3_dims = 8 layers with Qwen3-30B-A3B's layer dims (H=2048
 k=8). The trainer is a one-rank FSDP2 TrainerWorker (fp32 master weights); the engine a
 RolloutWorker (megamoe, eager: the sync does not depend on CUDA graphs). Each mode is timed `reps`
 times after one warm-up (files: once, it is ~100x slower); GB/s = bytes on the wire / seconds.
+Phases: rollout.sync.send_ipc's, each the median over the timed syncs; the warm-up sync's time is
+listed apart (the engine maps the trainer's IPC buffer once, at its first kernel-format chunk).
 Three IPC layouts (rollout.sync.FORMATS): `ipc/kernel` (every tensor as the engine's own parameter,
 copied in place, no vLLM reload; what `auto` picks for moe_impl megamoe on CUDA), `ipc/experts` (the
 routed experts so, the rest through vLLM's layer-wise reload) and `ipc/checkpoint` (everything, each
@@ -44,8 +46,11 @@ def header() -> str:
     import vllm
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip() or "?"
+        git = ["git", "-C", str(Path(__file__).parent)]
+        commit = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
+        if subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                          text=True).stdout.strip():
+            commit += "+uncommitted changes"  # the tree it ran on is not that commit's
     except OSError:
         commit = "?"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -76,7 +81,8 @@ def bench_model(name: str, dims: dict, reps: int, bucket_bytes: int, root: Path)
         engine.generate(["warm up"], 1, {"temperature": 0.0, "max_tokens": 4})
         for fmt in ("kernel", "experts", "checkpoint"):
             engine.sync_format = fmt
-            push_ipc_local(trainer, [engine], model_dir=str(model_dir), dtype="bfloat16", bucket_bytes=bucket_bytes)
+            first = push_ipc_local(trainer, [engine], model_dir=str(model_dir), dtype="bfloat16",
+                                   bucket_bytes=bucket_bytes)
             times, infos, used = [], [], []
             rest = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
@@ -98,6 +104,9 @@ def bench_model(name: str, dims: dict, reps: int, bucket_bytes: int, root: Path)
                          "phases_ms": {k: 1e3 * statistics.median(i["seconds"][k] for i in infos)
                                        for k in infos[0]["seconds"] if k != "total"},
                          "chunks": infos[0]["chunks"], "format": infos[0]["format"],
+                         # the warm-up sync: the engine maps the trainer's buffer at the first kernel chunk
+                         "first_ms": 1e3 * first["seconds"]["total"],
+                         "first_map_ms": 1e3 * first["seconds"].get("engine_kernel_map", 0.0),
                          "trainer_peak_extra_gib": trainer_extra / GiB,
                          "trainer_reserved_gib": torch.cuda.memory_reserved() / GiB,
                          "engine_torch_peak_gib": eng["torch_peak_allocated_bytes"] / GiB,
@@ -143,7 +152,8 @@ def main(argv=None) -> int:
         ipc = r["mode"].startswith("ipc")
         ratio = f"{files['seconds'] / r['seconds']:.0f}x" if files and ipc else "-"
         notes = (", ".join(f"{k} {v:.1f}" for k, v in r.get("phases_ms", {}).items()) +
-                 f" ms ({r['chunks']} chunks); trainer +{r['trainer_peak_extra_gib']:.2f} GiB"
+                 f" ms ({r['chunks']} chunks); warm-up sync {r['first_ms']:.1f} ms (buffer mapping "
+                 f"{r['first_map_ms']:.1f}); trainer +{r['trainer_peak_extra_gib']:.2f} GiB"
                  f", engine torch peak {r['engine_torch_peak_gib']:.2f} GiB; device used after each sync "
                  f"{r['device_used_gib_per_sync']} GiB" if ipc else
                  ", ".join(f"{k} {v:.2f}" for k, v in r.items() if k.endswith("_s") and k not in ("min_s",)))

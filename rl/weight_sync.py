@@ -14,12 +14,18 @@ from __future__ import annotations
 
 
 class RayClient:
-    """rollout.sync's client protocol (plan, then vLLM's init / start / update / finish) over
-    RolloutWorker actors: each call goes to every engine and returns when all of them are done (a
-    chunk's buffer is reused for the next chunk only after that)."""
+    """rollout.sync's client protocol over RolloutWorker actors: begin / wait (the plan-and-start
+    call, NCCL's init handshake and receive), then update, finish or abort, each to every engine
+    and returning when all of them are done (a chunk's buffer is reused for the next chunk only
+    after that). An actor runs one caller's calls in order, so an abort sent after a failed wait
+    comes after every engine's plan-and-start call."""
 
     def __init__(self, hosts: list):
         self.hosts = list(hosts)
+
+    @property
+    def engines(self) -> int:
+        return len(self.hosts)
 
     def _all(self, method: str, *args) -> list:
         import ray
@@ -36,17 +42,11 @@ class RayClient:
 
         return ray.get(pending)
 
-    def plan_weight_update(self, metas: list) -> list[dict]:
-        return self._all("plan_weight_update", metas)
+    def abort_weight_update(self, why: str) -> None:
+        self._all("abort_weight_update", why)
 
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self._all("init_weight_transfer_engine", init_info)
-
-    def start_weight_update(self) -> None:
-        self._all("start_weight_update")
-
-    def update_weights(self, update_info: dict) -> None:
-        self._all("update_weight_chunk", update_info)
+    def update_weights(self, update_info: dict) -> list:
+        return self._all("update_weight_chunk", update_info)
 
     def finish_weight_update(self) -> dict:
         return self._all("finish_weight_update")[0]

@@ -158,20 +158,24 @@ class MegaMoEWorkerExtension:
         return {"params": params, "experts": [n for n in experts if n in params],
                 "packed": adapter.engine_packed_modules(model), "blockers": adapter.kernel_format_blockers(model)}
 
-    def megamoe_receive_kernel_chunk(self, blob: bytes) -> None:
+    def megamoe_receive_kernel_chunk(self, blob: bytes) -> dict:
         """One chunk of kernel-format tensors from the trainer's IPC buffer, each copied straight into
         the engine parameter of its name (what vLLM's reload_weights(is_checkpoint_format=False) does
         per tensor, without its warning that lists every parameter a partial update leaves alone); a
         tensor with fewer rows than its parameter (a padded vocabulary) fills the leading rows. Runs
         before vLLM's update session of the same sync, if there is one (its layer-wise reload takes
-        the MoE layers' parameters off the device until it finishes, then puts these back)."""
+        the MoE layers' parameters off the device until it finishes, then puts these back).
+        Returns {"map_s": seconds spent mapping the buffer (0 once it is mapped)}."""
         import pickle
+        import time
 
         info = pickle.loads(blob)
         model = adapter.worker_model(self)
         params = dict(model.named_parameters())
         device_index = next(iter(params.values())).device.index
-        buf = adapter.rebuild_ipc_buffer(info["ipc_handles"], device_index)
+        t0 = time.perf_counter()
+        buf = self._megamoe_mapped_buffer(info["ipc_handles"], device_index)
+        mapped = time.perf_counter() - t0
         offset = 0
         with torch.no_grad():
             for name, shape, dtype, size in zip(info["names"], info["shapes"], info["dtype_names"],
@@ -183,8 +187,21 @@ class MegaMoEWorkerExtension:
                 dst.copy_(src)
                 offset += size
         torch.cuda.current_stream().synchronize()  # the trainer overwrites the buffer once this returns
-        del buf
         _quiet_moe_reload_warning(model)
+        return {"map_s": mapped}
+
+    def _megamoe_mapped_buffer(self, handles: dict, device_index: int) -> torch.Tensor:
+        """The trainer's IPC buffer mapped into this process, kept from chunk to chunk and sync to
+        sync (the trainer holds one buffer for its run); a chunk from another buffer replaces it.
+        Mapping it anew per chunk costs a CUDA IPC open and close each time, and releases torch's
+        export of the buffer (one reduce_tensor on the trainer's side) once per chunk instead of
+        once, which vLLM's own importer keeps one slot for as well (vLLM 0.32's
+        PackedBufferImporter)."""
+        held = getattr(self, "_megamoe_ipc", None)
+        if held is None or held[0] != handles:
+            self._megamoe_ipc = None  # the old mapping is released before the new one is made
+            self._megamoe_ipc = (handles, adapter.rebuild_ipc_buffer(handles, device_index))
+        return self._megamoe_ipc[1]
 
     def megamoe_gpu_memory(self, reset_peak: bool = False) -> dict:
         """GPU memory seen from the engine's worker process: the device's used bytes (every process

@@ -22,26 +22,32 @@ Transports (`rollout.weight_sync`):
 
 Every update is checked before any byte is applied: names, shapes and dtypes of the whole update
 against the checkpoint (`RolloutWorker.plan_weight_update`, from metadata alone) and NaN/Inf on
-the trainer's GPU (`TrainerWorker.nonfinite_weights`). Each chunk is then checked against that
-plan on arrival. A failure *while* chunks are being applied (a process dying, a CUDA error) cannot
-be undone without a second copy of the weights: the engine then refuses to sample until a later
-update completes (RolloutWorker's broken state), rather than serve a mix of old and new weights.
+the trainer's GPU (`TrainerWorker.nonfinite_weights`). The two run at once: the engines plan and
+start the update while the trainer checks, and a refusal aborts the started update
+(`RolloutWorker.abort_weight_update`), which leaves an engine that received nothing serving its
+previous weights. Each chunk is then checked against that plan on arrival, and the engines end the
+update when its last planned tensor arrives. A failure *while* chunks are being applied (a process
+dying, a CUDA error, the trainer's stream failing between chunks) cannot be undone without a second
+copy of the weights: the engine then refuses to sample until a later update completes
+(RolloutWorker's broken state), rather than serve a mix of old and new weights.
 
-A client is vLLM's `VLLMWeightSyncClient` shape (init / start / update / finish) plus
-`plan_weight_update`, the check of the whole update before it starts; `LocalClient` drives
-RolloutWorker objects in this process, rl/weight_sync.py has the Ray one.
+A client drives the engines: `begin` / `wait` (calls made to every engine at once: the plan and
+start, NCCL's init handshake and receive), `update_weights`, `finish_weight_update` (an update the
+last chunk did not end), `abort_weight_update`; `LocalClient` drives RolloutWorker objects in this
+process, rl/weight_sync.py has the Ray one.
 
 This module imports nothing heavy at import time, so the config loader can call `resolve`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Iterable
 
 MODES = ("files", "ipc", "nccl")
-STREAMED = ("ipc", "nccl")  # the transports of the streamed protocol (plan, init, start, chunks, finish)
+STREAMED = ("ipc", "nccl")  # the transports of the streamed protocol (plan and start, chunks)
 # The layouts a streamed update comes in, most direct first (RolloutWorker.plan_weight_update picks):
 # "kernel": every tensor as the engine's own parameter (rollout/kernel_format.py), copied in place,
 #   no vLLM reload; where no layer computes from its weights after loading (ipc, one GPU per engine).
@@ -91,6 +97,10 @@ class LocalClient:
     def __init__(self, *workers):
         self.workers = workers
 
+    @property
+    def engines(self) -> int:
+        return len(self.workers)
+
     def begin(self, method: str, args: list[tuple]):
         """Call `method` on every engine (engine i with args[i]) without waiting: an NCCL collective
         needs the engines inside their call while the trainer makes its own. `wait` joins them."""
@@ -102,22 +112,17 @@ class LocalClient:
         return futures
 
     def wait(self, pending) -> list:
+        from concurrent.futures import wait
+
+        wait(pending)  # every call has ended before a failure is raised (an abort must come after them)
         return [f.result() for f in pending]
 
-    def plan_weight_update(self, metas: list) -> list[dict]:
-        return [w.plan_weight_update(metas) for w in self.workers]
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
+    def abort_weight_update(self, why: str) -> None:
         for w in self.workers:
-            w.init_weight_transfer_engine(init_info)
+            w.abort_weight_update(why)
 
-    def start_weight_update(self) -> None:
-        for w in self.workers:
-            w.start_weight_update()
-
-    def update_weights(self, update_info: dict) -> None:
-        for w in self.workers:
-            w.update_weight_chunk(update_info)
+    def update_weights(self, update_info: dict) -> list:
+        return [w.update_weight_chunk(update_info) for w in self.workers]
 
     def finish_weight_update(self) -> dict:
         return [w.finish_weight_update() for w in self.workers][0]
@@ -272,15 +277,19 @@ def send_ipc(trainer, client, *, model_dir: str, dtype: str | None,
     Nothing is applied before the whole update passed two checks: NaN/Inf in the sampler's dtype
     on every rank's GPU (`TrainerWorker.nonfinite_weights`, all-reduced), and the engines' plan of
     the update's names, shapes and dtypes (`RolloutWorker.plan_weight_update`, from metadata
-    alone); either raises ValueError, on every rank. Then the stream, in the format the engines'
-    plan names (`FORMATS`): "kernel", every engine parameter packed from its trainer tensors in the
-    plan's layout; "experts", the routed experts first, fused, then the rest in checkpoint format
-    through vLLM's reload; "checkpoint", everything through vLLM's reload.
+    alone); either raises ValueError, on every rank. The two run at once: rank 0 asks the engines to
+    plan and start the update, then checks while they do, and aborts the started update
+    (`abort_weight_update`) if either check refuses it or the stream fails before its end. Then
+    the stream, in the format the engines' plan names (`FORMATS`): "kernel", every engine
+    parameter packed from its trainer tensors in the plan's layout; "experts", the routed experts
+    first, fused, then the rest in checkpoint format through vLLM's reload; "checkpoint",
+    everything through vLLM's reload. The engines end the update when its last tensor arrives.
 
-    Phases (seconds): check, plan, start, pack (gathering and casting into the buffer, on this
-    rank), send (the engines' chunk calls, as this rank sees them), finish; and the engines' own
-    time per phase as engine_* (RolloutWorker.finish_weight_update), so that send minus
-    engine_kernel and engine_reload is the transport's overhead.
+    Phases (seconds): check (with the engines' plan and start under way), plan (waiting for them
+    after the check), pack (gathering and casting into the buffer, on this rank), send (the
+    engines' chunk calls, as this rank sees them), finish; and the engines' own time per phase as
+    engine_* (RolloutWorker.finish_weight_update), so that send minus engine_kernel and
+    engine_reload is the transport's overhead.
     """
     import torch
 
@@ -289,21 +298,17 @@ def send_ipc(trainer, client, *, model_dir: str, dtype: str | None,
     rank = trainer.rank
     clock = Clock()
     dtype = trainer.sync_dtype(dtype)
-    metas = trainer_checked_metas(trainer, dtype, clock)
 
-    def decide(client):
-        plans = client.plan_weight_update(metas)
+    def decide(plans, metas):
         fmt, layout = agreed_format(plans), plans[0]["layout"]
         # the tensors as they travel: in kernel format the engine's (qkv_proj is larger than q_proj)
         sent = [(name, shape, dtype) for name, shape, dtype, _ in layout] if fmt == "kernel" else metas
         return {"buffer_bytes": plan_buffer_bytes(sent, bucket_bytes), "format": fmt, "why": plans[0]["why"],
                 "layout": layout, "bytes": plans[0]["bytes"]}
 
-    decision = rank0_decides(rank, decide, client)
-    clock.lap("plan")
+    decision = checked_and_started(trainer, client, dtype, clock, decide)
     spec = checkpoint_spec(model_dir)
     out_dtype = getattr(torch, dtype) if dtype else None
-    buf = ipc_buffer(decision["buffer_bytes"])
     fmt = decision["format"]
     if fmt == "kernel":
         streams = [lambda: kernel_stream(trainer, decision["layout"])]
@@ -313,24 +318,64 @@ def send_ipc(trainer, client, *, model_dir: str, dtype: str | None,
                        kernel_experts=True) for fused in (True, False)]
     else:
         streams = [lambda: wts.to_checkpoint_names(spec, trainer.iter_device_weights())]
-    if rank == 0:
-        if adapter.ipc_needs_init():
-            client.init_weight_transfer_engine({"packed": True})
-        client.start_weight_update()
-    clock.lap("start")
     sent = {"bytes": 0, "chunks": 0}
-    for stream in streams:
-        for chunk in buf.chunks(stream(), out_dtype, decision["buffer_bytes"]):
-            buf.barrier()  # every rank's copy of this chunk is on its GPU
-            clock.lap("pack")
-            if rank == 0:
-                client.update_weights(adapter.ipc_update_info(chunk, buf.handle))
-            buf.barrier()  # the engines are done with it: the buffer may be overwritten
-            clock.lap("send")
-            sent["bytes"] += sum(chunk["tensor_sizes"])
-            sent["chunks"] += 1
-    return finished_report(rank, client, clock, bytes=decision["bytes"], sent_bytes=sent["bytes"], chunks=sent["chunks"],
-                           format=fmt, why=decision["why"])
+    done = None
+    with abort_on_failure(client if rank == 0 else None, "the trainer's stream failed"):
+        buf = ipc_buffer(decision["buffer_bytes"])
+        for stream in streams:
+            for chunk in buf.chunks(stream(), out_dtype, decision["buffer_bytes"]):
+                buf.barrier()  # every rank's copy of this chunk is on its GPU
+                clock.lap("pack")
+                if rank == 0:
+                    done = client.update_weights(adapter.ipc_update_info(chunk, buf.handle))
+                buf.barrier()  # the engines are done with it: the buffer may be overwritten
+                clock.lap("send")
+                sent["bytes"] += sum(chunk["tensor_sizes"])
+                sent["chunks"] += 1
+    return finished_report(rank, client, clock, done, bytes=decision["bytes"], sent_bytes=sent["bytes"],
+                           chunks=sent["chunks"], format=fmt, why=decision["why"])
+
+
+def checked_and_started(trainer, client, dtype: str | None, clock: "Clock", decide) -> dict:
+    """The checks of a streamed sync, with the engines' update started once they pass: rank 0 asks
+    every engine to plan and start (`RolloutWorker.plan_weight_update(metas, start=True)`), every
+    rank checks its weights for NaN/Inf on its GPU meanwhile, then rank 0 takes
+    `decide(plans, metas)` (raising to refuse). Returns that decision on every rank; a refusal
+    (ValueError, the NaN/Inf one first) raises on every rank, with the engines' update aborted."""
+    rank = trainer.rank
+    metas = trainer.weight_metadata(dtype)
+    planning = client.begin("plan_weight_update", [(metas, True)] * client.engines) if rank == 0 else None
+    bad = trainer.nonfinite_weights(dtype)  # on every rank's GPU while the engines plan
+    clock.lap("check")
+
+    def on_rank0(client):
+        with abort_on_failure(client, "the trainer refused the update"):
+            try:
+                plans = client.wait(planning)
+            except Exception:
+                refuse_nonfinite(bad, dtype)  # the weights' own fault is named first
+                raise
+            refuse_nonfinite(bad, dtype)
+            return decide(plans, metas)
+
+    decision = rank0_decides(rank, on_rank0, client)
+    clock.lap("plan")
+    return decision
+
+
+@contextlib.contextmanager
+def abort_on_failure(client, why: str):
+    """Abort the engines' started update (`client.abort_weight_update`) when the block raises, then
+    re-raise; client None: this rank does not drive the engines."""
+    try:
+        yield
+    except BaseException as e:
+        if client is not None:
+            try:
+                client.abort_weight_update(f"{why}: {type(e).__name__}: {e}")
+            except Exception as abort_error:  # noqa: BLE001 - the first failure is the one to report
+                e.add_note(f"abort_weight_update failed too: {type(abort_error).__name__}: {abort_error}")
+        raise
 
 
 def kernel_stream(trainer, layout: list) -> Iterable[tuple[str, list]]:
@@ -343,14 +388,6 @@ def kernel_stream(trainer, layout: list) -> Iterable[tuple[str, list]]:
             raise RuntimeError(f"kernel-format stream: expected {parts} for {engine_name!r}, the trainer gave "
                                f"{[n for n, _ in got]}")
         yield engine_name, [t for _, t in got]
-
-
-def trainer_checked_metas(trainer, dtype: str | None, clock: "Clock") -> list:
-    """The trainer's (name, shape, dtype name) per tensor, once its NaN/Inf check passed on every
-    rank's GPU (ValueError naming the tensors otherwise, before anything moves)."""
-    refuse_nonfinite(trainer.nonfinite_weights(dtype), dtype)
-    clock.lap("check")
-    return trainer.weight_metadata(dtype)
 
 
 def rank0_decides(rank: int, decide, client) -> dict:
@@ -372,13 +409,15 @@ def rank0_decides(rank: int, decide, client) -> dict:
     return decision
 
 
-def finished_report(rank: int, client, clock: "Clock", **result) -> dict:
-    """End the engines' update (rank 0) and return the sync's report: `result` plus the seconds per
-    phase, the engines' own as engine_* (RolloutWorker.finish_weight_update)."""
+def finished_report(rank: int, client, clock: "Clock", done: list | None, **result) -> dict:
+    """The sync's report: `result` plus the seconds per phase, the engines' own as engine_*
+    (RolloutWorker.finish_weight_update). `done`: the engines' answers to the last chunk, their
+    finish reports when that chunk completed the update; otherwise rank 0 ends it here."""
     engine = {}
     if rank == 0:
-        done = client.finish_weight_update()
-        engine = {f"engine_{k}": v for k, v in (done or {}).get("seconds", {}).items()}
+        if not done or any(d is None for d in done):
+            done = [client.finish_weight_update()]
+        engine = {f"engine_{k}": v for k, v in (done[0] or {}).get("seconds", {}).items()}
     clock.lap("finish")
     return {"seconds": {**clock.laps, **engine, "total": clock.total()}, **result}
 

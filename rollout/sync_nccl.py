@@ -12,8 +12,8 @@ checks before anything moves are send_ipc's. Not yet run on two GPUs (README).
 
 from __future__ import annotations
 
-from rollout.sync import (DEFAULT_IPC_BUCKET_BYTES, Clock, agreed_format, checkpoint_spec, finished_report,
-                          plan_buffer_bytes, rank0_decides, trainer_checked_metas)
+from rollout.sync import (DEFAULT_IPC_BUCKET_BYTES, Clock, abort_on_failure, agreed_format, checked_and_started,
+                          checkpoint_spec, finished_report, plan_buffer_bytes)
 
 # vLLM's packed broadcast keeps this many buffers in flight on each side (its default).
 NCCL_NUM_BUFFERS = 2
@@ -92,12 +92,10 @@ def send_nccl(trainer, client, *, model_dir: str, dtype: str | None,
     rank = trainer.rank
     clock = Clock()
     dtype = trainer.sync_dtype(dtype)
-    metas = trainer_checked_metas(trainer, dtype, clock)
     spec = checkpoint_spec(model_dir)
     stream_metas: list = []
 
-    def decide(client):
-        plans = client.plan_weight_update(metas)
+    def decide(plans, metas):
         if agreed_format(plans) != "checkpoint":
             raise ValueError("rollout.weight_sync: 'nccl' streams checkpoint format; these engines expect "
                              "kernel-format tensors (built for weight_sync='ipc')")
@@ -108,24 +106,24 @@ def send_nccl(trainer, client, *, model_dir: str, dtype: str | None,
                 "world_size": world_size, "offsets": offsets,
                 "groups": [p.get("transfer_group") for p in plans]}
 
-    decision = rank0_decides(rank, decide, client)
-    clock.lap("plan")
+    decision = checked_and_started(trainer, client, dtype, clock, decide)
     out_dtype = getattr(torch, dtype) if dtype else None
     group = None
     if rank == 0:
-        group = _nccl_group(client, decision, address)
-        client.start_weight_update()
-    clock.lap("start")
+        with abort_on_failure(client, "the trainer could not join the engines' NCCL group"):
+            group = _nccl_group(client, decision, address)
+    clock.lap("join")
     stream = wts.to_checkpoint_names(spec, trainer.iter_device_weights(), kernel_experts=False)
     if rank == 0:
         info = adapter.nccl_update_info(stream_metas, decision["buffer_bytes"], NCCL_NUM_BUFFERS)
         pending = client.begin("update_weight_chunk", [(info,)] * len(decision["offsets"]))
         adapter.nccl_send(group, stream, out_dtype, decision["buffer_bytes"], NCCL_NUM_BUFFERS)
         torch.cuda.synchronize()  # the broadcasts read live parameters: done before the next step
-        client.wait(pending)
+        done = client.wait(pending)
     else:
+        done = None
         for _ in stream:  # the full tensors are gathered collectively: every rank takes part
             pass
     clock.lap("send")
-    return finished_report(rank, client, clock, bytes=decision["bytes"], sent_bytes=decision["bytes"], chunks=1,
+    return finished_report(rank, client, clock, done, bytes=decision["bytes"], sent_bytes=decision["bytes"], chunks=1,
                            format="checkpoint", why=decision["why"])

@@ -191,6 +191,7 @@ class RolloutWorker:
         # direct one. Tests and benchmarks set one to compare them.
         self.sync_format = "auto"
         self._transfer_group: str | None = None  # the trainer's NCCL group joined (address:port; nccl)
+        self._ipc_initialized = False  # vLLM's IPC init handshake done (_init_ipc_engine)
         self.model_dir = str(os.fspath(model_dir))
         self.spec = weights.CheckpointSpec.from_dir(self.model_dir)
         self.seed = seed
@@ -312,8 +313,7 @@ class RolloutWorker:
 
     def generate(self, prompts: list[str], n: int = 1, sampling: Mapping | None = None) -> list[dict]:
         """n samples per prompt, prompt-major; see the module docstring for the keys."""
-        if self._weights_broken:
-            raise RuntimeError(f"refusing to sample: {self._weights_broken}")
+        self._refuse_while_updating("sample")
         self._wake(None)
         if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
             raise TypeError("prompts: expected a list of str")
@@ -339,8 +339,7 @@ class RolloutWorker:
         """Log-probabilities (temperature 1, no filtering) of given completions under the engine."""
         from vllm import SamplingParams, TokensPrompt
 
-        if self._weights_broken:
-            raise RuntimeError(f"refusing to score: {self._weights_broken}")
+        self._refuse_while_updating("score")
         self._wake(None)
 
         if len(prompt_ids) != len(completion_ids):
@@ -353,6 +352,14 @@ class RolloutWorker:
             lps = out.prompt_logprobs
             result.append([float(lps[len(p) + j][tok].logprob) for j, tok in enumerate(c)])
         return result
+
+    def _refuse_while_updating(self, what: str) -> None:
+        if self._weights_broken:
+            raise RuntimeError(f"refusing to {what}: {self._weights_broken}")
+        if self._updating:  # some of the update's tensors may be in place, the rest not yet
+            raise RuntimeError(f"refusing to {what}: a streamed weight update is in progress (it ends when "
+                               "its last planned tensor arrives, or with finish_weight_update / "
+                               "abort_weight_update)")
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -403,7 +410,9 @@ class RolloutWorker:
                 "send_s": t_stage - t_pack, "commit_s": t_end - t_stage,
                 **{k: v for k, v in results[0].items() if k.startswith("worker_")}}
 
-    # -- streamed updates (weight_sync ipc / nccl; rollout/sync.py): plan, start, chunks, finish ----
+    # -- streamed updates (weight_sync ipc / nccl; rollout/sync.py): plan and start, chunks -------
+    # An update ends by itself when its last planned tensor arrives (the chunk call returns what
+    # finish_weight_update would); abort_weight_update ends one that will not be completed.
 
     def _need_ipc(self, what: str) -> None:
         if self.weight_sync not in STREAMED:
@@ -411,15 +420,17 @@ class RolloutWorker:
                                f"the streamed protocol needs weight_sync in {STREAMED}")
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
-        """vLLM's init handshake of the weight-transfer engine: the IPC backend's wire flags, or the
-        NCCL backend's rendezvous (returns once this engine's workers joined the trainer's group)."""
+        """vLLM's init handshake of the weight-transfer engine: the NCCL backend's rendezvous (returns
+        once this engine's workers joined the trainer's group), or the IPC backend's wire flags (an
+        ipc engine makes that handshake itself before its first update session)."""
         self._need_ipc("init_weight_transfer_engine")
         self._transfer_group = None
         self.llm.init_weight_transfer_engine({"init_info": dict(init_info)})
+        self._ipc_initialized = self.weight_sync == "ipc"
         if self.weight_sync == "nccl":
             self._transfer_group = f"{init_info['master_address']}:{init_info['master_port']}"
 
-    def plan_weight_update(self, metas: list) -> dict:
+    def plan_weight_update(self, metas: list, start: bool = False) -> dict:
         """Check a whole update, described as (name, shape, dtype name) per trainer tensor, against
         the checkpoint before any byte moves; raises naming the first bad tensor, changes nothing.
 
@@ -430,7 +441,9 @@ class RolloutWorker:
         tensors it is made of, concatenated along dim 0] (rollout/kernel_format.py); kernel-format
         shapes and dtypes are checked against the engine's own parameters. workers: the engine's
         ranks in an NCCL group; transfer_group: the trainer's NCCL group it joined (address:port), or
-        None."""
+        None. start: once the plan is accepted, start the update (start_weight_update) in the same
+        call, one round trip less; a trainer that then refuses the update ends it with
+        abort_weight_update."""
         self._need_ipc("plan_weight_update")
         if self._updating:
             raise RuntimeError("plan_weight_update: an update is being received; finish it first")
@@ -446,6 +459,8 @@ class RolloutWorker:
             self._last_plan = (key, (fmt, plan, self._kernel_names, layout, why))
         self._plan = plan
         nbytes = sum(math.prod(shape) * getattr(torch, dt).itemsize for shape, dt in plan.values())
+        if start:
+            self.start_weight_update()
         return {"tensors": len(plan), "bytes": nbytes, "format": fmt, "why": dict(why), "layout": layout,
                 "workers": self.tensor_parallel_size, "transfer_group": self._transfer_group}
 
@@ -518,7 +533,23 @@ class RolloutWorker:
             raise RuntimeError("start_weight_update: no planned update (call plan_weight_update first)")
         self._seconds = {}
         self._timed("wake", lambda: self._wake(["weights"]))
+        # The cached KV blocks hold the old weights' keys and values. Emptied here rather than at the
+        # end: nothing samples while the update runs (_refuse_while_updating), and here it overlaps
+        # the trainer's NaN/Inf check (rollout/sync.py).
+        self._timed("reset_prefix_cache", self.llm.reset_prefix_cache)
         self._updating, self._received, self._session = True, set(), False
+
+    def abort_weight_update(self, why: str) -> None:
+        """End a started update the trainer will not complete (it refused the update, or failed
+        before sending it). With no chunk received the engine serves its previous weights; after
+        one, it refuses to sample until a complete update. Without a started update: nothing."""
+        self._need_ipc("abort_weight_update")
+        if not self._updating:
+            return
+        if self._received:
+            self._end_broken(f"aborted by the trainer: {why}")
+            return
+        self._updating, self._plan, self._session = False, None, False
 
     def _timed(self, phase: str, fn):
         """fn(), its seconds added to this update's `phase` (finish_weight_update reports them)."""
@@ -530,6 +561,10 @@ class RolloutWorker:
 
     def _fail_update(self, why: str) -> None:
         """A chunk failed after others may have been applied: refuse to serve until a complete update."""
+        self._end_broken(why)
+        raise RuntimeError(self._weights_broken)
+
+    def _end_broken(self, why: str) -> None:
         self._weights_broken = f"a streamed weight update failed after it had started ({why}); the model may " \
                                "hold a mix of old and new weights until an update completes"
         self._updating, self._plan = False, None
@@ -539,16 +574,16 @@ class RolloutWorker:
                 self.llm.finish_weight_update()  # ends vLLM's update session so the next one can start
             except Exception:  # noqa: BLE001 - vLLM may have ended it itself; the broken state stands
                 pass
-        raise RuntimeError(self._weights_broken)
 
-    def update_weight_chunk(self, update_info: dict) -> None:
+    def update_weight_chunk(self, update_info: dict) -> dict | None:
         """One chunk (vLLM's update info: names, shapes, dtypes, and for ipc the sizes and the
         buffer's handle; for nccl the call receives the broadcast while the trainer sends), checked
         against the plan (each planned tensor exactly once, its shape and dtype), then loaded: a
         chunk of kernel-format tensors straight into the engine's parameters, a chunk in checkpoint
         format through vLLM's update session (started at the first such chunk; kernel chunks must
         come before it, while the MoE layers hold their parameters). An update all in kernel format
-        never opens vLLM's session."""
+        never opens vLLM's session. Returns None, or finish_weight_update's report when this chunk
+        brought the last planned tensor (the update has then ended)."""
         import pickle
 
         from rollout import adapter
@@ -577,15 +612,28 @@ class RolloutWorker:
                                      "must come first (rollout/sync.py)")
                 info = {**update_info, "names": [self._kernel_names[n] for n in update_info["names"]]}
                 blob = pickle.dumps(info)
-                self._timed("kernel", lambda: self.llm.collective_rpc("megamoe_receive_kernel_chunk", args=(blob,)))
-                return
-            if not self._session:
-                self._timed("session_start", self.llm.start_weight_update)
-                self._session = True
-            blob = pickle.dumps(update_info)
-            self._timed("reload", lambda: self.llm.collective_rpc("megamoe_update_weights", args=(blob,)))
+                mapped = self._timed("kernel", lambda: self.llm.collective_rpc("megamoe_receive_kernel_chunk",
+                                                                              args=(blob,))[0])
+                self._seconds["kernel_map"] = self._seconds.get("kernel_map", 0.0) + mapped["map_s"]
+            else:
+                if not self._session:
+                    self._init_ipc_engine()
+                    self._timed("session_start", self.llm.start_weight_update)
+                    self._session = True
+                blob = pickle.dumps(update_info)
+                self._timed("reload", lambda: self.llm.collective_rpc("megamoe_update_weights", args=(blob,)))
         except Exception as e:  # noqa: BLE001 - reported with the broken state
             self._fail_update(f"{type(e).__name__}: {e}")
+        return self.finish_weight_update() if len(self._received) == len(self._plan) else None
+
+    def _init_ipc_engine(self) -> None:
+        """vLLM's IPC init handshake, once per engine, before its first update session (vLLM >= 0.32
+        takes the packed flag there; 0.26 reads it from each chunk)."""
+        from rollout import adapter
+
+        if self.weight_sync == "ipc" and not self._ipc_initialized and adapter.ipc_needs_init():
+            self.llm.init_weight_transfer_engine({"init_info": {"packed": True}})
+            self._ipc_initialized = True
 
     def finish_weight_update(self) -> dict:
         self._need_ipc("finish_weight_update")
@@ -602,7 +650,6 @@ class RolloutWorker:
         n = len(self._received)
         self._updating, self._plan, self._received, self._session = False, None, set(), False
         self._weights_broken = None
-        self._timed("reset_prefix_cache", self.llm.reset_prefix_cache)  # its KV blocks hold the old weights
         return {"tensors": n, "seconds": dict(self._seconds)}
 
     # -- sleep mode (colocated: free the GPU memory the trainer needs) --------------------------

@@ -161,7 +161,12 @@ class _FakeLLM:
 
     def collective_rpc(self, method, args=()):
         self.calls.append(method)
+        if method == "megamoe_receive_kernel_chunk":
+            return [{"map_s": 0.0}]
         return [self.engine if method == "megamoe_engine_params" else None]
+
+    def init_weight_transfer_engine(self, request):
+        self.calls.append("init")
 
     def start_weight_update(self):
         self.calls.append("start")
@@ -182,7 +187,7 @@ def _protocol_worker(spec, engine_params, weight_sync="ipc", tensor_parallel_siz
                       sync_format="auto",
                       spec=spec, _plan=None, _received=set(), _updating=False, _session=False,
                       _engine_params=None, _kernel_names={}, _last_plan=None, _asleep=set(), sleep_mode=False, _seconds={},
-                      _transfer_group=None,
+                      _transfer_group=None, _ipc_initialized=False,
                       _weights_broken=None, llm=_FakeLLM(engine_params))
     return w
 
@@ -229,25 +234,62 @@ def _chunk(names, plan):
 
 
 def test_streamed_update_sends_kernel_experts_first_to_the_engines_own_parameters(ckpt):
+    from rollout import adapter
+
     _, spec, state, _ = ckpt
     w = _protocol_worker(spec, _engine_params(spec))
-    info = w.plan_weight_update(_metas(state))
-    assert info["format"] == "experts" and info["tensors"] == len(w._plan)
-    assert BLOCKED[0] in info["why"]["kernel"] and info["layout"] is None
+    init = ["init"] if adapter.ipc_needs_init() else []  # vLLM 0.32's IPC handshake, once per engine
+    for sync in range(2):
+        info = w.plan_weight_update(_metas(state), start=True)  # plan and start: one call
+        assert info["format"] == "experts" and info["tensors"] == len(w._plan) and w._updating
+        assert BLOCKED[0] in info["why"]["kernel"] and info["layout"] is None
+        kernel = [n for n in w._plan if n.endswith(("w13_weight", "w2_weight"))]
+        rest = [n for n in w._plan if n not in kernel]
+        # plan names map to the engine's parameters below each experts module
+        assert all(w._kernel_names[n] == n.rsplit(".", 1)[0] + ".routed_experts." + n.rsplit(".", 1)[1]
+                   for n in kernel)
+        with pytest.raises(RuntimeError, match="update is in progress"):
+            w.generate(["a prompt"])
+        assert w.update_weight_chunk(_chunk(kernel, w._plan)) is None and w._updating
+        done = w.update_weight_chunk(_chunk(rest, w._plan))  # the last planned tensors end the update
+        assert not w._updating and done["tensors"] == len(w._kernel_names) + len(rest)
+        # the engine's time per phase of this update, one entry per kind of engine call it made
+        assert set(done["seconds"]) == {"wake", "reset_prefix_cache", "kernel", "kernel_map", "session_start",
+                                        "reload", "session_finish"} and all(v >= 0 for v in done["seconds"].values())
+        # the prefix cache is emptied as the update starts (nothing samples until it ends)
+        assert w.llm.calls == ["megamoe_engine_params"] * (sync == 0) + [
+            "reset", "megamoe_receive_kernel_chunk", *(init if sync == 0 else []), "start",
+            "megamoe_update_weights", "finish"]
+        w.llm.calls.clear()
+        with pytest.raises(RuntimeError, match="no update started"):
+            w.finish_weight_update()
+
+
+def test_an_aborted_update_leaves_the_engine_as_it_was_or_broken_once_a_chunk_arrived(ckpt):
+    _, spec, state, _ = ckpt
+    w = _protocol_worker(spec, _engine_params(spec))
+    w.abort_weight_update("nothing started")  # no update: nothing to end
+    assert not w._updating and w._weights_broken is None
+    w.plan_weight_update(_metas(state), start=True)
+    w.abort_weight_update("the trainer refused it")
+    assert not w._updating and w._weights_broken is None and w._plan is None
+    w._refuse_while_updating("sample")  # serves its previous weights
+    assert "start" not in w.llm.calls and "megamoe_receive_kernel_chunk" not in w.llm.calls
+
+    w.plan_weight_update(_metas(state), start=True)
     kernel = [n for n in w._plan if n.endswith(("w13_weight", "w2_weight"))]
     rest = [n for n in w._plan if n not in kernel]
-    # plan names map to the engine's parameters below each experts module
-    assert all(w._kernel_names[n] == n.rsplit(".", 1)[0] + ".routed_experts." + n.rsplit(".", 1)[1] for n in kernel)
-    w.start_weight_update()
     w.update_weight_chunk(_chunk(kernel, w._plan))
-    w.update_weight_chunk(_chunk(rest, w._plan))
-    done = w.finish_weight_update()
-    assert done["tensors"] == len(w._kernel_names) + len(rest)
-    # the engine's time per phase of this update, one entry per kind of engine call it made
-    assert set(done["seconds"]) == {"wake", "kernel", "session_start", "reload", "session_finish",
-                                    "reset_prefix_cache"} and all(v >= 0 for v in done["seconds"].values())
-    assert w.llm.calls == ["megamoe_engine_params", "megamoe_receive_kernel_chunk", "start",
-                           "megamoe_update_weights", "finish", "reset"]
+    w.update_weight_chunk(_chunk(rest[:1], w._plan))  # vLLM's session open
+    w.abort_weight_update("the trainer's stream failed")
+    assert not w._updating and "aborted by the trainer: the trainer's stream failed" in w._weights_broken
+    assert w.llm.calls.count("start") == w.llm.calls.count("finish") == 1  # vLLM's session ended
+    with pytest.raises(RuntimeError, match="refusing to sample: .*aborted by the trainer"):
+        w.generate(["a prompt"])
+    w.plan_weight_update(_metas(state), start=True)  # a complete update repairs it
+    w.update_weight_chunk(_chunk(kernel, w._plan))
+    assert w.update_weight_chunk(_chunk(rest, w._plan))["tensors"] == len(kernel) + len(rest)
+    assert w._weights_broken is None
 
 
 @pytest.mark.parametrize("order, match", [
@@ -332,7 +374,9 @@ def test_ipc_sync_refuses_before_the_engine_starts_an_update(ckpt, case, match):
     with pytest.raises(ValueError, match=match):
         send_ipc(trainer, LocalClient(w), model_dir=str(spec.model_dir), dtype="bfloat16",
                  bucket_bytes=1024 if case == "bucket" else 1 << 30)
-    assert not w._updating and "start" not in w.llm.calls and not any("receive" in c for c in w.llm.calls)
+    # the engines' update, started while the trainer checked, is aborted: nothing applied, nothing broken
+    assert not w._updating and w._weights_broken is None
+    assert "start" not in w.llm.calls and not any("receive" in c for c in w.llm.calls)
 
 
 def test_engine_reuses_a_plan_only_for_the_same_update(ckpt):
@@ -456,7 +500,8 @@ def test_kernel_format_sync_gives_each_engine_parameter_its_loaded_value_without
     with pytest.raises(ValueError, match="rollout.ipc_bucket_bytes: tensor .* is 65536 bytes"):  # before any chunk
         send_ipc(_StreamTrainer(state), LocalClient(w), model_dir=str(spec.model_dir), dtype="bfloat16",
                  bucket_bytes=bucket - 2)
-    assert "megamoe_receive_kernel_chunk" not in w.llm.calls
+    assert "megamoe_receive_kernel_chunk" not in w.llm.calls and not w._updating and w._weights_broken is None
+    w.llm.calls.clear()
     out = send_ipc(_StreamTrainer(state), LocalClient(w), model_dir=str(spec.model_dir), dtype="bfloat16",
                    bucket_bytes=bucket)
     assert out["format"] == "kernel" and out["why"] == {} and out["chunks"] > 1
@@ -464,8 +509,8 @@ def test_kernel_format_sync_gives_each_engine_parameter_its_loaded_value_without
     assert sorted(got) == sorted(_vllm_params(spec))
     for name, t in got.items():  # bit for bit what vLLM's loader makes of the checkpoint, in bf16
         assert t.dtype == torch.bfloat16 and torch.equal(t, _vllm_tensor(spec, disk, name).to(torch.bfloat16)), name
-    # no vLLM update session (its layer-wise reload): the chunks, then the prefix cache reset
-    assert "start" not in w.llm.calls and "finish" not in w.llm.calls and w.llm.calls[-1] == "reset"
+    # no vLLM update session (its layer-wise reload): the prefix cache reset as it starts, then the chunks
+    assert w.llm.calls == ["reset"] + ["megamoe_receive_kernel_chunk"] * out["chunks"] and not w._updating
     assert out["sent_bytes"] == out["bytes"] == sum(t.numel() * 2 for t in got.values())
 
 
@@ -538,6 +583,48 @@ class _StreamTrainer(_CheckedTrainer):
         return ((n, t) for n, t in self.state.items() if select is None or select(n))
 
 
+class _FailingStreamTrainer(_StreamTrainer):
+    """A trainer whose weight stream raises after `after` tensors (a gather or cast failing mid-sync)."""
+
+    def __init__(self, state, after):
+        super().__init__(state)
+        self.after = after
+
+    def iter_device_weights(self, select=None, names=None):
+        for i, pair in enumerate(super().iter_device_weights(select, names)):
+            if i == self.after:
+                raise RuntimeError("injected: CUDA out of memory while gathering")
+            yield pair
+
+
+@pytest.mark.parametrize("after, broken", [(0, False), (12, True)])
+def test_ipc_sync_failing_mid_stream_aborts_the_engines_update(ckpt, monkeypatch, after, broken):
+    """The trainer's stream fails after the engines started the update: before any chunk reached
+    them they keep serving their previous weights; after one, they refuse to sample until a complete
+    sync (and the next sync is accepted, not refused as overlapping an unfinished one)."""
+    from rollout import sync
+    from rollout.sync import LocalClient, send_ipc
+
+    _, spec, state, _ = ckpt
+    buf = object.__new__(sync.IPCBuffer)
+    buf.__dict__.update(nbytes=1 << 20, tensor=torch.empty(1 << 20, dtype=torch.uint8), handle={},
+                        multi_rank=False)
+    monkeypatch.setattr(sync, "ipc_buffer", lambda nbytes: buf)
+    w = _protocol_worker(spec, None)
+    w.llm = _KernelFakeLLM(_engine_params(spec, blockers=(), whole=True), buf.tensor)
+    bucket = max(math.prod(shape) * 2 for shape, _ in _vllm_params(spec).values())  # several chunks
+    with pytest.raises(RuntimeError, match="injected: CUDA out of memory"):
+        send_ipc(_FailingStreamTrainer(state, after), LocalClient(w), model_dir=str(spec.model_dir),
+                 dtype="bfloat16", bucket_bytes=bucket)
+    assert not w._updating and ("megamoe_receive_kernel_chunk" in w.llm.calls) == broken
+    assert (w._weights_broken is not None) == broken
+    if broken:
+        assert "aborted by the trainer: the trainer's stream failed: RuntimeError" in w._weights_broken
+    out = send_ipc(_StreamTrainer(state), LocalClient(w), model_dir=str(spec.model_dir), dtype="bfloat16",
+                   bucket_bytes=bucket)
+    assert out["format"] == "kernel" and not w._updating and w._weights_broken is None
+
+
 @pytest.fixture
 def nccl_wire(monkeypatch):
     """rollout.adapter's NCCL calls replaced by recorders: the group rank 0 opens, what it broadcasts."""
@@ -578,11 +665,11 @@ def test_nccl_sync_joins_once_then_streams_the_checkpoint_to_every_engine(ckpt, 
     for name, t in tensors:
         assert t.dtype == torch.bfloat16 and torch.equal(t, disk[name].to(torch.bfloat16)), name
     for w in engines:  # the engines' protocol: one update through vLLM's session, then reset
-        assert [c for c in w.llm.calls if not isinstance(c, tuple)] == ["start", "megamoe_update_weights",
-                                                                         "finish", "reset"]
+        assert [c for c in w.llm.calls if not isinstance(c, tuple)] == ["reset", "start", "megamoe_update_weights",
+                                                                         "finish"]
         assert not w._updating and w._weights_broken is None
     assert out["format"] == "checkpoint" and out["bytes"] == sum(t.numel() * 2 for _, t in tensors)
-    assert {"check", "plan", "start", "send", "finish"} <= set(out["seconds"])
+    assert {"check", "plan", "join", "send", "finish"} <= set(out["seconds"])
 
     send_nccl(trainer, LocalClient(*engines), model_dir=str(spec.model_dir), dtype="bfloat16")
     assert len(groups) == 1 and sent[1][0] == "group1"  # the group is kept between syncs
@@ -613,5 +700,5 @@ def test_nccl_sync_refuses_before_any_group_or_update(ckpt, nccl_wire, case, mat
     with pytest.raises(ValueError, match=match):
         send_nccl(trainer, LocalClient(w), model_dir=str(spec.model_dir), dtype="bfloat16",
                   bucket_bytes=1024 if case == "bucket" else 1 << 30)
-    assert not groups and not sent and not w._updating
-    assert not [c for c in w.llm.calls if c != "megamoe_engine_params"]
+    assert not groups and not sent and not w._updating and w._weights_broken is None
+    assert not [c for c in w.llm.calls if c not in ("megamoe_engine_params", "reset")]

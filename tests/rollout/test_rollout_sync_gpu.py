@@ -84,7 +84,7 @@ class _BreakSecondChunk:
         self.chunks += 1
         if self.chunks == 2:
             update_info = {**update_info, "names": ["not.a.weight"] + list(update_info["names"][1:])}
-        self.inner.update_weights(update_info)
+        return self.inner.update_weights(update_info)
 
 
 @pytest.fixture(scope="module")
