@@ -195,3 +195,29 @@ def test_bench_moe_graph_rows_on_cpu(monkeypatch):
     graphed.clear()
     bm.bench_shape("tiny", 16, 1, ["megamoe"], 1e12, lines, records, rounds=1, graph=True)
     assert len(graphed) == 1 and records[-1]["megamoe_graph_fwd_ms"] == records[-1]["megamoe_graph_ms"] == 1.0
+
+
+def test_step_breakdown_reports_the_sync_share(tmp_path):
+    """benchmarks/step_breakdown.py on seeded random step times: per-step rows and the share of the
+    steps after the first, against the same sums made here."""
+    import json
+    import random
+
+    rng = random.Random(7)
+    rows = []
+    for step in range(1, 6):
+        rollout, train, sync = rng.uniform(0.2, 0.5), rng.uniform(0.1, 0.3), rng.uniform(0.01, 0.05)
+        rows.append({"step": step, "time/step_s": rollout + train + sync + 0.01, "time/rollout_s": rollout,
+                     "time/train_s": train, "time/weight_sync_s": sync,
+                     "time/weight_sync/check_s": sync / 4, "time/weight_sync/send_s": sync / 2, "reward/mean": 0.5})
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = _run("benchmarks/step_breakdown.py", str(path))
+    later = rows[1:]
+    share = 100 * sum(r["time/weight_sync_s"] for r in later) / sum(r["time/step_s"] for r in later)
+    assert f"sync {share:.1f} % of their total" in out, out
+    assert "median of steps 2-5" in out and "other 0.010 s" in out, out
+    r = rows[2]
+    assert (f"3 | {r['time/step_s']:.3f} | {r['time/rollout_s']:.3f} | {r['time/train_s']:.3f} | "
+            f"{1e3 * r['time/weight_sync_s']:.1f} | {100 * r['time/weight_sync_s'] / r['time/step_s']:.1f} | "
+            f"{250 * r['time/weight_sync_s']:.1f} {500 * r['time/weight_sync_s']:.1f}") in out, out
