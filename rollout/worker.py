@@ -557,7 +557,10 @@ class RolloutWorker:
         try:
             return fn()
         finally:
-            self._seconds[phase] = self._seconds.get(phase, 0.0) + time.perf_counter() - t0
+            self._add_seconds(phase, time.perf_counter() - t0)
+
+    def _add_seconds(self, phase: str, seconds: float) -> None:
+        self._seconds[phase] = self._seconds.get(phase, 0.0) + seconds
 
     def _fail_update(self, why: str) -> None:
         """A chunk failed after others may have been applied: refuse to serve until a complete update."""
@@ -614,7 +617,7 @@ class RolloutWorker:
                 blob = pickle.dumps(info)
                 mapped = self._timed("kernel", lambda: self.llm.collective_rpc("megamoe_receive_kernel_chunk",
                                                                               args=(blob,))[0])
-                self._seconds["kernel_map"] = self._seconds.get("kernel_map", 0.0) + mapped["map_s"]
+                self._add_seconds("kernel_map", mapped["map_s"])
             else:
                 if not self._session:
                     self._init_ipc_engine()

@@ -484,19 +484,27 @@ class _KernelFakeLLM(_FakeLLM):
         return super().collective_rpc(method, args)
 
 
-def test_kernel_format_sync_gives_each_engine_parameter_its_loaded_value_without_vllms_reload(ckpt, monkeypatch):
+@pytest.fixture
+def kernel_engine(ckpt, monkeypatch):
+    """(an engine taking every tensor in kernel format, a bucket as large as its largest parameter
+    (a w13): several chunks per sync), with IPCBuffer's packing over a CPU tensor (no CUDA here)."""
     from rollout import sync
-    from rollout.sync import LocalClient, send_ipc
 
-    _, spec, state, disk = ckpt
-    buf = object.__new__(sync.IPCBuffer)  # the packing of IPCBuffer over a CPU tensor (no CUDA here)
+    _, spec, _, _ = ckpt
+    buf = object.__new__(sync.IPCBuffer)
     buf.__dict__.update(nbytes=1 << 20, tensor=torch.empty(1 << 20, dtype=torch.uint8), handle={},
                         multi_rank=False)
     monkeypatch.setattr(sync, "ipc_buffer", lambda nbytes: buf)
     w = _protocol_worker(spec, None)
     w.llm = _KernelFakeLLM(_engine_params(spec, blockers=(), whole=True), buf.tensor)
-    # a bucket as large as the largest engine parameter (a w13): several chunks
-    bucket = max(math.prod(shape) * 2 for shape, _ in _vllm_params(spec).values())
+    return w, max(math.prod(shape) * 2 for shape, _ in _vllm_params(spec).values())
+
+
+def test_kernel_format_sync_gives_each_engine_parameter_its_loaded_value_without_vllms_reload(ckpt, kernel_engine):
+    from rollout.sync import LocalClient, send_ipc
+
+    _, spec, state, disk = ckpt
+    w, bucket = kernel_engine
     with pytest.raises(ValueError, match="rollout.ipc_bucket_bytes: tensor .* is 65536 bytes"):  # before any chunk
         send_ipc(_StreamTrainer(state), LocalClient(w), model_dir=str(spec.model_dir), dtype="bfloat16",
                  bucket_bytes=bucket - 2)
@@ -598,21 +606,14 @@ class _FailingStreamTrainer(_StreamTrainer):
 
 
 @pytest.mark.parametrize("after, broken", [(0, False), (12, True)])
-def test_ipc_sync_failing_mid_stream_aborts_the_engines_update(ckpt, monkeypatch, after, broken):
+def test_ipc_sync_failing_mid_stream_aborts_the_engines_update(ckpt, kernel_engine, after, broken):
     """The trainer's stream fails after the engines started the update: before any chunk reached
     them they keep serving their previous weights; after one, they refuse to sample until a complete
     sync (and the next sync is accepted, not refused as overlapping an unfinished one)."""
-    from rollout import sync
     from rollout.sync import LocalClient, send_ipc
 
     _, spec, state, _ = ckpt
-    buf = object.__new__(sync.IPCBuffer)
-    buf.__dict__.update(nbytes=1 << 20, tensor=torch.empty(1 << 20, dtype=torch.uint8), handle={},
-                        multi_rank=False)
-    monkeypatch.setattr(sync, "ipc_buffer", lambda nbytes: buf)
-    w = _protocol_worker(spec, None)
-    w.llm = _KernelFakeLLM(_engine_params(spec, blockers=(), whole=True), buf.tensor)
-    bucket = max(math.prod(shape) * 2 for shape, _ in _vllm_params(spec).values())  # several chunks
+    w, bucket = kernel_engine
     with pytest.raises(RuntimeError, match="injected: CUDA out of memory"):
         send_ipc(_FailingStreamTrainer(state, after), LocalClient(w), model_dir=str(spec.model_dir),
                  dtype="bfloat16", bucket_bytes=bucket)
