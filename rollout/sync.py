@@ -29,7 +29,9 @@ previous weights. Each chunk is then checked against that plan on arrival, and t
 update when its last planned tensor arrives. A failure *while* chunks are being applied (a process
 dying, a CUDA error, the trainer's stream failing between chunks) cannot be undone without a second
 copy of the weights: the engine then refuses to sample until a later update completes
-(RolloutWorker's broken state), rather than serve a mix of old and new weights.
+(RolloutWorker's broken state), rather than serve a mix of old and new weights. With several
+trainer ranks, a failure on one of them (a refusal, rank 0's call to the engines, a rank's packing
+between chunks) raises on every rank, so none waits for a rank that left.
 
 A client drives the engines: `begin` / `wait` (calls made to every engine at once: the plan and
 start, NCCL's init handshake and receive), `update_weights`, `finish_weight_update` (an update the
@@ -44,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 MODES = ("files", "ipc", "nccl")
 STREAMED = ("ipc", "nccl")  # the transports of the streamed protocol (plan and start, chunks)
@@ -149,7 +151,8 @@ class IPCBuffer:
     trainer keeps this one for the run; its size is the bucket, or the whole update if smaller.
 
     With several trainer ranks every rank packs its own full copy; the handles are gathered once,
-    so each engine finds the copy on its own GPU, and a barrier brackets each chunk.
+    so each engine finds the copy on its own GPU, and the ranks agree at each chunk's boundaries
+    (`agree`: a barrier that also carries a failure to every rank).
     """
 
     def __init__(self, nbytes: int):
@@ -168,11 +171,27 @@ class IPCBuffer:
             handle = {k: v for h in gathered for k, v in h.items()}
         self.handle = handle
 
-    def barrier(self) -> None:
+    def agree(self, failure: BaseException | None, doing: str) -> None:
+        """Every rank's outcome at a chunk boundary, in place of a barrier: returns once every rank
+        got there without failing; otherwise raises on every rank, the failing rank its own exception
+        and the others a RuntimeError naming it (`doing`: what it failed at), so no rank is left at
+        the next boundary waiting for one that left. A failure inside a collective of the stream
+        (a rank's FSDP gather) is not covered: the other ranks then wait in that collective until
+        the process group's timeout."""
         if self.multi_rank:
+            import torch
             import torch.distributed as dist
 
-            dist.barrier()
+            flag = torch.tensor([failure is not None], dtype=torch.int32, device=self.tensor.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item():  # someone failed: every rank learns who and why
+                words = [None] * dist.get_world_size()
+                dist.all_gather_object(words, failure and f"{type(failure).__name__}: {failure}")
+                if failure is None:
+                    rank, word = next((r, w) for r, w in enumerate(words) if w is not None)
+                    raise RuntimeError(f"weight sync: trainer rank {rank} failed {doing}: {word}")
+        if failure is not None:
+            raise failure
 
     def chunks(self, named_tensors: Iterable, dtype, limit: int | None = None) -> Iterable[dict]:
         """Pack (name, GPU tensor) pairs, cast to `dtype` (None: as they are), into chunks of at most
@@ -227,6 +246,20 @@ class IPCBuffer:
 
         if self.tensor.is_cuda:
             torch.cuda.current_stream(self.tensor.device).synchronize()
+
+
+def _next_agreed(buf: IPCBuffer, chunks: Iterator[dict]) -> dict | None:
+    """The next chunk of `chunks` (None at their end) once every rank has packed its copy of it
+    (IPCBuffer.agree: a rank failing to pack raises on every rank)."""
+    chunk, failure = None, None
+    try:
+        chunk = next(chunks)
+    except StopIteration:
+        pass
+    except Exception as e:  # noqa: BLE001 - raised on every rank by agree
+        failure = e
+    buf.agree(failure, "packing a chunk")
+    return chunk
 
 
 def _new_chunk() -> dict:
@@ -323,12 +356,16 @@ def send_ipc(trainer, client, *, model_dir: str, dtype: str | None,
     with abort_on_failure(client if rank == 0 else None, "the trainer's stream failed"):
         buf = ipc_buffer(decision["buffer_bytes"])
         for stream in streams:
-            for chunk in buf.chunks(stream(), out_dtype, decision["buffer_bytes"]):
-                buf.barrier()  # every rank's copy of this chunk is on its GPU
+            chunks = buf.chunks(stream(), out_dtype, decision["buffer_bytes"])
+            while (chunk := _next_agreed(buf, chunks)) is not None:  # every rank's copy is on its GPU
                 clock.lap("pack")
+                failure = None
                 if rank == 0:
-                    done = client.update_weights(adapter.ipc_update_info(chunk, buf.handle))
-                buf.barrier()  # the engines are done with it: the buffer may be overwritten
+                    try:
+                        done = client.update_weights(adapter.ipc_update_info(chunk, buf.handle))
+                    except Exception as e:  # noqa: BLE001 - raised on every rank by agree
+                        failure = e
+                buf.agree(failure, "handing a chunk to the engines")  # they are done: the buffer may be overwritten
                 clock.lap("send")
                 sent["bytes"] += sum(chunk["tensor_sizes"])
                 sent["chunks"] += 1

@@ -13,7 +13,7 @@ checks before anything moves are send_ipc's. Not yet run on two GPUs (README).
 from __future__ import annotations
 
 from rollout.sync import (DEFAULT_IPC_BUCKET_BYTES, Clock, abort_on_failure, agreed_format, checked_and_started,
-                          checkpoint_spec, finished_report, plan_buffer_bytes)
+                          checkpoint_spec, finished_report, plan_buffer_bytes, rank0_decides)
 
 # vLLM's packed broadcast keeps this many buffers in flight on each side (its default).
 NCCL_NUM_BUFFERS = 2
@@ -108,16 +108,20 @@ def send_nccl(trainer, client, *, model_dir: str, dtype: str | None,
 
     decision = checked_and_started(trainer, client, dtype, clock, decide)
     out_dtype = getattr(torch, dtype) if dtype else None
-    group = None
-    if rank == 0:
+    joined = {}
+
+    def join(client):
         with abort_on_failure(client, "the trainer could not join the engines' NCCL group"):
-            group = _nccl_group(client, decision, address)
+            joined["group"] = _nccl_group(client, decision, address)
+        return {}
+
+    rank0_decides(rank, join, client)  # a failure to join raises on every rank, before their gathers
     clock.lap("join")
     stream = wts.to_checkpoint_names(spec, trainer.iter_device_weights(), kernel_experts=False)
     if rank == 0:
         info = adapter.nccl_update_info(stream_metas, decision["buffer_bytes"], NCCL_NUM_BUFFERS)
         pending = client.begin("update_weight_chunk", [(info,)] * len(decision["offsets"]))
-        adapter.nccl_send(group, stream, out_dtype, decision["buffer_bytes"], NCCL_NUM_BUFFERS)
+        adapter.nccl_send(joined["group"], stream, out_dtype, decision["buffer_bytes"], NCCL_NUM_BUFFERS)
         torch.cuda.synchronize()  # the broadcasts read live parameters: done before the next step
         done = client.wait(pending)
     else:
