@@ -428,8 +428,9 @@ def kernel_stream(trainer, layout: list) -> Iterable[tuple[str, list]]:
 
 
 def rank0_decides(rank: int, decide, client) -> dict:
-    """`decide(client)` on rank 0 (the engines' plan of the update), its dict on every rank; a
-    failure there raises on every rank (ValueError for a refusal), so no rank waits for another."""
+    """`decide(client)` on rank 0 (a step only rank 0 takes with the engines: their plan of the
+    update, joining their NCCL group), its dict on every rank; a failure there raises on every rank
+    (ValueError for a refusal), so no rank waits for another."""
     decision, failure = None, None
     if rank == 0:
         try:
