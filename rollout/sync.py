@@ -46,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 MODES = ("files", "ipc", "nccl")
 STREAMED = ("ipc", "nccl")  # the transports of the streamed protocol (plan and start, chunks)
@@ -152,7 +152,7 @@ class IPCBuffer:
 
     With several trainer ranks every rank packs its own full copy; the handles are gathered once,
     so each engine finds the copy on its own GPU, and the ranks agree at each chunk's boundaries
-    (`agree`: a barrier that also carries a failure to every rank).
+    (`agreed`: a barrier that also carries a failure to every rank).
     """
 
     def __init__(self, nbytes: int):
@@ -171,13 +171,18 @@ class IPCBuffer:
             handle = {k: v for h in gathered for k, v in h.items()}
         self.handle = handle
 
-    def agree(self, failure: BaseException | None, doing: str) -> None:
-        """Every rank's outcome at a chunk boundary, in place of a barrier: returns once every rank
-        got there without failing; otherwise raises on every rank, the failing rank its own exception
-        and the others a RuntimeError naming it (`doing`: what it failed at), so no rank is left at
-        the next boundary waiting for one that left. A failure inside a collective of the stream
-        (a rank's FSDP gather) is not covered: the other ranks then wait in that collective until
-        the process group's timeout."""
+    def agreed(self, step, doing: str):
+        """step() on this rank, then every rank's outcome at this chunk boundary, in place of a
+        barrier: returns step's result once every rank's step returned; otherwise raises on every
+        rank, the failing rank its own exception and the others a RuntimeError naming it (`doing`:
+        what it failed at), so no rank is left at the next boundary waiting for one that left. A
+        failure inside a collective of the stream (a rank's FSDP gather) is not covered: the other
+        ranks then wait in that collective until the process group's timeout."""
+        result, failure = None, None
+        try:
+            result = step()
+        except Exception as e:  # noqa: BLE001 - raised below, on every rank
+            failure = e
         if self.multi_rank:
             import torch
             import torch.distributed as dist
@@ -192,6 +197,7 @@ class IPCBuffer:
                     raise RuntimeError(f"weight sync: trainer rank {rank} failed {doing}: {word}")
         if failure is not None:
             raise failure
+        return result
 
     def chunks(self, named_tensors: Iterable, dtype, limit: int | None = None) -> Iterable[dict]:
         """Pack (name, GPU tensor) pairs, cast to `dtype` (None: as they are), into chunks of at most
@@ -246,20 +252,6 @@ class IPCBuffer:
 
         if self.tensor.is_cuda:
             torch.cuda.current_stream(self.tensor.device).synchronize()
-
-
-def _next_agreed(buf: IPCBuffer, chunks: Iterator[dict]) -> dict | None:
-    """The next chunk of `chunks` (None at their end) once every rank has packed its copy of it
-    (IPCBuffer.agree: a rank failing to pack raises on every rank)."""
-    chunk, failure = None, None
-    try:
-        chunk = next(chunks)
-    except StopIteration:
-        pass
-    except Exception as e:  # noqa: BLE001 - raised on every rank by agree
-        failure = e
-    buf.agree(failure, "packing a chunk")
-    return chunk
 
 
 def _new_chunk() -> dict:
@@ -357,15 +349,12 @@ def send_ipc(trainer, client, *, model_dir: str, dtype: str | None,
         buf = ipc_buffer(decision["buffer_bytes"])
         for stream in streams:
             chunks = buf.chunks(stream(), out_dtype, decision["buffer_bytes"])
-            while (chunk := _next_agreed(buf, chunks)) is not None:  # every rank's copy is on its GPU
+            # every rank's copy of the chunk is on its GPU (None: the stream's end, on every rank)
+            while (chunk := buf.agreed(lambda: next(chunks, None), "packing a chunk")) is not None:
                 clock.lap("pack")
-                failure = None
-                if rank == 0:
-                    try:
-                        done = client.update_weights(adapter.ipc_update_info(chunk, buf.handle))
-                    except Exception as e:  # noqa: BLE001 - raised on every rank by agree
-                        failure = e
-                buf.agree(failure, "handing a chunk to the engines")  # they are done: the buffer may be overwritten
+                # the engines are done with the chunk once this returns: the buffer may be overwritten
+                done = buf.agreed(lambda: client.update_weights(adapter.ipc_update_info(chunk, buf.handle))
+                                  if rank == 0 else None, "handing a chunk to the engines")
                 clock.lap("send")
                 sent["bytes"] += sum(chunk["tensor_sizes"])
                 sent["chunks"] += 1
