@@ -400,13 +400,35 @@ def attention_kwargs(architecture: str, dtype: str) -> dict:
     return {"attention_config": {"backend": "CPU_MLA"}}
 
 
-def engine_kwargs(*, kv_cache_memory_bytes: int, tensor_parallel_size: int, weight_sync: str = "files",
-                  sleep_mode: bool = False) -> dict:
+# The scheduler's token budget per step when vLLM picks none (vLLM 0.32's default on CPU).
+DEFAULT_BATCHED_TOKENS = 4096
+
+
+def whole_prefill_kwargs(max_model_len: int) -> dict:
+    """Scheduler settings under which no prompt's prefill is split over two engine steps.
+
+    Every rollout request is seeded (a run is a function of its seed and resumes exactly). When the
+    scheduler splits a prefill (chunked prefill: the batch's prompts exceed one step's token budget),
+    vLLM's model runner rewinds that request's generator over the token it sampled and discards
+    (`Generator.set_offset`); a CPU `torch.Generator` has no offset, so on CPU the engine dies in its
+    first generate ("CPU Generator does not use offset"; vLLM 0.32's gpu_model_runner
+    `_bookkeeping_sync`). Without chunking a step schedules only whole prompts, and a budget of at
+    least max_model_len tokens fits the longest one. CUDA generators have offsets: there the engine
+    keeps vLLM's chunked prefill."""
+    if torch.cuda.is_available():
+        return {}
+    return {"enable_chunked_prefill": False,
+            "max_num_batched_tokens": max(int(max_model_len), DEFAULT_BATCHED_TOKENS)}
+
+
+def engine_kwargs(*, kv_cache_memory_bytes: int, tensor_parallel_size: int, max_model_len: int,
+                  weight_sync: str = "files", sleep_mode: bool = False) -> dict:
     """The engine arguments the rollout needs on this vLLM version.
 
     weight_sync "ipc" turns on vLLM's weight-transfer engine with its CUDA IPC backend; sleep_mode
     builds the engine on vLLM's sleep-mode allocator, so that `LLM.sleep` can free its memory."""
-    needed = ["logprobs_mode", "worker_extension_cls", "kv_cache_memory_bytes"]
+    needed = ["logprobs_mode", "worker_extension_cls", "kv_cache_memory_bytes", "enable_chunked_prefill",
+              "max_num_batched_tokens"]
     if weight_sync != "files":
         needed.append("weight_transfer_config")
     if sleep_mode:
@@ -421,6 +443,7 @@ def engine_kwargs(*, kv_cache_memory_bytes: int, tensor_parallel_size: int, weig
         extra["enable_sleep_mode"] = True
     return {
         **extra,
+        **whole_prefill_kwargs(max_model_len),
         # Log-probabilities after temperature / top-k / top-p: what the sampler sampled from, and
         # what the trainer's importance ratios must be computed against.
         "logprobs_mode": "processed_logprobs",

@@ -223,6 +223,7 @@ class RolloutWorker:
                       enable_prefix_caching=enable_prefix_caching,
                       **adapter.engine_kwargs(kv_cache_memory_bytes=kv_cache_memory_bytes,
                                               tensor_parallel_size=tensor_parallel_size,
+                                              max_model_len=max_model_len,
                                               weight_sync=weight_sync, sleep_mode=self.sleep_mode))
         kwargs.update(adapter.attention_kwargs(self.spec.architecture, dtype))
         kwargs.update(engine_kwargs)

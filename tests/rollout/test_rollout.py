@@ -23,6 +23,7 @@ PROMPTS = ["1 + 2 =", "What is 7 * 8?", "the cat sat on the", "Question: 12 - 5 
 N = 2
 SAMPLING = {"temperature": 0.7, "max_tokens": 12, "seed": 1234}
 LAYERS = 2
+LONG_MODEL_LEN = 512  # room for the long prompts below
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def hf(models):
 def worker(models):
     from rollout.worker import RolloutWorker
 
-    w = RolloutWorker(models[0], "megamoe", dtype="float32", seed=0, max_model_len=128,
+    w = RolloutWorker(models[0], "megamoe", dtype="float32", seed=0, max_model_len=LONG_MODEL_LEN,
                       kv_cache_memory_bytes=64 << 20)
     yield w
     w.close()
@@ -107,6 +108,33 @@ def test_seeded_generation_is_reproducible(worker, baseline):
     other = worker.generate(PROMPTS, N, {**SAMPLING, "seed": 99})
     assert [s["completion_ids"] for s in other] != [s["completion_ids"] for s in baseline], \
         "another seed drew the same completions"
+
+
+def _long_prompts(count: int, words: int, seed: int) -> list[str]:
+    import random
+
+    rng = random.Random(seed)
+    vocab = ["apples", "Mary", "has", "bought", "twelve", "each", "costs", "dollars", "how", "many", "left",
+             "after", "she", "gives", "3", "to", "her", "brother", "and", "then", "sells", "half", "of", "them"]
+    return [f"Problem {i}: " + " ".join(rng.choice(vocab) for _ in range(words)) + "\nAnswer:" for i in range(count)]
+
+
+def test_long_prompts_over_one_prefill_step_sample_reproducibly(worker, hf):
+    """A batch of prompts of a few hundred tokens whose prefill exceeds one scheduler step's token
+    budget: the engine samples it (seeded), reproducibly, with the transformers logprobs. vLLM CPU
+    used to die here ("CPU Generator does not use offset", rollout.adapter.whole_prefill_kwargs)."""
+    from rollout.adapter import DEFAULT_BATCHED_TOKENS
+
+    prompts = _long_prompts(16, 80, seed=3)
+    sampling = {"temperature": 1.0, "max_tokens": 8, "seed": 77}
+    first = worker.generate(prompts, 2, sampling)
+    lengths = [len(s["prompt_ids"]) for s in first[::2]]
+    assert min(lengths) >= 200 and max(lengths) + sampling["max_tokens"] <= LONG_MODEL_LEN, lengths
+    assert sum(len(s["prompt_ids"]) for s in first) > DEFAULT_BATCHED_TOKENS, "the batch must not fit one step"
+    _assert_same_samples(worker.generate(prompts, 2, sampling), first, "long prompts, same seed")
+    err = max_abs_diff([s["logprobs"] for s in first], _hf_logprobs(hf[0], first, sampling["temperature"]))
+    print(f"[rollout] long prompts ({min(lengths)}-{max(lengths)} tokens): max |dlogp| vs transformers {err:.2e}")
+    assert err <= LOGPROB_TOL_FP32
 
 
 # -- numbers the trainer must reproduce ---------------------------------------------------------
