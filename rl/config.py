@@ -131,11 +131,14 @@ class DataConfig:
     task_kwargs: dict[str, Any] = field(doc="keyword arguments of the task generator", factory=dict)
     path: str | None = field(None, "local dataset: a .json/.jsonl/.parquet file or a `save_to_disk` folder")
     split: str = field("train", "split of a `save_to_disk` DatasetDict (ignored for single datasets and files)")
-    columns: dict[str, str] = field(doc="role -> dataset column; roles: prompt (required), answer, data_source. "
-                                        "Every other column reaches reward functions as a keyword argument",
+    columns: dict[str, str] = field(doc="role -> dataset column; roles: prompt (required), answer, data_source; "
+                                        "a dotted name reaches into a nested column (verl: answer: "
+                                        "reward_model.ground_truth). Every other column reaches reward functions "
+                                        "as a keyword argument",
                                     factory=lambda: {"prompt": "prompt", "answer": "answer"})
     prompt_template: str = field("{prompt}", "format string applied to the prompt column ({prompt} is replaced)")
-    chat_template: bool = field(False, "wrap each prompt as one user turn with the tokenizer's chat template")
+    chat_template: bool = field(False, "wrap each string prompt as one user turn with the tokenizer's chat template "
+                                       "(prompts that are chat-message lists, TRL's conversational form, always get it)")
     shuffle: bool = field(True, "shuffle each epoch (seeded by run.seed and the epoch)")
     long_prompts: Literal["drop", "refuse"] = field(
         "drop", "prompts longer than min(rollout.max_model_len, trainer.max_seq_len) - rollout.max_tokens "
@@ -170,6 +173,9 @@ class RewardFnConfig:
                 "compute_score(data_source, solution_str, ground_truth, extra_info) -> float; "
                 "auto: per_sample when the function has a `solution_str` parameter")
     name: str | None = field(None, "name in metrics (reward/<name>); null = the function's name")
+    factory: bool = field(False, "`fn` is a factory (TRL's get_cosine_scaled_reward, get_soft_overlong_punishment): "
+                                 "called once at load with factory_kwargs, it returns the reward function")
+    factory_kwargs: dict[str, Any] = field(doc="keyword arguments of the factory (factory: true)", factory=dict)
 
 
 @dataclass
@@ -185,6 +191,8 @@ class RewardConfig:
         for i, f in enumerate(self.functions):
             check(math.isfinite(f.weight), f"{at}.functions.{i}.weight", "a finite float", f.weight)
             check(bool(f.fn), f"{at}.functions.{i}.fn", "a reward name or `pkg.module:fn`", f.fn)
+            check(f.factory or not f.factory_kwargs, f"{at}.functions.{i}.factory_kwargs",
+                  "empty unless factory: true (they are the factory's arguments)", f.factory_kwargs)
 
 
 @dataclass

@@ -189,8 +189,7 @@ def prepare(cfg, *, impls: tuple[str, ...] = DEFAULT_IMPLS, prompts: int | None 
     from rl.data import PromptSource, apply_chat_template
 
     texts = PromptSource.from_config(cfg.data, seed=cfg.run.seed).batch(0, num_prompts).prompts
-    if cfg.data.chat_template:
-        texts = apply_chat_template(tokenizer, texts)
+    texts = apply_chat_template(tokenizer, texts, strings=cfg.data.chat_template)
     context = min(cfg.rollout.max_model_len, int(getattr(config, "max_position_embeddings", cfg.rollout.max_model_len)))
     if cfg.rollout.max_model_len > context:
         raise ConsistencyError(f"rollout.max_model_len: expected <= the model's max_position_embeddings ({context}), "

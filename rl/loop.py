@@ -95,7 +95,7 @@ class Loop:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.tokenizer = tokenizer if cfg.data.chat_template else None
+        self.tokenizer = tokenizer if cfg.data.chat_template or self.source.conversational else None
         self._check_prompt_lengths(tokenizer)
         self.plan = plan_bundles(cfg)
         from rl.config import resolve_weight_sync
@@ -364,15 +364,15 @@ class Loop:
         from trainer.loss import group_advantages
 
         from rl.data import apply_chat_template
-        from rl.metrics import summarize
+        from rl.rewards import TrainerState
 
         cfg = self.cfg
         self.where = f"step {self.step + 1}"
         t_step = time.perf_counter()
         batch = self.source.batch(self.step, cfg.run.prompts_per_step)
         prompts = batch.prompts
-        if self.tokenizer is not None:
-            prompts = apply_chat_template(self.tokenizer, prompts)
+        if self.tokenizer is not None:  # message lists, and strings under data.chat_template
+            prompts = apply_chat_template(self.tokenizer, prompts, strings=cfg.data.chat_template)
         sampling = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
                     "max_tokens": cfg.rollout.max_tokens, "seed": cfg.run.seed * 1_000_003 + self.step}
 
@@ -385,7 +385,8 @@ class Loop:
         texts = [s["text"] for s in samples]
         columns = {k: [v[i] for i in idx] for k, v in batch.columns.items()}
         rewards = self.scorer([batch.prompts[i] for i in idx], texts, columns,
-                              completion_ids=[s["completion_ids"] for s in samples])
+                              completion_ids=[s["completion_ids"] for s in samples],
+                              trainer_state=TrainerState(global_step=self.step, max_steps=cfg.run.steps))
         adv = group_advantages(rewards.total, cfg.rollout.n, scale_by_std=cfg.reward.scale_by_std,
                                eps=cfg.reward.eps).tolist()
         t_reward = time.perf_counter() - t0
@@ -418,15 +419,11 @@ class Loop:
 
         comp_tokens = sum(len(s["completion_ids"]) for s in samples)
         all_tokens = comp_tokens + sum(len(s["prompt_ids"]) for s in samples)
-        groups = [rewards.total[g:g + cfg.rollout.n] for g in range(0, len(samples), cfg.rollout.n)]
-        m = {**summarize(rewards.total, "reward")}
-        for name, vals in rewards.per_fn.items():
-            m[f"reward/{name}/mean"] = sum(vals) / len(vals)
-            m[f"reward/{name}/errors"] = rewards.errors[name]
-        m["reward/errors"] = sum(rewards.errors.values())
+        m = rewards.metrics(cfg.rollout.n)
         m["reward/errors_total"] = sum(self.scorer.errors_total.values())
         m["data/dropped_prompts"] = self.source.dropped
-        m["reward/zero_std_groups_frac"] = sum(max(g) == min(g) for g in groups) / len(groups)
+        plens = [len(s["prompt_ids"]) for s in samples[::cfg.rollout.n]]
+        m.update({"prompt/len_mean": sum(plens) / len(plens), "prompt/len_min": min(plens), "prompt/len_max": max(plens)})
         lens = [len(s["completion_ids"]) for s in samples]
         m["completion/len_mean"] = sum(lens) / len(lens)
         m["completion/len_max"] = max(lens)
@@ -443,6 +440,7 @@ class Loop:
         m.update({f"time/weight_sync/{k}_s": v for k, v in sync.items()})
         m.update({f"memory/gpu_used_gib/{k}": v for k, v in memory.items() if v is not None})
         m["rollout/restarts_total"] = self.restarts
+        m["sample/prompt"] = prompts[0]  # as the sampler got it (chat template applied)
         m["sample/completion"] = texts[0]
         m["time/step_s"] = time.perf_counter() - t_step
         return m

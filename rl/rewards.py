@@ -2,25 +2,47 @@
 
     reward:                                   # in a config, or `--reward pkg.module:fn` on the CLI
       functions:
-        - {fn: format, weight: 0.5, kwargs: {pattern: '^\\s*\\d'}}
+        - {fn: math, weight: 1.0}                              # math-verify on the answer column
         - {fn: my_pkg.rewards:judge, weight: 0.5}
+        - {fn: trl.rewards:get_cosine_scaled_reward, factory: true, factory_kwargs: {max_len: 256}}
 
 Two calling styles are accepted:
 - batch (TRL's): called by keyword, as TRL calls reward functions:
-  `f(prompts=[...], completions=[...], completion_ids=[[...]], **columns) -> list[float]`, sync or
-  `async def`; so `f(completions, **kwargs)`, `f(prompts, completions, answer)` and
-  `f(completions, completion_ids, **kwargs)` all work. The dataset's columns arrive one list per
-  column (`answer=[...]`); a function receives the arguments it names, or all of them when it takes
-  `**kwargs`. It must name `completions` or take `**kwargs`.
-- per sample (verl's): `compute_score(data_source, solution_str, ground_truth, extra_info) -> float`
-  (or a dict with a "score"), sync or async; `extra_info` holds the prompt and the other columns.
+  `f(prompts=[...], completions=[...], completion_ids=[[...]], trainer_state=..., log_extra=...,
+  log_metric=..., **columns) -> list[float | None]`, sync or `async def`; so `f(completions,
+  **kwargs)`, `f(prompts, completions, answer)` and `f(completions, completion_ids, **kwargs)` all
+  work. A function receives the arguments it names, or all of them when it takes `**kwargs`; it
+  must name `completions` or take `**kwargs`. The dataset's columns arrive one list per column
+  (`answer=[...]`). Prompts and completions come in the dataset's form (rl/data.py): strings, or
+  for conversational data the message lists and `[{"role": "assistant", "content": text}]`.
+  `trainer_state` has `global_step` (steps done before this one) and `max_steps` (run.steps);
+  `log_metric(name, value)` adds `reward/<function>/metric/<name>` to the step's metrics (the mean
+  when called more than once in a step); `log_extra(column, values)` records one value per
+  sample, and the first sample's lands in the step's metrics as `sample/<column>` beside
+  `sample/completion` (the run keeps no per-sample table).
+- per sample (verl's): `compute_score(data_source, solution_str, ground_truth, extra_info=None)
+  -> float` (or a dict with a "score"), sync or async; `solution_str` is the completion's text,
+  `ground_truth` the answer column, `extra_info` the dataset's `extra_info` column when it has one
+  (verl's layout), else a dict of the prompt and the other columns.
+A factory (`factory: true`): `fn` is called once at load with `factory_kwargs` and returns the
+reward function (TRL's `get_cosine_scaled_reward(...)`, `get_soft_overlong_punishment(...)`).
 
-Failures never stop a run: a sample whose reward raises or is not a finite number gets 0 from that
-function, the failure is counted (`reward/errors` in the metrics) and logged once per function and
-exception type with its traceback. When a batch call fails as a whole, the batch is re-scored one
-sample at a time so that only the failing samples get 0. Problems visible before the run starts (a
-path that does not import, a name that is not callable, keyword arguments the function does not
-take) are errors at load time that name the config key.
+None means "this function does not score this sample" (TRL's convention): the sample's reward is
+the weighted sum over the functions that scored it (TRL's NaN-aware sum), and a sample that no
+function scored has no reward at all (`RewardResult.total` holds None; counted as `reward/none`,
+and per function as `reward/<name>/none`). Such a sample gets advantage 0 and stays out of its
+group's mean and std (trainer.loss.group_advantages): "could not judge" is not "wrong", and
+scoring it 0, as TRL's sum of NaNs does, would push the policy away from it and shift its group's
+baseline. Never an error.
+
+Failures never stop a run: a sample whose reward raises or is not a finite number (nor None) gets
+0 from that function, the failure is counted (`reward/errors` in the metrics) and logged once per
+function and kind with its traceback. When a batch call raises, the batch is re-scored one sample
+at a time so that only the failing samples get 0; a batch call that returns the wrong number of
+values is a failure of every sample of the call (counted, logged once, never re-scored: a
+function returning `[1.0]` for any batch would otherwise earn full reward). Problems visible before
+the run starts (a path that does not import, a name that is not callable, keyword arguments the
+function does not take, a factory that fails) are errors at load time that name the config key.
 """
 
 from __future__ import annotations
@@ -45,7 +67,13 @@ class RewardLoadError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------
-# Built-ins (batch style; each takes the columns it needs and ignores the rest).
+# Built-ins (batch style; each takes the columns it needs and ignores the rest, and reads a
+# completion in either form).
+
+
+def completion_text(c) -> str:
+    """A completion's text: the string itself, or the content of a conversational completion's last message."""
+    return c if isinstance(c, str) else c[-1]["content"]
 
 
 def exact_match(prompts: list[str], completions: list[str], answer: list[Any], *,
@@ -55,7 +83,7 @@ def exact_match(prompts: list[str], completions: list[str], answer: list[Any], *
         raise ValueError(f"exact_match: kwargs.match: expected 'full' or 'prefix', got {match!r}")
     out = []
     for c, a in zip(completions, answer, strict=True):
-        c, a = c.strip(), str(a).strip()
+        c, a = completion_text(c).strip(), str(a).strip()
         if ignore_case:
             c, a = c.lower(), a.lower()
         out.append(float(c == a if match == "full" else (c.startswith(a) and a != "")))
@@ -86,7 +114,7 @@ def numeric(prompts: list[str], completions: list[str], answer: list[Any], *,
     out = []
     for c, a in zip(completions, answer, strict=True):
         target = _answer_number(a)
-        found = _NUMBER.findall(c)
+        found = _NUMBER.findall(completion_text(c))
         if not found:
             out.append(0.0)
             continue
@@ -98,10 +126,41 @@ def numeric(prompts: list[str], completions: list[str], answer: list[Any], *,
 def format_reward(prompts: list[str], completions: list[str], *, pattern: str, **_) -> list[float]:
     """1.0 when the regex `pattern` matches at the start of the completion (re.match)."""
     rx = re.compile(pattern, re.DOTALL)
-    return [float(rx.match(c) is not None) for c in completions]
+    return [float(rx.match(completion_text(c)) is not None) for c in completions]
 
 
-BUILTINS: dict[str, Callable] = {"exact_match": exact_match, "numeric": numeric, "format": format_reward}
+def _gold(a: Any) -> str:
+    """The part of an answer math-verify should read: after GSM8K's last "####" when there is one,
+    else the whole answer; a bare number or expression gets LaTeX's $...$ so math-verify parses it as math."""
+    text = str(a)
+    if "####" in text:
+        text = text.rsplit("####", 1)[1].strip().replace(",", "")
+    return text if any(t in text for t in ("$", "\\boxed", "\\(", "\\[")) else f"${text}$"
+
+
+def math_reward(prompts: list, completions: list, answer: list[Any], **_) -> list[float | None]:
+    """math-verify's judgement (the `math-verify` package, Hugging Face's grader for math RL): 1.0
+    when the completion's final answer (its last \\boxed{}, "#### n", or last expression; commas in
+    numbers, LaTeX forms like \\frac{1}{2} vs 0.5 compared as math) equals the answer column's, 0.0
+    when it does not or holds no answer, None when math-verify cannot parse the gold answer (that
+    sample is not scored: TRL's accuracy_reward does the same)."""
+    from math_verify import parse, verify
+
+    out: list[float | None] = []
+    for c, a in zip(completions, answer, strict=True):
+        gold = parse(_gold(a)) if a is not None else None
+        if not gold:
+            out.append(None)
+            continue
+        text = completion_text(c)
+        if "####" in text:  # GSM8K's marker: what follows it is the answer, commas and all
+            text = text.rsplit("####", 1)[1].replace(",", "")
+        out.append(float(verify(gold, parse(text))))
+    return out
+
+
+BUILTINS: dict[str, Callable] = {"exact_match": exact_match, "numeric": numeric, "format": format_reward,
+                                 "math": math_reward}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,13 +217,28 @@ def resolve(spec: str, key: str) -> Callable:
 
 _PER_SAMPLE_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
 # What a batch reward is called with besides the dataset's columns (TRL's keyword names).
-BATCH_ARGS = ("prompts", "completions", "completion_ids")
+BATCH_ARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+
+
+def _build(factory: Callable, spec, key: str) -> Callable:
+    """The reward function a factory returns for `spec.factory_kwargs` (called once, at load)."""
+    try:
+        fn = factory(**spec.factory_kwargs)
+    except Exception as e:  # noqa: BLE001 - whatever the factory raises, the user gets the key
+        raise RewardLoadError(f"{key}.factory_kwargs: {spec.fn!r}(**{spec.factory_kwargs!r}) raised "
+                              f"{type(e).__name__}: {e}") from e
+    if not callable(fn):
+        raise RewardLoadError(f"{key}.factory: {spec.fn!r}(**{spec.factory_kwargs!r}) returned a "
+                              f"{type(fn).__name__}, expected a reward function")
+    return fn
 
 
 def load_reward(spec, index: int) -> RewardFn:
     """A `RewardFnConfig` (config.reward.functions[index]) -> RewardFn, checked before any sample."""
     key = f"reward.functions.{index}"
     fn = resolve(spec.fn, f"{key}.fn")
+    if spec.factory:
+        fn = _build(fn, spec, key)
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError) as e:
@@ -197,7 +271,8 @@ def load_reward(spec, index: int) -> RewardFn:
                                   f"(e.g. kwargs: {{{missing[0]}: ...}})")
     columns = None if has_var_kw else tuple(n for n in params if n not in BATCH_ARGS)
     accepts = BATCH_ARGS if has_var_kw else tuple(n for n in BATCH_ARGS if n in params)
-    name = spec.name or (spec.fn if ":" not in spec.fn else getattr(fn, "__name__", spec.fn.split(":")[-1]))
+    name = spec.name or (spec.fn if ":" not in spec.fn and not spec.factory
+                         else getattr(fn, "__name__", spec.fn.split(":")[-1]))
     return RewardFn(name=name, weight=spec.weight, fn=fn, kwargs=dict(spec.kwargs), style=style, key=key,
                     columns=columns, accepts=accepts, is_async=inspect.iscoroutinefunction(fn))
 
@@ -217,10 +292,44 @@ def load_rewards(reward_cfg) -> list[RewardFn]:
 
 
 @dataclass
+class TrainerState:
+    """What a reward function gets as `trainer_state` (the fields of TRL's that a reward reads)."""
+    global_step: int    # RL steps done before the one being scored
+    max_steps: int      # run.steps
+
+
+@dataclass
 class RewardResult:
-    total: list[float]                 # weighted sum per sample
-    per_fn: dict[str, list[float]]     # unweighted, per function, failed samples as 0
-    errors: dict[str, int]             # failed samples per function in this call
+    total: list[float | None]               # weighted sum over the functions that scored; None: none did
+    per_fn: dict[str, list[float | None]]   # unweighted, per function; failed samples 0, unscored None
+    errors: dict[str, int]                  # failed samples per function in this call
+    logged: dict[str, float] = field(default_factory=dict)  # log_metric means and log_extra's first values
+
+    def none(self, name: str) -> int:
+        return sum(v is None for v in self.per_fn[name])
+
+    def metrics(self, group_size: int) -> dict[str, Any]:
+        """This step's reward metrics (the module docstring names them)."""
+        scored = [r for r in self.total if r is not None]
+        n = len(scored)
+        mean = sum(scored) / n if n else float("nan")
+        m: dict[str, Any] = {"reward/mean": mean}
+        if n:
+            m.update({"reward/std": math.sqrt(sum((r - mean) ** 2 for r in scored) / n),
+                      "reward/min": min(scored), "reward/max": max(scored)})
+        m["reward/none"] = len(self.total) - n
+        for name, vals in self.per_fn.items():
+            got = [v for v in vals if v is not None]
+            m[f"reward/{name}/mean"] = sum(got) / len(got) if got else float("nan")
+            m[f"reward/{name}/none"] = len(vals) - len(got)
+            m[f"reward/{name}/errors"] = self.errors[name]
+        m["reward/errors"] = sum(self.errors.values())
+        groups = [[r for r in self.total[g:g + group_size] if r is not None]
+                  for g in range(0, len(self.total), group_size)]
+        # A group with fewer than two scored samples has no signal either.
+        m["reward/zero_std_groups_frac"] = sum(len(g) < 2 or max(g) == min(g) for g in groups) / len(groups)
+        m.update(self.logged)
+        return m
 
 
 def _run(value):
@@ -231,36 +340,67 @@ async def _gather(values):
     return await asyncio.gather(*values, return_exceptions=True)
 
 
+class _WrongLength(ValueError):
+    """A batch call returned a number of values other than its number of samples."""
+
+
+class _Log:
+    """The log_metric / log_extra callables of one function in one call."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.metrics: dict[str, list[float]] = {}
+        self.extra: dict[str, list] = {}
+
+    def metric(self, name: str, value: float) -> None:
+        self.metrics.setdefault(f"reward/{self.name}/metric/{name}", []).append(float(value))
+
+    def extra_column(self, column: str, values: list) -> None:
+        self.extra[f"sample/{column}"] = list(values)
+
+
 class RewardScorer:
     """Scores a batch of samples with every configured function (see the module docstring)."""
 
     def __init__(self, fns: list[RewardFn]):
         self.fns = fns
         self._ids: list[list[int]] | None = None  # the current call's completion_ids
+        self._state: TrainerState | None = None
         self.errors_total: dict[str, int] = {f.name: 0 for f in fns}
 
-    def __call__(self, prompts: list[str], completions: list[str], columns: dict[str, list],
-                 completion_ids: list[list[int]] | None = None) -> RewardResult:
+    def __call__(self, prompts: list, completions: list[str], columns: dict[str, list],
+                 completion_ids: list[list[int]] | None = None,
+                 trainer_state: TrainerState | None = None) -> RewardResult:
+        """`completions` are the sampled texts; batch functions get them in the prompts' form
+        (conversational when the prompts are message lists)."""
         n = len(completions)
         if completion_ids is not None and len(completion_ids) != n:
             raise ValueError(f"rewards: completion_ids ({len(completion_ids)}) must have one entry per sample ({n})")
-        self._ids = completion_ids
         if len(prompts) != n or any(len(v) != n for v in columns.values()):
             raise ValueError(f"rewards: prompts ({len(prompts)}), completions ({n}) and columns "
                              f"({ {k: len(v) for k, v in columns.items()} }) must have one entry per sample")
-        total = [0.0] * n
-        per_fn, errors = {}, {}
+        self._ids = completion_ids
+        self._state = trainer_state
+        texts = list(completions)
+        if any(isinstance(p, list) for p in prompts):  # TRL: conversational prompts, conversational completions
+            completions = [[{"role": "assistant", "content": t}] for t in texts]
+        total: list[float | None] = [None] * n
+        per_fn, errors, logged = {}, {}, {}
         for f in self.fns:
-            values, failed = self._score(f, prompts, completions, columns)
+            log_ = _Log(f.name)
+            values, failed = self._score(f, prompts, completions, texts, columns, log_)
             per_fn[f.name] = values
             errors[f.name] = failed
             self.errors_total[f.name] += failed
             for i, v in enumerate(values):
-                total[i] += f.weight * v
-        return RewardResult(total=total, per_fn=per_fn, errors=errors)
+                if v is not None:
+                    total[i] = (total[i] or 0.0) + f.weight * v
+            logged.update({k: sum(v) / len(v) for k, v in log_.metrics.items()})
+            logged.update({k: v[0] for k, v in log_.extra.items() if v})
+        return RewardResult(total=total, per_fn=per_fn, errors=errors, logged=logged)
 
-    def _log_once(self, f: RewardFn, exc: BaseException | None, what: str) -> None:
-        tag = type(exc).__name__ if exc is not None else what
+    def _log_once(self, f: RewardFn, exc: BaseException | None, what: str, tag: str | None = None) -> None:
+        tag = tag or (type(exc).__name__ if exc is not None else what)
         if tag in f.logged:
             return
         f.logged.add(tag)
@@ -268,29 +408,32 @@ class RewardScorer:
                   "and further %s failures of this function are only counted (reward/errors): %s",
                   f.name, f.key, tag, what, exc_info=(type(exc), exc, exc.__traceback__) if exc else None)
 
-    def _checked(self, f: RewardFn, value: Any) -> float | None:
+    def _checked(self, f: RewardFn, value: Any) -> float | None | BaseException:
+        """A finite float, None (not scored), or the failure it is."""
         if isinstance(value, dict) and "score" in value:
             value = value["score"]
+        if value is None:
+            return None
         try:
             x = float(value)
         except (TypeError, ValueError):
-            self._log_once(f, None, f"returned {value!r}, not a number")
-            return None
+            self._log_once(f, None, f"returned {value!r}, not a number", tag="not a number")
+            return ValueError(value)
         if not math.isfinite(x):
-            self._log_once(f, None, f"returned the non-finite value {x}")
-            return None
+            self._log_once(f, None, f"returned the non-finite value {x}", tag="non-finite")
+            return ValueError(value)
         return x
 
-    def _score(self, f, prompts, completions, columns) -> tuple[list[float], int]:
+    def _score(self, f, prompts, completions, texts, columns, log_) -> tuple[list[float | None], int]:
         n = len(completions)
         if f.style == "per_sample":
-            raw = self._per_sample(f, prompts, completions, columns, range(n))
+            raw = self._per_sample(f, prompts, texts, columns, range(n))
         else:
-            raw = self._batch(f, prompts, completions, columns)
+            raw = self._batch(f, prompts, completions, columns, log_)
         values, failed = [], 0
         for r in raw:
-            x = None if isinstance(r, BaseException) else self._checked(f, r)
-            if x is None:
+            x = r if isinstance(r, BaseException) else self._checked(f, r)
+            if isinstance(x, BaseException):
                 failed += 1
                 x = 0.0
             values.append(x)
@@ -298,25 +441,36 @@ class RewardScorer:
 
     def _cols(self, f: RewardFn, columns: dict[str, list], idx) -> dict[str, list]:
         names = columns if f.columns is None else [c for c in f.columns if c in columns]
-        # A configured kwarg wins over a dataset column of the same name (never both: TypeError).
-        return {c: [columns[c][i] for i in idx] for c in names if c not in f.kwargs}
+        # A configured kwarg wins over a dataset column of the same name (never both: TypeError);
+        # so do TRL's own keywords.
+        return {c: [columns[c][i] for i in idx] for c in names if c not in f.kwargs and c not in BATCH_ARGS}
 
-    def _args(self, f: RewardFn, prompts, completions, idx) -> dict:
+    def _args(self, f: RewardFn, prompts, completions, idx, log_: _Log) -> dict:
         """The TRL keyword arguments `f` takes, for the samples `idx`."""
-        have = {"prompts": [prompts[i] for i in idx], "completions": [completions[i] for i in idx]}
+        have = {"prompts": [prompts[i] for i in idx], "completions": [completions[i] for i in idx],
+                "log_metric": log_.metric, "log_extra": log_.extra_column}
         if self._ids is not None:
             have["completion_ids"] = [self._ids[i] for i in idx]
+        if self._state is not None:
+            have["trainer_state"] = self._state
         return {k: v for k, v in have.items() if k in f.accepts}
 
-    def _batch(self, f, prompts, completions, columns) -> list:
+    def _call(self, f, prompts, completions, columns, idx, log_) -> list:
+        out = _run(f.fn(**self._args(f, prompts, completions, idx, log_), **self._cols(f, columns, idx), **f.kwargs))
+        if out is None or isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
+            raise TypeError(f"returned {type(out).__name__}, expected a list of one value per sample")
+        out = list(out)
+        if len(out) != len(idx):
+            raise _WrongLength(f"returned {len(out)} values for {len(idx)} samples")
+        return out
+
+    def _batch(self, f, prompts, completions, columns, log_) -> list:
         n = len(completions)
         try:
-            out = _run(f.fn(**self._args(f, prompts, completions, range(n)), **self._cols(f, columns, range(n)),
-                            **f.kwargs))
-            out = list(out)
-            if len(out) != n:
-                raise ValueError(f"returned {len(out)} values for {n} samples")
-            return out
+            return self._call(f, prompts, completions, columns, range(n), log_)
+        except _WrongLength as e:  # a contract failure of the whole call: re-scoring would hide it
+            self._log_once(f, e, "returned the wrong number of values; every sample of the call gets 0")
+            return [e] * n
         except Exception as e:  # noqa: BLE001 - a reward must not end the run (module docstring)
             if n == 1:
                 self._log_once(f, e, "raised")
@@ -325,22 +479,23 @@ class RewardScorer:
         results = []
         for i in range(n):
             try:
-                one = list(_run(f.fn(**self._args(f, prompts, completions, [i]), **self._cols(f, columns, [i]),
-                                     **f.kwargs)))
-                if len(one) != 1:
-                    raise ValueError(f"returned {len(one)} values for 1 sample")
-                results.append(one[0])
+                results.append(self._call(f, prompts, completions, columns, [i], log_)[0])
             except Exception as e:  # noqa: BLE001
                 self._log_once(f, e, "raised")
                 results.append(e)
         return results
 
-    def _per_sample(self, f, prompts, completions, columns, idx) -> list:
+    def _per_sample(self, f, prompts, texts, columns, idx) -> list:
+        n = len(texts)
+
         def call(i):
-            extra = {k: v[i] for k, v in columns.items() if k not in ("answer", "data_source")}
-            extra["prompt"] = prompts[i]
-            return f.fn(columns.get("data_source", [None] * len(completions))[i], completions[i],
-                        columns.get("answer", [None] * len(completions))[i], extra, **f.kwargs)
+            if "extra_info" in columns:  # verl's layout: its own column
+                extra = columns["extra_info"][i]
+            else:
+                extra = {k: v[i] for k, v in columns.items() if k not in ("answer", "data_source")}
+                extra["prompt"] = prompts[i]
+            return f.fn(columns.get("data_source", [None] * n)[i], texts[i],
+                        columns.get("answer", [None] * n)[i], extra, **f.kwargs)
 
         if f.is_async:
             out = asyncio.run(_gather([call(i) for i in idx]))
