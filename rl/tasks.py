@@ -18,6 +18,9 @@ and must then be learnable in a few dozen steps:
   right digit is the harder, context-dependent half that a longer run can still climb.
 - `copy_letter` ("copy: kqz ->" -> "k"): the same shape with letters (26 of 512 by chance).
 - `add` ("3+4=" -> "7"): single-digit addition scored by the numeric reward, for real models.
+- `math` (rl/math_task.py): word problems with GSM8K's shape ("... #### 36"), in string or
+  conversational form, graded by math-verify (the `math` reward); realistic prompt lengths for CI
+  and configs/tiny_math.yaml, not something a random tiny model can learn.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from __future__ import annotations
 import random
 import string
 from typing import Callable
+
+from rl.math_task import math_word
 
 
 def digit(n: int, rng: random.Random) -> list[dict]:
@@ -55,7 +60,8 @@ def add(n: int, rng: random.Random, max_operand: int = 9) -> list[dict]:
     return rows
 
 
-TASKS: dict[str, Callable[..., list[dict]]] = {"digit": digit, "copy_letter": copy_letter, "add": add}
+TASKS: dict[str, Callable[..., list[dict]]] = {"digit": digit, "copy_letter": copy_letter, "add": add,
+                                               "math": math_word}
 
 # The reward each task is designed for (the `reward.functions` entries of a config).
 TASK_REWARDS: dict[str, list[dict]] = {
@@ -64,6 +70,7 @@ TASK_REWARDS: dict[str, list[dict]] = {
     "copy_letter": [{"fn": "format", "weight": 0.5, "kwargs": {"pattern": r"^\s*[a-z]"}},
                     {"fn": "exact_match", "weight": 0.5, "kwargs": {"match": "prefix"}}],
     "add": [{"fn": "numeric", "weight": 1.0, "kwargs": {"which": "first"}}],
+    "math": [{"fn": "math", "weight": 1.0}],
 }
 
 
