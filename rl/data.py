@@ -309,15 +309,26 @@ def _check_conversation(p: list, i: int, where: str) -> None:
 def apply_chat_template(tokenizer, prompts: list, *, strings: bool = True) -> list[str]:
     """What the sampler gets for each prompt: a message list rendered with the tokenizer's chat
     template followed by the assistant header; a string as one user turn the same way when
-    `strings` (data.chat_template), else unchanged."""
+    `strings` (data.chat_template), else unchanged. The sampler tokenizes the text with the
+    tokenizer's special tokens, so a rendered text that opens with the BOS token the tokenizer adds
+    by itself (Mixtral's, Llama's templates) loses it here: the token ids are the template's, with
+    one BOS, not two."""
     if not any(isinstance(p, list) for p in prompts) and not strings:
         return list(prompts)
     if tokenizer.chat_template is None:
         what = "the prompts are chat messages" if not strings else "data.chat_template: true"
         raise DataError(f"{what}, but the model's tokenizer has no chat template")
-    return [p if isinstance(p, str) and not strings else
-            tokenizer.apply_chat_template(p if isinstance(p, list) else [{"role": "user", "content": p}],
-                                          tokenize=False, add_generation_prompt=True) for p in prompts]
+    bos = tokenizer.bos_token
+    adds_bos = bool(bos) and tokenizer("", add_special_tokens=True)["input_ids"][:1] == [tokenizer.bos_token_id]
+    out = []
+    for p in prompts:
+        if isinstance(p, str) and not strings:
+            out.append(p)
+            continue
+        text = tokenizer.apply_chat_template(p if isinstance(p, list) else [{"role": "user", "content": p}],
+                                             tokenize=False, add_generation_prompt=True)
+        out.append(text[len(bos):] if adds_bos and text.startswith(bos) else text)
+    return out
 
 
 def check_prompt_lengths(source: PromptSource, tokenizer, limit: int, policy: str, *, chat: bool = False,

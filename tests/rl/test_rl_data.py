@@ -163,3 +163,30 @@ def test_a_nested_mapping_missing_from_a_row_is_refused(tmp_path):
     with pytest.raises(DataError, match=r"data.columns.answer: .*no column 'reward_modl'.*did you mean 'reward_model'"):
         PromptSource.from_config(C.DataConfig(path=path, columns={"prompt": "prompt",
                                                                   "answer": "reward_modl.ground_truth"}), seed=0)
+
+
+def test_a_tokenizer_that_adds_its_own_bos_gets_the_templates_ids_with_one_bos(tmp_path, tiny_tokenizer):
+    """Mixtral's and Llama's chat templates open with the BOS token that their tokenizers also add:
+    the sampler (which tokenizes with special tokens) must see the template's ids, one BOS."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    bos_id = tok.convert_tokens_to_ids("<|im_start|>")
+    tok._tokenizer.post_processor = TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos_id)])
+    tok.bos_token = "<|im_start|>"  # the tiny ChatML template opens with it, as Mixtral's opens with <s>
+    messages = _conv("What is 2+2?")
+    want = list(tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"])
+    assert want[:2] != [bos_id, bos_id] and want[0] == bos_id
+    naive = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert tok(naive)["input_ids"][:2] == [bos_id, bos_id]  # the case is real: rendered text + added BOS
+    for prompt, strings in ((messages, False), ("What is 2+2?", True)):
+        text, = apply_chat_template(tok, [prompt], strings=strings)
+        ids = tok(text)["input_ids"]
+        assert ids[:2] != [bos_id, bos_id]
+        if strings is False:
+            assert ids == want
+    # The tiny tokenizer adds none: its rendered text is untouched.
+    assert apply_chat_template(tiny_tokenizer, [messages], strings=False) == [
+        tiny_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)]
