@@ -533,3 +533,22 @@ def test_none_from_a_per_sample_reward_is_not_scored(user_module, tmp_path, monk
     s = _scorer(_spec("verl_none:compute_score"))
     res = s(["p", "q"], ["1", "1"], {"answer": ["1", None]})
     assert res.total == [1.0, None] and res.errors == {"compute_score": 0}
+
+
+def test_trls_own_rewards_run_unchanged(tmp_path):
+    """TRL's shipped reward functions and factories through the scorer, on conversational data.
+    trl is not a dependency (it brings accelerate, which changes how transformers loads models);
+    with it on the path (pip install trl==1.16.0) this runs, without it it skips saying so."""
+    pytest.importorskip("trl.rewards", reason="trl is not installed (optional: pip install trl==1.16.0)")
+    s = _scorer(_spec("trl.rewards:accuracy_reward"), _spec("trl.rewards:think_format_reward", weight=0.5),
+                _spec("trl.rewards:get_cosine_scaled_reward", factory=True, factory_kwargs={"max_len": 8}, weight=0.0),
+                _spec("trl.rewards:get_soft_overlong_punishment", factory=True,
+                      factory_kwargs={"max_completion_len": 4, "soft_punish_cache": 2}, weight=0.0))
+    prompts = [[{"role": "user", "content": "2+2?"}]] * 3
+    texts = ["<think>easy</think>\\boxed{4}", "5", "<think>hm</think>5"]
+    res = s(prompts, texts, {"solution": ["$4$", "$4$", ""]}, completion_ids=[[1, 2], [3, 4, 5], [6, 7, 8, 9, 10]],
+            trainer_state=R.TrainerState(global_step=0, max_steps=1))
+    assert res.per_fn["accuracy_reward"] == [1.0, 0.0, None]  # TRL's None: an empty gold cannot be judged
+    assert res.per_fn["think_format_reward"] == [1.0, 0.0, 1.0]
+    assert res.per_fn["soft_overlong_punishment_reward"] == [0.0, -0.5, -1.0]
+    assert res.total == [1.5, 0.0, 0.5] and sum(res.errors.values()) == 0
