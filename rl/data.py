@@ -145,6 +145,9 @@ class PromptSource:
             raise DataError(f"{origin}: the dataset is empty")
         names = list(rows.column_names) if hasattr(rows, "column_names") else list(rows[0])
         for role, col in columns.items():
+            if "." in col and col not in names and role == "prompt":
+                raise DataError(f"data.columns.prompt: expected a column of the dataset ({origin}), not a nested "
+                                f"field; got {col!r} (its columns are {names})")
             if "." in col and col not in names:  # a nested field (verl's reward_model.ground_truth)
                 _nested(rows, col, names, role, origin)
                 continue
