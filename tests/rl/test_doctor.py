@@ -58,10 +58,13 @@ sys.meta_path.insert(0, _HideModules)
 
 
 def _doctor(*args: str, pythonpath: list[Path] = (), env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m rl.cli doctor ARGS` with `pythonpath` ahead of the checkout. It runs in the first of them:
+    `-m` puts the working directory first on sys.path, and the checkout's megamoe_rl.egg-info (which `pip
+    install -e .` leaves there) must not come before a dist-info the test puts in front."""
     environ = {**os.environ, **(env or {}),
                "PYTHONPATH": os.pathsep.join([*map(str, pythonpath), str(ROOT)])}
-    return subprocess.run([sys.executable, "-m", "rl.cli", "doctor", *args], cwd=ROOT, env=environ,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "rl.cli", "doctor", *args], cwd=([*pythonpath, ROOT])[0],
+                          env=environ, capture_output=True, text=True, timeout=300)
 
 
 def test_doctor_reports_this_machine():
