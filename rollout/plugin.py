@@ -31,6 +31,9 @@ ENV_VAR = "MEGAMOE_MOE_IMPL"
 
 logger = logging.getLogger(__name__)
 
+ENTRY_POINT_GROUP = "vllm.general_plugins"
+ENTRY_POINT_NAME = "megamoe"  # pyproject.toml: megamoe = "rollout.plugin:register"
+
 # What register() did in this process; read by rollout.extension (in vLLM's worker process).
 STATE: dict[str, object] = {"called": False, "impl": None, "registered": False, "numerics": None}
 NUMERICS_ENV_VAR = "MEGAMOE_NUMERICS"
@@ -57,6 +60,22 @@ def configured_numerics() -> str:
     if value not in NUMERICS:
         raise ValueError(f"{NUMERICS_ENV_VAR}: expected one of {NUMERICS} (or unset: fast), got {value!r}")
     return value
+
+
+def entry_point():
+    """The installed entry point vLLM will call this plugin through (an importlib.metadata.EntryPoint, not
+    loaded); RuntimeError naming what is wrong: VLLM_PLUGINS excluding it, none or several installed."""
+    from importlib.metadata import entry_points
+
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and ENTRY_POINT_NAME not in [p.strip() for p in allowed.split(",")]:
+        raise RuntimeError(f"VLLM_PLUGINS={allowed!r} excludes the {ENTRY_POINT_NAME!r} plugin; vLLM would run its own MoE")
+    found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == ENTRY_POINT_NAME]
+    if len(found) != 1:
+        raise RuntimeError(f"expected one {ENTRY_POINT_NAME!r} entry point in group {ENTRY_POINT_GROUP}, found "
+                           f"{len(found)}{': ' + ', '.join(ep.value for ep in found) if found else ''} "
+                           "(is the project installed? pip install -e .)")
+    return found[0]
 
 
 def register() -> None:

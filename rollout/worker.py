@@ -117,16 +117,7 @@ def _batch_invariant_env(numerics: str) -> None:
 
 def _preflight_plugin() -> None:
     """Run the plugin here, outside vLLM, so a broken entry point raises instead of being logged."""
-    from importlib.metadata import entry_points
-
-    allowed = os.environ.get("VLLM_PLUGINS")
-    if allowed is not None and "megamoe" not in [p.strip() for p in allowed.split(",")]:
-        raise RuntimeError(f"VLLM_PLUGINS={allowed!r} excludes the 'megamoe' plugin; vLLM would run its own MoE")
-    found = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "megamoe"]
-    if len(found) != 1:
-        raise RuntimeError(f"expected one 'megamoe' entry point in group vllm.general_plugins, found {len(found)} "
-                           "(is the project installed? pip install -e .)")
-    found[0].load()()
+    plugin.entry_point().load()()
 
 
 class RolloutWorker:

@@ -33,6 +33,8 @@ def test_every_config_file_loads(path):
     assert C.from_dict(yaml.safe_load(C.to_yaml(cfg))) == cfg
     # Each file documents the hardware it needs in a comment.
     assert "hardware" in path.read_text().lower(), f"{path.name}: say the hardware it needs in a comment"
+    # ... and whether and where it has run (benchmarks/RESULTS.md the evidence), so none implies a run it never had.
+    assert "# has run:" in path.read_text().lower(), f"{path.name}: say in a '# Has run:' comment where it has run"
 
 
 def test_every_field_has_a_doc():
