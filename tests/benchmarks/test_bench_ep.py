@@ -7,7 +7,10 @@ import re
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.smoke
 def test_bench_ep_smoke_run_prints_every_row(tmp_path):
     out = tmp_path / "ep.md"
     r = subprocess.run([sys.executable, "benchmarks/bench_ep.py", "--cpu", "--world", "2", "--shapes", "tiny",

@@ -18,6 +18,7 @@ def _run(*args):
     return proc.stdout
 
 
+@pytest.mark.smoke
 def test_profile_step_lists_the_step_on_cpu():
     out = _run("benchmarks/device/profile_step.py", "--shape", "tiny", "--tokens", "16")
     assert re.search(r"tiny T=16 megamoe on cpu: \d+ events, span [\d.]+ ms", out), out
@@ -26,6 +27,7 @@ def test_profile_step_lists_the_step_on_cpu():
     assert out.index("megamoe::fused_moe_train") < out.index("GeneratedBackwardFor_megamoe_fused_moe_train"), out
 
 
+@pytest.mark.smoke
 def test_host_overhead_times_each_wrapper():
     out = _run("benchmarks/host_overhead.py")
     for name in ("fused_moe_fwd (inference)", "fused_moe_fwd, saving (gate, up)", "fused_moe_bwd, from (gate, up)",

@@ -30,8 +30,9 @@ from rl.metrics import read_jsonl
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
 CLI = [sys.executable, "-m", "rl.cli", "train", "--config", str(TINY)]
-# Small enough to be quick on 2 shared cores, large enough that every group is a real group.
-SMALL = ["rollout.n=4", "run.prompts_per_step=4", "run.progress=false"]
+# Small enough to be quick on 2 shared cores, large enough that every group is a real group; 4 tokens
+# per completion (the demo samples 2), so the runs go through several of vLLM's decode steps.
+SMALL = ["rollout.n=4", "run.prompts_per_step=4", "rollout.max_tokens=4", "run.progress=false"]
 RUN_TIMEOUT_S = 420
 
 REWARD_MODULE = textwrap.dedent('''
@@ -94,6 +95,30 @@ def numeric_finite(record: dict, keys) -> list[str]:
         if not isinstance(v, (int, float)) or not math.isfinite(v):
             bad.append(f"{k}={v!r}")
     return bad
+
+
+# The sampler-trainer mismatch of one step's samples when both sides hold the same fp32 weights (megamoe
+# on both sides), measured 2026-12-05 on the 2-core machine: this module's e2e run 4.8e-7 at every step
+# (the one after the rollout restart too); the soak's 300 steps 8.1e-6; the demo (configs/tiny.yaml,
+# 200 steps) 8.9e-6; the worst of the demo's tuning runs 5.9e-5 (64 prompts x 8 after 150 steps: the
+# mismatch grows as the policy sharpens; benchmarks/RESULTS.md "The CPU demo learns the digit").
+# 1e-4 is 11x the demo's worst step. A sampler whose layer-1 post-attention norm alone is 1e-2 off
+# (one lr-1e-2 step left unsynced) measured 2.2e-4 on the untrained model's prompts
+# (tests/rl/test_divergence.py), under the former bound 1e-3.
+# A sampler left on the base weights measured 0.67 on its first step, after a resume
+# (tests/rl/test_rl_faults.py, Loop.run's push deleted) and after a rollout restart (below,
+# Loop.restart_rollout's push deleted).
+FP32_MAX_ABS_LOGP_DIFF = 1e-4
+# k3 KL (per-token mean of exp(d) - 1 - d, ~d^2/2): 2.8e-14 in the e2e run, 8.0e-13 in the demo, 1.8e-12
+# the worst tuning run; 2.6e-2 for the sampler left on the base weights.
+FP32_K3_KL = 1e-9
+
+
+def fp32_mismatch_over_bounds(records: list[dict]) -> list[tuple]:
+    """(step, max |dlogp|, k3) of every metrics record whose sampler-trainer mismatch exceeds the fp32
+    bounds above: a step sampled from weights other than the trainer's."""
+    return [(r["step"], r["mismatch/abs_logp_diff_max"], r["mismatch/k3_kl"]) for r in records
+            if not (r["mismatch/abs_logp_diff_max"] < FP32_MAX_ABS_LOGP_DIFF and r["mismatch/k3_kl"] < FP32_K3_KL)]
 
 
 STEP_KEYS = ("reward/mean", "reward/std", "mismatch/k3_kl", "mismatch/abs_logp_diff_mean",
@@ -172,8 +197,8 @@ def test_e2e_metrics_are_finite_every_step(e2e):
         assert 0.0 <= r["reward/mean"] <= 1.0
         assert r["reward/first_char_is_answer/errors"] == 0  # per-function failure count, every step
         assert r["mismatch/k3_kl"] >= 0.0
-        # Both sides run megamoe in fp32: the sampler-trainer mismatch is tiny (ANCHORS: ~1e-6 in fp32).
-        assert r["mismatch/abs_logp_diff_max"] < 1e-3, r["mismatch/abs_logp_diff_max"]
+    # Both sides run megamoe in fp32 on the same weights at every step, the one after the restart too.
+    assert fp32_mismatch_over_bounds(records) == [], [(r["step"], r["mismatch/abs_logp_diff_max"]) for r in records]
 
 
 @pytest.mark.slow
@@ -184,8 +209,12 @@ def test_e2e_rollout_worker_killed_mid_step_is_restarted(e2e):
     assert [r["rollout/restarts_total"] for r in records] == [0, 1, 1, 1], explain(proc)
     log = (run_dir / "train.log").read_text()
     assert "RolloutWorker 0 died" in log and "restarting it with the current weights" in log
-    # The replacement samples from the trained weights: the mismatch stays tiny after the restart.
-    assert records[2]["mismatch/abs_logp_diff_max"] < 1e-3
+    # The replacement samples from the trained weights (step 2's): step 3's mismatch is at the fp32
+    # bound (4.8e-7 measured, 2026-12-05). Without the restart's weight push (Loop.restart_rollout) it
+    # samples from the base model: step 3 measured max |dlogp| 0.67, k3 2.6e-2, and this assertion failed.
+    print("e2e mismatch max |dlogp| / k3 by step:",
+          [(r["step"], r["mismatch/abs_logp_diff_max"], r["mismatch/k3_kl"]) for r in records])
+    assert fp32_mismatch_over_bounds(records[2:3]) == [], records[2]
 
 
 @pytest.mark.slow
