@@ -167,11 +167,12 @@ def check(overrides: dict | None = None, E: int = 128) -> list[dict]:
             if gpt_oss:  # what launch.act_args gives for biases and megamoe.contract.clamped_swiglu
                 consts.update(BIAS=True, ACT=1)
             types = {**data, **weight_arg_types(tname, consts, is_bwd, gu)}
-            k = _compile(mk._moe_persistent_kernel, types, consts, ("H", "I", "E"), cfg.num_warps,
-                         fused.persistent_stages(cfg, is_bwd, cfg.small_tokens if small_t else None))
+            stages = fused.persistent_stages(cfg, is_bwd, cfg.small_tokens if small_t else None,
+                                             recompute=is_bwd and not gu)
+            k = _compile(mk._moe_persistent_kernel, types, consts, ("H", "I", "E"), cfg.num_warps, stages)
             name = (("bwd" if is_bwd else "fwd") + (" gu" if gu else "") + (" ep" if ep else "")
                     + (" tma" if tma else "") + (" small-T" if small_t else "") + (" gpt-oss" if gpt_oss else ""))
-            rows.append(dict(kernel="persistent " + name, dtype=tname,
+            rows.append(dict(kernel="persistent " + name, dtype=tname, stages=stages,
                              shared=k.metadata.shared, async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
                              tma_loads=k.asm["ttgir"].count("async_tma_copy_global_to_local"),
                              clock_reads=k.asm["ptx"].count("%globaltimer"),
@@ -300,11 +301,12 @@ def main():
     if args.json:
         print(json.dumps(rows))
         return
-    print(f"{'kernel':22s} {'dtype':5s} {'shared':>8s} {'async copies':>12s} {'TMA':>3s} {'reg':>4s} {'stack':>5s} "
-          f"{'local':>5s} {'STL/LDL':>7s} {'in inner loops':>14s}")
+    print(f"{'kernel':22s} {'dtype':5s} {'stages':>6s} {'shared':>8s} {'async copies':>12s} {'TMA':>3s} {'reg':>4s} "
+          f"{'stack':>5s} {'local':>5s} {'STL/LDL':>7s} {'in inner loops':>14s}")
     for r in rows:
-        print(f"{r['kernel']:22s} {r['dtype']:5s} {r['shared']:8d} {r['async_copies']:12d} {r.get('tma_loads', 0):3d} "
-              f"{r.get('reg', -1):4d} {r.get('stack', -1):5d} {r.get('local', -1):5d} {r['local_ops']:7d} {r['inner_loop_local_ops']:14d}")
+        print(f"{r['kernel']:22s} {r['dtype']:5s} {r.get('stages', '-'):>6} {r['shared']:8d} {r['async_copies']:12d} "
+              f"{r.get('tma_loads', 0):3d} {r.get('reg', -1):4d} {r.get('stack', -1):5d} {r.get('local', -1):5d} "
+              f"{r['local_ops']:7d} {r['inner_loop_local_ops']:14d}")
 
 
 if __name__ == "__main__":

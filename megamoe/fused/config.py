@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import triton
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,8 @@ class KernelConfig:
     num_stages: int = 3
     # the backward's persistent launch; None: num_stages (bf16 default 4: 0-7 % faster, fits shared memory)
     bwd_stages: int | None = None
+    # the backward without saved (gate, up), which recomputes GEMM1; None: bwd_stages (see default_config)
+    recompute_stages: int | None = None
     # the forward's stages when T <= small_tokens, None: num_stages (bf16 default 4: 3-9 % faster there, Mixtral aside)
     small_stages: int | None = None
     small_tokens: int = 4096
@@ -71,7 +74,7 @@ class KernelConfig:
             if not (pow2(getattr(self, f)) and getattr(self, f) <= 32):
                 bad(f, "a power of two <= 32")
         for f, optional, least in (("num_stages", False, 1), ("dw_stages", False, 1), ("bwd_stages", True, 1),
-                                   ("small_stages", True, 1), ("small_tokens", False, 0),
+                                   ("recompute_stages", True, 1), ("small_stages", True, 1), ("small_tokens", False, 0),
                                    ("group_tiles", False, 1), ("programs", True, 1), ("lag", True, 0)):
             v = getattr(self, f)
             if not ((optional and v is None) or (isinstance(v, int) and not isinstance(v, bool) and v >= least)):
@@ -79,6 +82,22 @@ class KernelConfig:
         for f in ("tma_weights", "dw_tma"):
             if not isinstance(getattr(self, f), bool):
                 bad(f, "a bool")
+
+
+# The one setting that depends on the Triton version (the bf16 CUDA default_config below); the kernels,
+# their launchers and compile_check.py otherwise run unchanged on Triton 3.6 and 3.7. The bf16 defaults
+# were tuned on the H200 with Triton 3.6.0. Triton 3.7.1 makes the one-thread predicate of a scalar
+# atomic from the warp index (tid >> 5, a uniform value) where 3.6.0 tests tid's bits; at the register
+# ceiling of the backward that recomputes GEMM1 with 4 stages, ptxas spills that index and reloads it
+# in every poll of the _wait_geq spin loops (the GEMM loops stay free of local memory). sm_90 compile
+# report (benchmarks/device/compile_check.py, E=128, 2026-12-05), "persistent bwd tma" bf16:
+#   Triton 3.6.0, 4 stages: 229,472 B shared, 254 registers, 0 B stack, 0 local ops
+#   Triton 3.7.1, 4 stages: 229,472 B shared, 255 registers, 48 B stack, 30 local ops, 3 in innermost loops
+#   Triton 3.7.1, 3 stages: 172,120 B shared, 255 registers, 48 B stack, 18 local ops, 0 in innermost loops
+# (5 stages: 286,856 B, over the limit.) So from 3.7 on that backward takes 3 stages. Every other kernel
+# passes the check on 3.7.1 with 3.6.0's config, so it keeps it; with 3.6.0 every kernel compiles to the
+# same SASS as before this setting (all of them compared, benchmarks/RESULTS.md 2026-12-05).
+TRITON_VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2])
 
 
 def default_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
@@ -95,7 +114,7 @@ def default_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
                             num_stages=2, BMW=64, BNW=64, BKR=32, dw_warps=4, dw_stages=2, tma_weights=False,
                             dw_tma=False)
     # BT=8: at decode more programs share the combine (and the backward's dx / d(topk_weights) gather)
-    return KernelConfig(bwd_stages=4, BT=8, small_stages=4)
+    return KernelConfig(bwd_stages=4, BT=8, small_stages=4, recompute_stages=3 if TRITON_VERSION >= (3, 7) else None)
 
 
 _CONFIG_OVERRIDE: KernelConfig | None = None
@@ -112,11 +131,12 @@ def config_for(x: torch.Tensor) -> KernelConfig:
     return _CONFIG_OVERRIDE or default_config(x.dtype, x.device)
 
 
-def persistent_stages(cfg: KernelConfig, is_bwd: bool, T: int | None = None) -> int:
-    """The persistent launch's pipeline stages: the backward's, or the forward's for T tokens (T=None:
-    the EP launch, whose T is the received rows, and compile checks: num_stages)."""
+def persistent_stages(cfg: KernelConfig, is_bwd: bool, T: int | None = None, recompute: bool = False) -> int:
+    """The persistent launch's pipeline stages: the backward's (recompute: the one without saved
+    (gate, up)), or the forward's for T tokens (T=None: the EP launch, whose T is the received rows,
+    and compile checks: num_stages)."""
     if is_bwd:
-        return cfg.bwd_stages or cfg.num_stages
+        return (recompute and cfg.recompute_stages) or cfg.bwd_stages or cfg.num_stages
     if T is not None and cfg.small_stages is not None and T <= cfg.small_tokens:
         return cfg.small_stages
     return cfg.num_stages

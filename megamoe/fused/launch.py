@@ -115,7 +115,8 @@ def launch_persistent(is_bwd: bool, x, w13, w2, tw, ids, dy, T, H, I, E, K, cfg:
             trace_ptr=trace["ticks"] if trace is not None else ids,
             T=T, N=N, E=E, H=H, I=I, K=K, LAG=setup.lag, R_MAX=setup.r_max, NB=setup.nb,
             RANK=0, W=1, TS=0, SK=0, TMK=0, SPIN_MAX=0,
-            **{**setup.consts, **trace_args, **act_args(b13, activation)}, num_warps=cfg.num_warps, num_stages=persistent_stages(cfg, is_bwd, T))
+            **{**setup.consts, **trace_args, **act_args(b13, activation)}, num_warps=cfg.num_warps,
+            num_stages=persistent_stages(cfg, is_bwd, T, recompute=is_bwd and not use_gu))
     sorted_slot, inv_slot, key_start, key_count, tile_cum, num_tiles, _ = setup.meta
     meta = KernelMeta(sorted_slot, inv_slot, key_start[1:], key_count[1:], tile_cum, num_tiles)
     return out, act, hw, dtw, meta, (gu if use_gu and not is_bwd else None)

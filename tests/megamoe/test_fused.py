@@ -255,6 +255,7 @@ def test_dw_tma_only_where_the_hardware_can_address_the_rows():
     ("num_stages", 0, "int >= 1"), ("bwd_stages", 0, "int >= 1 or None"), ("lag", -1, "int >= 0 or None"),
     ("programs", -1, "int >= 1 or None"), ("group_tiles", True, "int >= 1"), ("dw_tma", 1, "a bool"),
     ("small_stages", 0, "int >= 1 or None"), ("small_tokens", None, "int >= 0"),
+    ("recompute_stages", 0, "int >= 1 or None"),
 ])
 def test_kernel_config_refuses_what_the_kernels_cannot_run(field, value, expected):
     from megamoe import fused
@@ -270,7 +271,8 @@ def test_every_default_config_is_valid():
         for dt in (torch.float32, torch.bfloat16):
             cfg = fused.default_config(dt, torch.device(dev))
             assert dataclasses.replace(cfg) == cfg
-    fused.KernelConfig(bwd_stages=None, small_stages=None, programs=None, lag=None)  # the optional fields' None
+    fused.KernelConfig(bwd_stages=None, recompute_stages=None, small_stages=None, programs=None,
+                       lag=None)  # the optional fields' None
     fused.KernelConfig(lag=0)  # phase-2 items right after their unit's phase-1 items (the ticket-order test)
 
 
@@ -280,6 +282,57 @@ def test_backward_pipeline_stages_follow_the_config():
     assert (fused.persistent_stages(cfg, False), fused.persistent_stages(cfg, True)) == (3, 3)
     cfg = fused.KernelConfig(num_stages=3, bwd_stages=4)
     assert (fused.persistent_stages(cfg, False), fused.persistent_stages(cfg, True)) == (3, 4)
+    assert fused.persistent_stages(cfg, True, recompute=True) == 4  # recompute_stages None: bwd_stages
+    # the backward that recomputes GEMM1 (no saved (gate, up)) alone takes recompute_stages
+    cfg = fused.KernelConfig(num_stages=2, bwd_stages=4, recompute_stages=3)
+    assert [fused.persistent_stages(cfg, True, recompute=r) for r in (False, True)] == [4, 3]
+    assert fused.persistent_stages(cfg, False, 16384, recompute=True) == 2
+
+
+def test_bf16_cuda_stages_per_triton_version(monkeypatch):
+    """The one setting chosen per Triton version (megamoe/fused/config.py says why): on Triton 3.6
+    every bf16 CUDA launch keeps the stages the H200 measurements ran (backward 4, both with and
+    without saved (gate, up)); from 3.7 on, the backward that recomputes GEMM1 takes 3 (with 4 it
+    spills on 3.7.1, compile_check.py), the one reading saved (gate, up) keeps 4."""
+    from megamoe import fused
+    from megamoe.fused import config
+    cuda = torch.device("cuda")
+    for version, recompute in (((3, 6), 4), ((3, 7), 3), ((4, 0), 3)):
+        monkeypatch.setattr(config, "TRITON_VERSION", version)
+        bf16 = fused.default_config(torch.bfloat16, cuda)
+        assert [fused.persistent_stages(bf16, True, recompute=r) for r in (False, True)] == [4, recompute], version
+        fp32 = fused.default_config(torch.float32, cuda)  # fp32 and the interpreter's: one config on every version
+        assert fp32 == dataclasses.replace(fp32, recompute_stages=None), version
+        assert fused.default_config(torch.float32, torch.device("cpu")).recompute_stages is None
+    monkeypatch.setattr(config, "TRITON_VERSION", (3, 6))  # exactly the config the H200 measured (RESULTS.md)
+    assert fused.default_config(torch.bfloat16, cuda) == fused.KernelConfig(bwd_stages=4, BT=8, small_stages=4)
+
+
+def test_the_launcher_gives_the_recomputing_backward_its_stages(monkeypatch):
+    """launch_persistent asks for recompute_stages for the backward without saved (gate, up) only
+    (the interpreter ignores stages, so the launcher's question is what is checked)."""
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("interpreter test: runs on CPU machines (conftest sets TRITON_INTERPRET=1 there)")
+    from megamoe import fused
+    from megamoe.fused import launch
+    asked = []
+
+    def stages(cfg, is_bwd, T=None, recompute=False):
+        asked.append((is_bwd, recompute, fused.persistent_stages(cfg, is_bwd, T, recompute=recompute)))
+        return asked[-1][2]
+
+    monkeypatch.setattr(launch, "persistent_stages", stages)
+    p = make_problem(8, 16, 16, 4, 2, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    g, gu = torch.randn(8, 16, generator=gen), torch.randn(8 * 2, 2 * 16, generator=gen)  # only launched, not checked
+    fused.set_config(dataclasses.replace(fused.default_config(g.dtype, g.device), num_stages=2, bwd_stages=3,
+                                         recompute_stages=4))
+    try:
+        fused_moe_bwd(g, *p.args(), backend="triton", gu=gu)
+        fused_moe_bwd(g, *p.args(), backend="triton")
+    finally:
+        fused.set_config(None)
+    assert asked == [(True, False, 3), (True, True, 4)]
 
 
 def test_forward_pipeline_stages_at_small_T():
