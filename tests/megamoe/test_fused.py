@@ -162,14 +162,24 @@ def test_ticket_order_visits_every_item_once_after_what_it_waits_for():
         assert items[:GT * n1] == [(1, r, c) for c in range(n1) for r in range(GT)]
 
 
-def test_triton_kernel_leaves_its_workspace_as_found(nan_fill):
+# The Triton kernels on either device: the interpreter on CPU, compiled on a GPU (the GPU stages select `gpu`).
+KERNEL_DEVICES = [pytest.param("cpu", id="interpreter"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+def _skip_unless_kernels_run_on(device: str) -> None:
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the CPU case runs the kernels under the Triton interpreter (TRITON_INTERPRET=1 is not set)")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_triton_kernel_leaves_its_workspace_as_found(device, nan_fill):
     """Every counter (tickets, phase counts, per-tile counts) is zero again after a forward and a
     backward launch, so the next call and a CUDA-graph replay need no host-side clearing; a second
     call gives the same bits."""
     from megamoe.fused import counter_buffers
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs a GPU or the Triton interpreter")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    _skip_unless_kernels_run_on(device)
     p = make_problem(29, 24, 16, 5, 3, routing="random", drop_frac=0.2, seed=11, device=device)
     g = torch.randn(29, 24, generator=torch.Generator().manual_seed(1)).to(device)
     y1, b1 = fused_moe_fwd(*p.args(), backend="triton"), fused_moe_bwd(g, *p.args(), backend="triton")
@@ -663,14 +673,13 @@ def test_gpu_opcheck():
     pytest.param(40, 256, 8, 0.1, "random", 16, 64, id="T40-E256-k8-5blocks"),  # DeepSeek-V3's expert count
     pytest.param(20, 6, 2, 0.0, "one_expert", 16, 1024, id="T20-all-on-one-1block"),
 ])
-def test_kernel_metadata_equals_torch_metadata(T, E, k, drop, routing, BM, BLK):
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_kernel_metadata_equals_torch_metadata(T, E, k, drop, routing, BM, BLK, device):
     """Phase 0 of the persistent kernel (block histograms and in-register sorts; interpreter on CPU,
     compiled on GPU) against the torch-op metadata: exact equality of every index output, over
     several blocks."""
     from megamoe.fused import config_for, launch_persistent, routing_metadata
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs a GPU or the Triton interpreter")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    _skip_unless_kernels_run_on(device)
     p = make_problem(T, 16, 16, E, k, drop_frac=drop, routing=routing, seed=3, device=device)
     a = routing_metadata(p.topk_ids, E)
     cfg = dataclasses.replace(config_for(p.x), BM=BM, BLK=BLK)
