@@ -130,6 +130,7 @@ class MegaMoEMethod(UnquantizedFusedMoEMethod):
         # compute with; the trainer reads the same config.
         self.activation = (clamped_swiglu(hf_config.swiglu_alpha, hf_config.swiglu_limit) if self.interleaved
                            else SWIGLU)
+        self._stock_monolithic: bool | None = None  # is_monolithic after loading (moe_impl stock)
         if impl == "stock":
             super().__init__(moe)
             return
@@ -234,12 +235,20 @@ class MegaMoEMethod(UnquantizedFusedMoEMethod):
             # (ANCHORS.md: identical weights changed logprobs by 0.12). Re-run that step so a reload
             # ends in the same layout as the first load.
             kernel.fused_experts.process_weights_after_loading(layer)
+        self._stock_monolithic = None
+        self._stock_monolithic = self.is_monolithic
 
     # -- compute --------------------------------------------------------------------------------
 
     @property
     def is_monolithic(self) -> bool:
         if self.megamoe_impl == "stock":
+            # The value vLLM's method had once its weights were loaded: torch.compile's Dynamo reads this
+            # property while it traces vLLM's MoE runner (on CPU) and can neither proxy super()'s property
+            # nor call property.fget (a stock engine with vLLM's default compilation died at start, vLLM
+            # 0.32 CPU, 2026-12-05).
+            if self._stock_monolithic is not None:
+                return self._stock_monolithic
             return super().is_monolithic
         # Monolithic: vLLM hands apply_monolithic the router logits instead of its own top-k.
         return self.self_routed

@@ -144,10 +144,10 @@ class RolloutWorker:
         """Start a vLLM engine on the local checkpoint `model_dir` with its MoE layers on `moe_impl`.
 
         enforce_eager: None means vLLM's default (torch.compile, and CUDA graphs on a GPU) on CUDA, and
-        eager on CPU and for moe_impl="reference" on GPU. On CPU, torch.compile adds 45-85 s to every
-        engine start for the tiny test models (2-core machine under load, vLLM CPU 0.32, 2026-12-05;
-        its compile cache fails to load there, so every start compiles again), against well under a
-        second of warm-up in eager mode; False asks for it (the MoE runs as rollout.moe_method's opaque
+        eager on CPU and for moe_impl="reference" on GPU. On CPU, torch.compile adds about 30 s to every
+        engine start for the tiny test models (45-85 s under load; vLLM CPU 0.32 fails to load its own
+        compile cache, so every start traces again) for 1.13-1.18x the rollout tokens/s
+        (benchmarks/bench_compile.py, 2026-12-05); False asks for it (the MoE runs as rollout.moe_method's opaque
         ops either way; a numerics="bitwise" CPU engine refuses it). `reference` is the unfused baseline:
         its grouped GEMMs read the per-expert row counts back to the host, which a CUDA-graph capture
         cannot contain (measured on the H200: "operation not permitted when stream is capturing"), so
