@@ -289,6 +289,9 @@ def check_bitwise(cfg: Config) -> None:
     tp = cfg.rollout.engine_kwargs.get("tensor_parallel_size", 1)
     need(tp == 1, "rollout.engine_kwargs.tensor_parallel_size", "1 (a K reduction split over ranks is not the "
          "trainer's)", tp)
+    eager = cfg.rollout.engine_kwargs.get("enforce_eager")
+    need(rollout_gpu or eager is not False, "rollout.engine_kwargs.enforce_eager", "true or unset on CPU "
+         "(torch.compile would compute the dense ops with Inductor's kernels, not the trainer's)", eager)
 
 
 def _on_gpu(cfg: Config) -> bool:

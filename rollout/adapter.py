@@ -130,6 +130,7 @@ class MegaMoEMethod(UnquantizedFusedMoEMethod):
         # compute with; the trainer reads the same config.
         self.activation = (clamped_swiglu(hf_config.swiglu_alpha, hf_config.swiglu_limit) if self.interleaved
                            else SWIGLU)
+        self._stock_monolithic: bool | None = None  # is_monolithic after loading (moe_impl stock)
         if impl == "stock":
             super().__init__(moe)
             return
@@ -234,12 +235,20 @@ class MegaMoEMethod(UnquantizedFusedMoEMethod):
             # (ANCHORS.md: identical weights changed logprobs by 0.12). Re-run that step so a reload
             # ends in the same layout as the first load.
             kernel.fused_experts.process_weights_after_loading(layer)
+        self._stock_monolithic = None
+        self._stock_monolithic = self.is_monolithic
 
     # -- compute --------------------------------------------------------------------------------
 
     @property
     def is_monolithic(self) -> bool:
         if self.megamoe_impl == "stock":
+            # The value vLLM's method had once its weights were loaded: torch.compile's Dynamo reads this
+            # property while it traces vLLM's MoE runner (on CPU) and can neither proxy super()'s property
+            # nor call property.fget (a stock engine with vLLM's default compilation died at start, vLLM
+            # 0.32 CPU, 2026-12-05).
+            if self._stock_monolithic is not None:
+                return self._stock_monolithic
             return super().is_monolithic
         # Monolithic: vLLM hands apply_monolithic the router logits instead of its own top-k.
         return self.self_routed
@@ -248,32 +257,41 @@ class MegaMoEMethod(UnquantizedFusedMoEMethod):
     def supports_eplb(self) -> bool:
         return self.megamoe_impl == "stock"
 
-    def _routed_experts(self, layer, x, topk_weights, topk_ids):
+    def _expert_kwargs(self, layer) -> dict:
         if not self.interleaved:
-            return moe_method.routed_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-                                             self.megamoe_impl)
-        return moe_method.routed_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-                                         self.megamoe_impl, b13_E2I=layer.w13_bias, b2_EH=layer.w2_bias,
-                                         activation=self.activation)
+            return {}
+        return {"b13_E2I": layer.w13_bias, "b2_EH": layer.w2_bias, "activation": self.activation}
 
     def apply(self, layer, x, topk_weights, topk_ids, *args, **kwargs):
         if self.megamoe_impl == "stock":
             return super().apply(layer, x, topk_weights, topk_ids, *args, **kwargs)
-        return self._routed_experts(layer, x, topk_weights, topk_ids)
+        return moe_method.routed_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                                         self.megamoe_impl, **self._expert_kwargs(layer))
+
+    def _route_kwargs(self, layer, num_experts: int) -> dict:
+        """megamoe.route's arguments for this layer (the trainer's Fp32Router routes with the same)."""
+        n_group, topk_group = self._groups(layer, num_experts)
+        return {"top_k": layer.top_k, "scoring": getattr(layer, "scoring_func", "softmax"),
+                "renormalize": layer.renormalize,
+                "e_score_correction_bias": getattr(layer, "e_score_correction_bias", None),
+                "n_group": n_group, "topk_group": topk_group}
 
     def select_experts(self, layer, router_logits):
-        """(topk_weights fp32 [T,k], topk_ids int64 [T,k]) the way the trainer's Fp32Router routes."""
+        """(topk_weights fp32 [T,k], topk_ids int64 [T,k]) the way the trainer's Fp32Router routes
+        (rollout/probe.py; the forward routes inside moe_method's op with the same arguments)."""
+        kw = self._route_kwargs(layer, router_logits.shape[-1])
         # check_finite=False: the check would read the logits back to the host (no CUDA-graph capture).
-        n_group, topk_group = self._groups(layer, router_logits.shape[-1])
-        return megamoe.route(router_logits, layer.top_k, getattr(layer, "scoring_func", "softmax"), layer.renormalize,
-                             e_score_correction_bias=getattr(layer, "e_score_correction_bias", None),
-                             n_group=n_group, topk_group=topk_group, check_finite=False)
+        return megamoe.route(router_logits, kw.pop("top_k"), kw.pop("scoring"), kw.pop("renormalize"),
+                             check_finite=False, **kw)
 
     def apply_monolithic(self, layer, x, router_logits, input_ids=None):
         if self.megamoe_impl == "stock":
             return super().apply_monolithic(layer, x, router_logits, input_ids)
-        topk_weights, topk_ids = self.select_experts(layer, router_logits)
-        return self._routed_experts(layer, x, topk_weights, topk_ids)
+        # Routing and experts in one opaque op: a compiled engine routes with megamoe.route's own kernels.
+        return moe_method.routed_experts_from_logits(x, layer.w13_weight, layer.w2_weight, router_logits,
+                                                     self.megamoe_impl,
+                                                     **self._route_kwargs(layer, router_logits.shape[-1]),
+                                                     **self._expert_kwargs(layer))
 
 
 class MegaMoERouterMethod(UnquantizedLinearMethod):
@@ -513,6 +531,23 @@ def kernel_format_blockers(model: torch.nn.Module) -> list[str]:
             out.append(f"{name}: {type(qm).__name__} processes its weights after loading "
                        f"({current_platform.device_type})")
     return out
+
+
+# vLLM's compilation counters that count a model compiled, one way or another: traced by vLLM's backend,
+# compiled ahead of time (vLLM 0.32 CPU's default path), loaded from vLLM's AOT cache, torch.compile'd
+# whole (STOCK_TORCH_COMPILE). A vLLM lacking one counts through the others.
+_COMPILE_COUNTERS = ("num_graphs_seen", "num_aot_compiles", "num_aot_artifacts_loaded", "stock_torch_compile_count")
+
+
+def compilation_state(worker) -> dict:
+    """How this worker's model runs: vLLM's compilation mode, the models compiled in this process (vLLM's
+    compilation counter; 0 for an eager engine) and the CUDA graphs captured."""
+    from vllm.compilation.counter import compilation_counter as c
+
+    mode = getattr(worker.vllm_config.compilation_config, "mode", None)
+    return {"mode": getattr(mode, "name", str(mode)),
+            "graphs": sum(getattr(c, name, 0) for name in _COMPILE_COUNTERS),
+            "cudagraphs_captured": c.num_cudagraph_captured}
 
 
 def load_weights_in_place(worker, named_tensors: list[tuple[str, torch.Tensor]]) -> None:

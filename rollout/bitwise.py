@@ -18,6 +18,8 @@ vLLM CPU (0.32, fp32):
   whose KV-cache write and attention are plain torch: per request, its keys gathered from the paged
   cache by `megamoe.invariant.paged_causal_attention` (bitwise the trainer's attention per query).
 - the dense MLP's activation: vLLM's native formula (`compilation_config.custom_ops` with -silu_and_mul).
+- eager: RolloutWorker refuses enforce_eager=False (torch.compile's Dynamo cannot trace the linear's
+  weight, a vLLM parameter subclass, and Inductor would round the norms and activations its own way).
 vLLM CUDA (0.26, bf16): vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1, set by RolloutWorker before
 the engine starts) computes the linears, the LM head (its Triton persistent matmul), the attention (the
 TRITON_ATTN backend's unified attention, one key tile size) and the sampler's log-softmax; the trainer

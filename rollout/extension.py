@@ -48,6 +48,7 @@ class MegaMoEWorkerExtension:
             "dtype": str(next(model.parameters()).dtype),
             "numerics": plugin.STATE["numerics"],
             "dense_ops": bitwise.census(model),
+            "compilation": adapter.compilation_state(self),
         }
 
     def megamoe_moe_calls(self) -> dict[str, int]:

@@ -1,11 +1,13 @@
-"""The version-independent half of the vLLM MoE hook: what a routed-experts call computes, and a
-count of calls per implementation in the process that runs the model.
+"""The version-independent half of the vLLM MoE hook: what a routed-experts call computes, as torch
+custom ops that vLLM's compiled graph calls as opaque nodes, and a count of calls per implementation in
+the process that runs the model.
 
-The experts are chosen before this runs: by `megamoe.route` on megamoe's fp32 router logits (softmax
-top-k: Qwen3-MoE, Mixtral, OLMoE; DeepSeek's grouped sigmoid top-k with its score-correction bias; see
-adapter.MegaMoEMethod), or by vLLM's router where megamoe.route cannot reproduce it. vLLM's MoE runner
-adds shared experts and applies `routed_scaling_factor` after we return. So the hook computes exactly
-the contract of `megamoe.fused_moe` on vLLM's weight layout:
+The experts are chosen by `megamoe.route` on megamoe's fp32 router logits (softmax top-k: Qwen3-MoE,
+Mixtral, OLMoE; DeepSeek's grouped sigmoid top-k with its score-correction bias; see
+adapter.MegaMoEMethod), inside `routed_experts_from_logits`, or by vLLM's router where megamoe.route
+cannot reproduce it (`routed_experts`). vLLM's MoE runner adds shared experts and applies
+`routed_scaling_factor` after we return. So the ops compute exactly the contract of `megamoe.fused_moe`
+on vLLM's weight layout:
 
     w13_weight [E, 2I, H]  gate rows first, then up rows  (= megamoe's w13; gpt-oss's after
                            adapter.MegaMoEMethod de-interleaved them)
@@ -15,6 +17,22 @@ the contract of `megamoe.fused_moe` on vLLM's weight layout:
 DeepSeek's shared experts (a dense SwiGLU MLP, run by vLLM's runner before the routed experts) are
 `shared_experts` below: megamoe.fused_moe with one expert that every token takes with weight 1, which
 is what the trainer computes for them (megamoe.moe.dense_mlp on both sides), so both sides agree bitwise.
+
+Why custom ops (namespace `megamoe_rollout`, registered when this module is imported, which the plugin
+does in every vLLM process). vLLM compiles the model with torch.compile by default (Dynamo traces it
+whole, Inductor generates code for what it traced, CUDA graphs replay it). Traced, megamoe's dispatch
+would not compile (its CPU path and Triton launchers are not Dynamo-traceable), the call counter would
+run only while tracing, and Inductor would re-derive the routing's softmax and sort in its own code,
+whose rounding is not the trainer's. As an opaque op (vLLM's own fused MoE is one for the same
+reason) the compiled graph calls these functions with real tensors on every forward, so a compiled
+engine's MoE is bitwise the eager engine's, and the trainer's. Registered directly on a
+torch.library.Library rather than with torch.library.custom_op, as vLLM registers its ops: the
+dispatch costs about 9 us per call instead of 22 us (2-core CPU, torch 2.13, a loaded machine), which an
+eager decode step pays once per MoE layer. The ops have no autograd: the sampler never differentiates.
+
+The call counter counts in the op's body, so on CPU it counts every MoE call, eager or compiled. On CUDA
+a replayed CUDA graph runs no Python: there it counts the calls made outside graphs (eager steps,
+warm-up and capture), not the replays.
 
 Shape legend: T tokens, H hidden, I expert intermediate, E experts, k top-k.
 """
@@ -27,9 +45,12 @@ import threading
 import torch
 
 import megamoe
+from megamoe.contract import SILU, SWIGLU, Activation
 from megamoe.moe import dense_mlp
 
-# Calls of `routed_experts` in this process, per implementation ("megamoe", "reference").
+NAMESPACE = "megamoe_rollout"
+
+# Calls of the routed-experts ops in this process, per implementation ("megamoe", "reference").
 # Read in vLLM's worker process through rollout.extension (collective_rpc), never in the driver.
 _CALLS: collections.Counter[str] = collections.Counter()
 _LOCK = threading.Lock()
@@ -45,30 +66,95 @@ def reset_moe_calls() -> None:
         _CALLS.clear()
 
 
-# Kept out of torch.compile graphs on purpose: a traced call would run the Python counter only while
-# tracing, and megamoe's own dispatch (CPU torch path or Triton launch) is not dynamo-traceable code.
-# On CUDA, vLLM already wraps the MoE layer in an opaque custom op; there, CUDA-graph replays do not
-# run Python at all, so the counter then counts only eager (capture and warm-up) calls.
-@torch.compiler.disable
+def activation_fields(activation: Activation | None) -> tuple[str, float, float]:
+    """An Activation as the ops' (act, alpha, limit) arguments (a schema takes primitive types)."""
+    activation = activation or SWIGLU
+    return activation.name, activation.alpha or 0.0, activation.limit or 0.0
+
+
+def _activation(act: str, alpha: float, limit: float) -> Activation:
+    return SWIGLU if act == SILU else Activation(act, alpha=alpha, limit=limit)
+
+
+def _experts(x, w13, w2, topk_weights, topk_ids, impl, b13, b2, act, alpha, limit) -> torch.Tensor:
+    with _LOCK:
+        _CALLS[impl] += 1
+    # check_ids=False: the ids come from a router, in [0, E) by construction, and the range check reads
+    # them back to the host, which a CUDA-graph capture cannot contain.
+    return megamoe.fused_moe(x, w13, w2, topk_weights, topk_ids, impl=impl, b13=b13, b2=b2,
+                             activation=_activation(act, alpha, limit), check_ids=False)
+
+
+def _routed_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, impl: str, b13: torch.Tensor | None = None,
+                    b2: torch.Tensor | None = None, act: str = SILU, alpha: float = 0.0,
+                    limit: float = 0.0) -> torch.Tensor:
+    return _experts(x, w13, w2, topk_weights, topk_ids, impl, b13, b2, act, alpha, limit)
+
+
+def _routed_experts_from_logits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logits: torch.Tensor,
+                                impl: str, top_k: int, scoring: str, renormalize: bool,
+                                e_score_correction_bias: torch.Tensor | None = None, n_group: int = 1,
+                                topk_group: int = 1, b13: torch.Tensor | None = None,
+                                b2: torch.Tensor | None = None, act: str = SILU, alpha: float = 0.0,
+                                limit: float = 0.0) -> torch.Tensor:
+    # check_finite=False: the check would read the logits back to the host (no CUDA-graph capture).
+    topk_weights, topk_ids = megamoe.route(router_logits, top_k, scoring, renormalize,
+                                           e_score_correction_bias=e_score_correction_bias, n_group=n_group,
+                                           topk_group=topk_group, check_finite=False)
+    return _experts(x, w13, w2, topk_weights, topk_ids, impl, b13, b2, act, alpha, limit)
+
+
+def _shared_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, impl: str) -> torch.Tensor:
+    return dense_mlp(x, w13, w2, impl)
+
+
+def _like_x(x, *args, **kwargs):
+    # Every op returns y [T, H], contiguous, in x's dtype (megamoe.fused_moe's contract).
+    return x.new_empty(x.shape)
+
+
+_LIB = torch.library.Library(NAMESPACE, "DEF")
+
+
+def _register(fn) -> torch._ops.OpOverload:
+    name = fn.__name__.lstrip("_")
+    _LIB.define(name + torch.library.infer_schema(fn, mutates_args=()))
+    # One Python kernel for every device: megamoe.fused_moe picks its backend from the tensors.
+    _LIB.impl(name, fn, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{name}", _like_x, lib=_LIB)
+    return getattr(getattr(torch.ops, NAMESPACE), name).default
+
+
+routed_experts_op = _register(_routed_experts)
+routed_experts_from_logits_op = _register(_routed_experts_from_logits)
+shared_experts_op = _register(_shared_experts)
+
+
 def routed_experts(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor,
                    topk_weights_Tk: torch.Tensor, topk_ids_Tk: torch.Tensor, impl: str, *,
                    b13_E2I: torch.Tensor | None = None, b2_EH: torch.Tensor | None = None,
-                   activation=None) -> torch.Tensor:
-    """y[T,H] = megamoe.fused_moe(...) for vLLM's precomputed routing; counts the call. gpt-oss passes
-    its expert biases and its clamped SwiGLU (`activation`, a megamoe.contract.Activation)."""
-    with _LOCK:
-        _CALLS[impl] += 1
-    # check_ids=False: vLLM's router produces ids in [0, E) by construction, and the range check reads
-    # the ids back to the host, which a CUDA-graph capture cannot contain.
-    if activation is None and b13_E2I is None and b2_EH is None:
-        return megamoe.fused_moe(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk,
-                                 impl=impl, check_ids=False)
-    return megamoe.fused_moe(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk, impl=impl, b13=b13_E2I,
-                             b2=b2_EH, activation=activation, check_ids=False)
+                   activation: Activation | None = None) -> torch.Tensor:
+    """y[T,H] = megamoe.fused_moe(...) for vLLM's precomputed routing, as one op; counts the call.
+    gpt-oss passes its expert biases and its clamped SwiGLU (`activation`)."""
+    return routed_experts_op(x_TH, w13_E2IH, w2_EHI, topk_weights_Tk, topk_ids_Tk, impl, b13_E2I, b2_EH,
+                             *activation_fields(activation))
 
 
-@torch.compiler.disable
+def routed_experts_from_logits(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor,
+                               router_logits_TE: torch.Tensor, impl: str, *, top_k: int, scoring: str,
+                               renormalize: bool, e_score_correction_bias: torch.Tensor | None = None,
+                               n_group: int = 1, topk_group: int = 1, b13_E2I: torch.Tensor | None = None,
+                               b2_EH: torch.Tensor | None = None,
+                               activation: Activation | None = None) -> torch.Tensor:
+    """y[T,H] = megamoe.fused_moe(...) on the experts megamoe.route chooses from the router logits (the
+    trainer's routing: see megamoe.route for top_k .. topk_group), as one op; counts the call."""
+    return routed_experts_from_logits_op(x_TH, w13_E2IH, w2_EHI, router_logits_TE, impl, top_k, scoring,
+                                         renormalize, e_score_correction_bias, n_group, topk_group, b13_E2I, b2_EH,
+                                         *activation_fields(activation))
+
+
 def shared_experts(x_TH: torch.Tensor, w13_2IH: torch.Tensor, w2_HI: torch.Tensor, impl: str) -> torch.Tensor:
     """y[T,H] = the SwiGLU MLP of x with w13 = [gate; up] rows (vLLM's merged gate_up_proj) and w2:
     megamoe.moe.dense_mlp, which the trainer's shared experts call too (not counted in moe_calls)."""
-    return dense_mlp(x_TH, w13_2IH, w2_HI, impl)
+    return shared_experts_op(x_TH, w13_2IH, w2_HI, impl)

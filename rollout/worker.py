@@ -53,7 +53,7 @@ def _check_moe_impl(moe_impl: object) -> str:
 
 
 def _check_numerics(numerics: object, moe_impl: str, architecture: str, tensor_parallel_size: int,
-                    engine_kwargs: dict) -> dict:
+                    engine_kwargs: dict, enforce_eager: bool | None = None) -> dict:
     """Refuse a numerics this engine cannot provide (naming what is missing); the engine arguments it needs."""
     if numerics not in NUMERICS:
         raise ValueError(f"numerics: expected one of {NUMERICS}, got {numerics!r}")
@@ -74,6 +74,12 @@ def _check_numerics(numerics: object, moe_impl: str, architecture: str, tensor_p
             missing.append(str(e))
     if tensor_parallel_size != 1:
         missing.append(f"tensor_parallel_size=1 (got {tensor_parallel_size}: a split K reduction is not the trainer's)")
+    if not cuda and enforce_eager is False:
+        # Dynamo cannot trace the batch-invariant linear (vLLM's parameter subclass; the engine died at start,
+        # vLLM 0.32 CPU, 2026-12-05), and Inductor would re-derive the norms and activations in code of its
+        # own rounding: a compiled CPU engine is not the trainer's, bit for bit.
+        missing.append("enforce_eager=True or None on CPU (got False: torch.compile would compute the dense ops "
+                       "with Inductor's kernels, not the trainer's)")
     if architecture not in bitwise.ARCHITECTURES:
         missing.append(f"an architecture in {bitwise.ARCHITECTURES} (got {architecture}: its other ops are not "
                        "measured bitwise)")
@@ -128,11 +134,15 @@ class RolloutWorker:
                  weight_sync: str = "files", sleep_mode: bool = False, numerics: str = FAST, **engine_kwargs):
         """Start a vLLM engine on the local checkpoint `model_dir` with its MoE layers on `moe_impl`.
 
-        enforce_eager: None means eager on CPU (no compile time for tiny test models) and for
-        moe_impl="reference" on GPU (see below), otherwise vLLM's default (CUDA graphs). `reference`
-        is the unfused baseline: its grouped GEMMs read the per-expert row counts back to the host,
-        which a CUDA-graph capture cannot contain (measured on the H200: "operation not permitted
-        when stream is capturing"), so enforce_eager=False with it on GPU is refused.
+        enforce_eager: None means vLLM's default (torch.compile, and CUDA graphs on a GPU) on CUDA, and
+        eager on CPU and for moe_impl="reference" on GPU. On CPU, torch.compile adds about 30 s to every
+        engine start for the tiny test models (45-85 s under load; vLLM CPU 0.32 fails to load its own
+        compile cache, so every start traces again) for 1.13-1.18x the rollout tokens/s
+        (benchmarks/bench_compile.py, 2026-12-05); False asks for it (the MoE runs as rollout.moe_method's opaque
+        ops either way; a numerics="bitwise" CPU engine refuses it). `reference` is the unfused baseline:
+        its grouped GEMMs read the per-expert row counts back to the host, which a CUDA-graph capture
+        cannot contain (measured on the H200: "operation not permitted when stream is capturing"), so
+        enforce_eager=False with it on GPU is refused.
         enable_prefix_caching: off by default because a prompt whose prefix comes from the cache is
         computed by a different kernel path than a fresh one, so its logprobs would depend on what the
         engine ran before (measured on CPU fp32: ~5e-7 differences for the same seed); a seeded
@@ -195,7 +205,7 @@ class RolloutWorker:
 
         archs.check_architectures([self.spec.architecture], where=f"model_dir {self.model_dir!r}")
         bitwise_kwargs = _check_numerics(numerics, self.moe_impl, self.spec.architecture, tensor_parallel_size,
-                                         engine_kwargs)
+                                         engine_kwargs, enforce_eager)
         # Before any vLLM process exists: every process the engine spawns inherits them.
         os.environ[plugin.ENV_VAR] = self.moe_impl
         os.environ[plugin.NUMERICS_ENV_VAR] = numerics

