@@ -156,9 +156,8 @@ def test_long_prompts_over_one_prefill_step_sample_reproducibly(worker, hf):
 @pytest.mark.slow
 def test_compiled_engine_runs_megamoe_and_matches_the_eager_engine(worker, compiled, baseline):
     """vLLM's default compilation with the plugin: the engine compiles (it used to die at start, Dynamo
-    refusing the hook's torch.compiler.disable), every MoE layer runs megamoe's op from the compiled graph
-    (as many calls as the eager engine makes for the same requests), and it samples the eager engine's
-    tokens with its logprobs."""
+    refusing the hook's torch.compiler.disable), every MoE layer runs megamoe's op from the compiled graph,
+    and it samples the eager engine's tokens with its logprobs."""
     (status,) = compiled.status()
     assert status["compilation"]["mode"] != "NONE" and status["compilation"]["graphs"] > 0, status["compilation"]
     assert worker.status()[0]["compilation"] == {"mode": "NONE", "graphs": 0, "cudagraphs_captured": 0}
@@ -170,8 +169,12 @@ def test_compiled_engine_runs_megamoe_and_matches_the_eager_engine(worker, compi
     samples = compiled.generate(PROMPTS, N, SAMPLING)
     eager = worker.generate(PROMPTS, N, SAMPLING)
     _assert_same_samples(eager, baseline, "the eager engine, same seed")
-    calls = compiled.moe_calls()
-    assert calls == worker.moe_calls() and calls["megamoe"] >= LAYERS * SAMPLING["max_tokens"], calls
+    # Every forward runs each MoE layer once, at least one forward per generated token position. Not an
+    # equal count on both engines: how many engine steps the same requests take is the scheduler's choice
+    # (a clean-clone run measured 24 calls compiled against 26 eager, with the same tokens).
+    for calls in (compiled.moe_calls(), worker.moe_calls()):
+        assert set(calls) == {"megamoe"} and calls["megamoe"] >= LAYERS * SAMPLING["max_tokens"], calls
+        assert calls["megamoe"] % LAYERS == 0, calls
     assert [s["completion_ids"] for s in samples] == [s["completion_ids"] for s in eager]
     err = max_abs_diff([s["logprobs"] for s in samples], [s["logprobs"] for s in eager])
     print(f"[rollout] compiled vs eager engine, fp32: max |dlogp| = {err:.2e}")
