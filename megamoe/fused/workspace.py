@@ -21,7 +21,7 @@ def device_counters(device: torch.device, r_max: int) -> torch.Tensor:
     largest batch before capturing. One buffer per device: two megamoe launches must not run
     concurrently on different streams of one device (vLLM and the trainer use one stream).
     """
-    key = (str(device),)
+    key = _device_key(device)
     buf = _COUNTERS[key] = grown_counters(_COUNTERS.get(key), device, r_max)
     return buf
 
@@ -46,7 +46,15 @@ def grown_counters(buf: torch.Tensor | None, device: torch.device, r_max: int) -
 def counter_buffers(device: torch.device | str | None = None) -> list[torch.Tensor]:
     """The live counter workspaces of the single-GPU launches (of `device`, or of every device): for
     tests that check a launch left them zero."""
-    return [buf for key, buf in _COUNTERS.items() if device is None or key[0] == str(torch.device(device))]
+    return [buf for key, buf in _COUNTERS.items() if device is None or key == _device_key(device)]
+
+
+def _device_key(device: torch.device | str) -> tuple[str]:
+    """One key per physical device: "cuda" and a tensor's "cuda:0" name the same buffer."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return (str(device),)
 
 
 def num_programs(device: torch.device, programs: int | None) -> int:
