@@ -6,7 +6,8 @@ Why a function of its own. The sampler (vLLM's gate layer) and the trainer (tran
 otherwise compute `x @ w.T` with different GEMMs: on CPU vLLM prepacks the gate into its own small-GEMM
 kernel and computes it in the model dtype, while the trainer calls F.linear; on GPU either side's BLAS
 picks a kernel by the number of rows. Different kernels round differently, and one flipped top-k
-choice changes a token's output completely (ANCHORS.md, "Pitfalls seen"). Here both operands are
+choice changes a token's output completely (a gate computed with bmm on one side and mm on the other
+flipped top-k choices in published MoE RL stacks). Here both operands are
 upcast to fp32 and every row's logits are computed the same way whatever T is, so a row's logits
 depend only on that row and w, bitwise, on one device:
 - CUDA: Triton (megamoe/kernels/router_kernels.py: fixed blocks; IEEE fp32 multiply-adds over chunks

@@ -5,7 +5,7 @@
         -> topk_weights[T,k] (fp32, differentiable w.r.t. the logits), topk_ids[T,k] (int64)
 
 The logits are cast to fp32 first, on both the sampler and the trainer side: a router computed in
-bf16 on one side and fp32 on the other flips top-k choices (ANCHORS.md, "Pitfalls seen").
+bf16 on one side and fp32 on the other flips top-k choices (a pitfall seen in published MoE RL stacks).
 
 The keyword-only arguments are DeepSeek-V3's router (and its relatives: Moonlight, Kimi, GLM-4.5;
 DeepSeek-V2 without the bias): a score-correction bias that steers the *choice* only, group-limited

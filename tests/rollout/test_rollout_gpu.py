@@ -18,8 +18,8 @@ from rollout.testing import max_abs_diff
 pytestmark = pytest.mark.gpu
 
 # bf16 weights and activations, MoE outputs rounded to bf16 per layer in both implementations, which
-# differ in summation order: expected max |dlogp| ~1e-2 over 4 layers; ANCHORS.md measured vLLM bf16
-# vs transformers at ~0.04 max. Not yet measured on the H200 for this test.
+# differ in summation order: expected max |dlogp| ~1e-2 over 4 layers; vLLM CPU bf16 vs
+# transformers measured ~0.04 max. Not yet measured on the H200 for this test.
 LOGPROB_TOL_BF16_MAX = 5e-2
 LOGPROB_TOL_BF16_MEAN = 1e-2
 PROMPTS = ["1 + 2 =", "What is 17 * 3?", "the cat sat on the", "Question: 120 - 45 = ? Answer:"]

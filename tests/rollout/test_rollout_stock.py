@@ -2,7 +2,7 @@
 
 vLLM 0.32's CPU MoE prepacks the expert weights after the first load only; a reload copied the
 unpacked checkpoint tensors into the prepacked storage and silently changed every expert
-(ANCHORS.md; measured again here: identical weights moved logprobs by up to 0.44 before the repair
+(measured here: identical weights moved logprobs by up to 0.44 before the repair
 in rollout/adapter.py). These tests fail without that repair.
 
 Model A is stored with fused experts on disk (transformers 5's in-memory names,

@@ -187,8 +187,8 @@ def test_export_streams_stock_names_one_tensor_at_a_time(groups, model_dir):
     assert all(t.dtype == torch.bfloat16 for _, t in bf16)
 
 
-# Sampler (vLLM CPU, fp32) vs trainer logprobs of the sampled tokens after a weight export. ANCHORS.md
-# reports vLLM CPU fp32 logprobs within ~1e-6 of a transformers forward; the bound is 1e-4.
+# Sampler (vLLM CPU, fp32) vs trainer logprobs of the sampled tokens after a weight export. vLLM CPU
+# fp32 logprobs are within ~1e-6 of a transformers forward (tests/rollout/test_rollout.py); the bound is 1e-4.
 EXPORT_LOGPROB_TOL = 1e-4
 
 
