@@ -42,6 +42,11 @@ What is checked where, and why there (the sync's invariants; rollout/sync.py hol
   plan the trainer decided from is not proof of what arrives.
 - E3 completion (`complete`): every planned tensor arrived; else the update ends broken. An update
   that is not complete is never reported done.
+- F1 a files update (RolloutWorker.update_weights, not streamed): names, shapes, dtypes and NaN/Inf
+  of the whole update in the RolloutWorker's process (rollout.weights.plan_update), then names and
+  shapes again in vLLM's worker process before anything is applied (rollout/extension.py's
+  commit), which reads files another process wrote (the values are not read twice: a second full
+  pass over the model's bytes). A failure while applying leaves the engine broken.
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ process (collective_rpc into rollout.extension) which implementation its MoE lay
 refuses to continue if that is not what was asked for.
 
 Over 500 lines, on purpose: one actor class whose sampling, file updates and streamed updates (ipc,
-nccl) share one engine and one state (the plan being received, the broken flag, sleep); the
-transports themselves are in rollout/sync.py, rollout/sync_nccl.py and rollout/weights.py.
+nccl) share one engine; the streamed update's state and its legal steps are one object
+(rollout/sync_engine.py), the trainer's side of the sync is rollout/sync.py, rollout/sync_nccl.py
+and rollout/weights.py (docs/WEIGHT_SYNC.md).
 """
 
 from __future__ import annotations
