@@ -167,7 +167,8 @@ class EngineAnswer:
         if missing:
             raise ValueError(f"weight sync: an engine's plan lacks {missing} (got keys {sorted(answer)})")
         if answer["format"] not in FORMATS:
-            raise ValueError(f"weight sync: an engine's plan names format {answer['format']!r}, expected one of {FORMATS}")
+            raise ValueError(f"weight sync: an engine's plan names format {answer['format']!r}, "
+                             f"expected one of {FORMATS}")
         return cls(**{f.name: answer[f.name] for f in dataclasses.fields(cls) if f.name in answer})
 
 

@@ -619,11 +619,14 @@ class RolloutWorker:
     def weight_update(self) -> EngineUpdate:
         """This engine's streamed-update state. Made in __init__, or at first use for a worker
         assembled without it (tests of the protocol over a fake engine)."""
-        return self.__dict__.setdefault("_weight_update", EngineUpdate())
+        u = self.__dict__.get("_weight_update")
+        if u is None:
+            u = self._weight_update = EngineUpdate()
+        return u
 
     # Read-only views of the update's state under the names the protocol's tests read.
     _plan = property(lambda self: self.weight_update.plan.tensors if self.weight_update.plan else None)
-    _kernel_names = property(lambda self: self.weight_update.last_plan.kernel_names if self.weight_update.last_plan else {})
+    _kernel_names = property(lambda self: getattr(self.weight_update.last_plan, "kernel_names", {}))
     _updating = property(lambda self: self.weight_update.state is State.STREAMING)
     _weights_broken = property(lambda self: self.weight_update.broken)
 
