@@ -429,7 +429,7 @@ class RolloutWorker:
         bad tensor, changes nothing.
 
         Returns {"tensors", "bytes", "format", "why", "layout", "workers", "transfer_group"} (the wire
-        form of rollout.sync_types.EngineAnswer): format is the layout the chunks must come in
+        form of rollout.sync_interface.EngineAnswer): format is the layout the chunks must come in
         (rollout.sync.FORMATS: `sync_format`, or with "auto" the most direct one this engine can
         load), why says why each more direct one was not taken, layout (format "kernel") lists each
         engine parameter as [name, shape, dtype name, the trainer tensors it is made of,
