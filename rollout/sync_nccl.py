@@ -1,19 +1,21 @@
 """The nccl transport of the weight sync (rollout/sync.py is the seam): trainer and engines on
 different GPUs, through vLLM's NCCL weight-transfer engine (backend "nccl").
 
-    send_nccl(trainer, client, model_dir=..., dtype="bfloat16", address=<rank 0's address>)
+    NcclSender(model_dir=..., dtype="bfloat16", bucket_bytes=..., address=<rank 0's address>).send(trainer, client)
 
 Trainer rank 0 and every engine worker join one NCCL group (rank 0 the trainer, then each engine's
 tensor-parallel workers; joined once per run, again when an engine is new or restarted or the set
 of engines changes), and rank 0 broadcasts the update in checkpoint format with vLLM's packed
 producer while each engine receives it with the matching consumer into its layer-wise reload. The
-checks before anything moves are send_ipc's. Not yet run on two GPUs (README).
+checks before anything moves are IpcSender's (rollout/sync_stream.py). Not yet run on two GPUs (README).
 """
 
 from __future__ import annotations
 
-from rollout.sync import (DEFAULT_IPC_BUCKET_BYTES, Clock, abort_on_failure, agreed_format, checked_and_started,
-                          checkpoint_spec, finished_report, plan_buffer_bytes, rank0_decides)
+from rollout.sync_stream import (DEFAULT_IPC_BUCKET_BYTES, Clock, StreamDecision, abort_on_failure, agreed_format,
+                                 checked_and_started, checkpoint_spec, finished_report, plan_buffer_bytes,
+                                 rank0_decides)
+from rollout.sync_interface import EngineAnswer, Engines, Sender, SyncReport, TrainerWeights
 
 # vLLM's packed broadcast keeps this many buffers in flight on each side (its default).
 NCCL_NUM_BUFFERS = 2
@@ -22,7 +24,7 @@ _NCCL: dict = {}  # this trainer process's NCCL group: {"key": (world size, buff
 
 def nccl_world(plans: list[dict]) -> tuple[int, list[int]]:
     """(world size, rank offset of each engine) of the trainer-engines NCCL group: the trainer is
-    rank 0, then each engine's workers (its plan's `workers`: tensor-parallel ranks) in turn."""
+    rank 0, then each engine's workers (its answer's `workers`: tensor-parallel ranks) in turn."""
     offsets, nxt = [], 1
     for p in plans:
         offsets.append(nxt)
@@ -51,83 +53,99 @@ def _free_port(address: str) -> int:
         return s.getsockname()[1]
 
 
-def _nccl_group(client, decision: dict, address: str):
+def _nccl_group(client: Engines, decision: StreamDecision, address: str):
     """The NCCL group of this trainer process and the engines: the one joined before when every
     engine reports its token (address:port) and the size and buffer are unchanged; else a new one
     on a fresh port (a new or restarted engine, another set of engines), every engine joining while
     rank 0 opens its end (a rendezvous)."""
     from rollout import adapter
 
-    key = (decision["world_size"], decision["buffer_bytes"])
-    if _NCCL.get("key") == key and all(g == _NCCL["token"] for g in decision["groups"]):
+    key = (decision.world_size, decision.buffer_bytes)
+    if _NCCL.get("key") == key and all(g == _NCCL["token"] for g in decision.groups):
         return _NCCL["group"]
     _NCCL.clear()
     port = _free_port(address)
-    infos = [(adapter.nccl_init_info(address, port, off, decision["world_size"], decision["buffer_bytes"],
-                                     NCCL_NUM_BUFFERS),) for off in decision["offsets"]]
+    infos = [(adapter.nccl_init_info(address, port, off, decision.world_size, decision.buffer_bytes,
+                                     NCCL_NUM_BUFFERS),) for off in decision.offsets]
     pending = client.begin("init_weight_transfer_engine", infos)
-    group = adapter.nccl_trainer_group(address, port, decision["world_size"])
+    group = adapter.nccl_trainer_group(address, port, decision.world_size)
     client.wait(pending)
     _NCCL.update(key=key, token=f"{address}:{port}", group=group)
     return group
 
 
+class NcclSender(Sender):
+    """The NCCL transport: trainer and engines on other GPUs (see the module docstring). Runs in
+    the trainer's process on every trainer rank (each gathers the full tensors; rank 0 sends).
+    `address`: rank 0's address the engines reach for the rendezvous.
+
+    The same checks as IpcSender before anything moves (T1; E1, which for nccl is the checkpoint
+    format: vLLM's NCCL engine loads what it receives through the model's load_weights). Then one
+    update: the engines enter their receive (vLLM's packed consumer) with the stream's metadata
+    while rank 0 broadcasts the same stream, cast to the sampler's dtype, with vLLM's packed
+    producer (`bucket_bytes` per buffer, NCCL_NUM_BUFFERS in flight). A failure inside the
+    broadcast cannot be undone: the engines then refuse to sample until a later update completes
+    (T6, as for ipc)."""
+
+    mode = "nccl"
+
+    def __init__(self, *, model_dir: str, dtype: str | None, bucket_bytes: int = DEFAULT_IPC_BUCKET_BYTES,
+                 address: str = "127.0.0.1"):
+        super().__init__(model_dir=model_dir, dtype=dtype, bucket_bytes=bucket_bytes)
+        self.address = address
+
+    def send(self, weights: TrainerWeights, engines: Engines | None) -> SyncReport:
+        import torch
+
+        from rollout import adapter, weights as wts
+
+        rank = weights.rank
+        clock = Clock()
+        dtype = weights.sync_dtype(self.dtype)
+        spec = checkpoint_spec(self.model_dir)
+        stream_metas: list = []
+
+        def decide(plans, metas):
+            answers = [EngineAnswer.from_wire(p) for p in plans]
+            if agreed_format(answers) != "checkpoint":
+                raise ValueError("rollout.weight_sync: 'nccl' streams checkpoint format; these engines expect "
+                                 "kernel-format tensors (built for weight_sync='ipc')")
+            stream_metas[:] = checkpoint_metadata(spec, metas)
+            world_size, offsets = nccl_world(plans)
+            return StreamDecision(format="checkpoint", why=answers[0].why, bytes=answers[0].bytes,
+                                  buffer_bytes=plan_buffer_bytes(stream_metas, self.bucket_bytes),
+                                  world_size=world_size, offsets=offsets,
+                                  groups=[a.transfer_group for a in answers])
+
+        decision = checked_and_started(weights, engines, dtype, clock, decide)
+        out_dtype = getattr(torch, dtype) if dtype else None
+        joined = {}
+
+        def join(client):
+            with abort_on_failure(client, "the trainer could not join the engines' NCCL group"):
+                joined["group"] = _nccl_group(client, decision, self.address)
+            return {}
+
+        rank0_decides(rank, join, engines)  # a failure to join raises on every rank, before their gathers
+        clock.lap("join")
+        stream = wts.to_checkpoint_names(spec, weights.iter_device_weights(), kernel_experts=False)
+        if rank == 0:
+            info = adapter.nccl_update_info(stream_metas, decision.buffer_bytes, NCCL_NUM_BUFFERS)
+            pending = engines.begin("update_weight_chunk", [(info,)] * len(decision.offsets))
+            adapter.nccl_send(joined["group"], stream, out_dtype, decision.buffer_bytes, NCCL_NUM_BUFFERS)
+            torch.cuda.synchronize()  # the broadcasts read live parameters: done before the next step
+            done = engines.wait(pending)
+        else:
+            done = None
+            for _ in stream:  # the full tensors are gathered collectively: every rank takes part
+                pass
+        clock.lap("send")
+        return finished_report(rank, engines, clock, done, bytes=decision.bytes, sent_bytes=decision.bytes,
+                               chunks=1, format="checkpoint", why=decision.why)
+
+
 def send_nccl(trainer, client, *, model_dir: str, dtype: str | None,
               bucket_bytes: int = DEFAULT_IPC_BUCKET_BYTES, address: str = "127.0.0.1") -> dict:
-    """One NCCL sync of `trainer`'s weights into the engines behind `client` (on other GPUs), run
-    in the trainer's process on every trainer rank (each gathers the full tensors; rank 0 sends).
-    `address`: rank 0's address the engines reach for the rendezvous. Returns what send_ipc does.
-
-    The same checks as send_ipc before anything moves (NaN/Inf on every rank's GPU; the engines'
-    plan from metadata alone, which for nccl is the checkpoint format: vLLM's NCCL engine loads
-    what it receives through the model's load_weights). Then one update: the engines enter their
-    receive (vLLM's packed consumer) with the stream's metadata while rank 0 broadcasts the same
-    stream, cast to the sampler's dtype, with vLLM's packed producer (`bucket_bytes` per buffer,
-    NCCL_NUM_BUFFERS in flight). A failure inside the broadcast cannot be undone: the engines then
-    refuse to sample until a later update completes (as for ipc)."""
-    import torch
-
-    from rollout import adapter, weights as wts
-
-    rank = trainer.rank
-    clock = Clock()
-    dtype = trainer.sync_dtype(dtype)
-    spec = checkpoint_spec(model_dir)
-    stream_metas: list = []
-
-    def decide(plans, metas):
-        if agreed_format(plans) != "checkpoint":
-            raise ValueError("rollout.weight_sync: 'nccl' streams checkpoint format; these engines expect "
-                             "kernel-format tensors (built for weight_sync='ipc')")
-        stream_metas[:] = checkpoint_metadata(spec, metas)
-        world_size, offsets = nccl_world(plans)
-        return {"buffer_bytes": plan_buffer_bytes(stream_metas, bucket_bytes), "bytes": plans[0]["bytes"],
-                "why": plans[0]["why"],
-                "world_size": world_size, "offsets": offsets,
-                "groups": [p.get("transfer_group") for p in plans]}
-
-    decision = checked_and_started(trainer, client, dtype, clock, decide)
-    out_dtype = getattr(torch, dtype) if dtype else None
-    joined = {}
-
-    def join(client):
-        with abort_on_failure(client, "the trainer could not join the engines' NCCL group"):
-            joined["group"] = _nccl_group(client, decision, address)
-        return {}
-
-    rank0_decides(rank, join, client)  # a failure to join raises on every rank, before their gathers
-    clock.lap("join")
-    stream = wts.to_checkpoint_names(spec, trainer.iter_device_weights(), kernel_experts=False)
-    if rank == 0:
-        info = adapter.nccl_update_info(stream_metas, decision["buffer_bytes"], NCCL_NUM_BUFFERS)
-        pending = client.begin("update_weight_chunk", [(info,)] * len(decision["offsets"]))
-        adapter.nccl_send(joined["group"], stream, out_dtype, decision["buffer_bytes"], NCCL_NUM_BUFFERS)
-        torch.cuda.synchronize()  # the broadcasts read live parameters: done before the next step
-        done = client.wait(pending)
-    else:
-        done = None
-        for _ in stream:  # the full tensors are gathered collectively: every rank takes part
-            pass
-    clock.lap("send")
-    return finished_report(rank, client, clock, done, bytes=decision["bytes"], sent_bytes=decision["bytes"], chunks=1,
-                           format="checkpoint", why=decision["why"])
+    """NcclSender's sync, its report as a dict (SyncReport's wire form)."""
+    return NcclSender(model_dir=model_dir, dtype=dtype, bucket_bytes=bucket_bytes,
+                      address=address).send(trainer, client).to_wire()

@@ -16,15 +16,15 @@ process (collective_rpc into rollout.extension) which implementation its MoE lay
 refuses to continue if that is not what was asked for.
 
 Over 500 lines, on purpose: one actor class whose sampling, file updates and streamed updates (ipc,
-nccl) share one engine and one state (the plan being received, the broken flag, sleep); the
-transports themselves are in rollout/sync.py, rollout/sync_nccl.py and rollout/weights.py.
+nccl) share one engine; the streamed update's state and its legal steps are one object
+(rollout/sync_engine.py), the trainer's side of the sync is rollout/sync.py, rollout/sync_nccl.py
+and rollout/weights.py (docs/WEIGHT_SYNC.md).
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import math
 import os
 import shutil
 import time
@@ -36,6 +36,7 @@ import torch
 from megamoe.contract import BITWISE, FAST, HOST_IMPLS, MEGAMOE, NUMERICS
 from rollout import kernel_format, plugin, weights
 from rollout.sync import FORMATS, STREAMED
+from rollout.sync_engine import EnginePlan, EngineUpdate, State
 
 logger = logging.getLogger(__name__)
 
@@ -177,28 +178,19 @@ class RolloutWorker:
         self.weight_sync = weight_sync
         self.sleep_mode = bool(sleep_mode)
         self.numerics = numerics
-        self._asleep: set[str] = set()  # vLLM memory tags ("weights", "kv_cache") now released
-        self._plan: dict[str, tuple] | None = None   # the streamed update being received
-        self._received: set[str] = set()
-        self._updating = False
-        self._session = False  # vLLM's update session (the checkpoint-format stream) has started
-        self._seconds: dict[str, float] = {}  # this update's engine calls, by phase (finish reports them)
+        self._asleep: set[str] = set()  # vLLM memory tags ("weights", "kv_cache") now released (not the update's)
+        self._weight_update = EngineUpdate()  # every fact of the streamed update (rollout/sync_engine.py)
         self._engine_params: dict | None = None  # megamoe_engine_params (the model's parameters do not change)
-        self._kernel_names: dict[str, str] = {}  # update name -> engine parameter, kernel-format tensors
-        self._last_plan: tuple | None = None  # (the update's description, its checked plan)
         self.tensor_parallel_size = tensor_parallel_size
         # The layout of a streamed update (rollout.sync.FORMATS; plan_weight_update): "auto" takes the
         # most direct one this engine can load, and the sync report says which and why not a more
         # direct one. Tests and benchmarks set one to compare them.
         self.sync_format = "auto"
-        self._transfer_group: str | None = None  # the trainer's NCCL group joined (address:port; nccl)
-        self._ipc_initialized = False  # vLLM's IPC init handshake done (_init_ipc_engine)
         self.model_dir = str(os.fspath(model_dir))
         self.spec = weights.CheckpointSpec.from_dir(self.model_dir)
         self.seed = seed
         self.bucket_bytes = bucket_bytes
         self._calls = 0
-        self._weights_broken: str | None = None
         self.llm = None
 
         from rollout import adapter, archs
@@ -356,12 +348,9 @@ class RolloutWorker:
         return result
 
     def _refuse_while_updating(self, what: str) -> None:
-        if self._weights_broken:
-            raise RuntimeError(f"refusing to {what}: {self._weights_broken}")
-        if self._updating:  # some of the update's tensors may be in place, the rest not yet
-            raise RuntimeError(f"refusing to {what}: a streamed weight update is in progress (it ends when "
-                               "its last planned tensor arrives, or with finish_weight_update / "
-                               "abort_weight_update)")
+        refusal = self.weight_update.refusal(what)
+        if refusal:
+            raise RuntimeError(refusal)
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -374,6 +363,7 @@ class RolloutWorker:
         naming it, and the engine keeps serving its previous weights.
         """
         t0 = time.perf_counter()
+        self.weight_update.require_not_streaming("update_weights")
         plan = weights.plan_update(self.spec, named_tensors)
         t_plan = time.perf_counter()
         self._wake(["weights"])
@@ -397,11 +387,11 @@ class RolloutWorker:
         if failed:
             r = failed[0]
             if any(f["stage"] == "apply" for f in failed):
-                self._weights_broken = (f"a weight update failed while being applied ({r['error']}); the model may "
-                                        "hold a mix of old and new weights until update_weights succeeds")
-                raise RuntimeError(self._weights_broken)
+                self.weight_update.discarded(f"a weight update failed while being applied ({r['error']}); the model "
+                                             "may hold a mix of old and new weights until update_weights succeeds")
+                raise RuntimeError(self.weight_update.broken)
             raise ValueError(f"weight update rejected by the vLLM worker, nothing applied: {r['error']}")
-        self._weights_broken = None
+        self.weight_update.applied_whole()
         # Cached KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
         t_end = time.perf_counter()
@@ -426,45 +416,42 @@ class RolloutWorker:
         once this engine's workers joined the trainer's group), or the IPC backend's wire flags (an
         ipc engine makes that handshake itself before its first update session)."""
         self._need_ipc("init_weight_transfer_engine")
-        self._transfer_group = None
+        u = self.weight_update
+        u.transfer_group = None
         self.llm.init_weight_transfer_engine({"init_info": dict(init_info)})
-        self._ipc_initialized = self.weight_sync == "ipc"
+        u.ipc_initialized = self.weight_sync == "ipc"
         if self.weight_sync == "nccl":
-            self._transfer_group = f"{init_info['master_address']}:{init_info['master_port']}"
+            u.transfer_group = f"{init_info['master_address']}:{init_info['master_port']}"
 
     def plan_weight_update(self, metas: list, start: bool = False) -> dict:
         """Check a whole update, described as (name, shape, dtype name) per trainer tensor, against
-        the checkpoint before any byte moves; raises naming the first bad tensor, changes nothing.
+        the checkpoint before any byte moves (rollout/sync_engine.py, E1); raises naming the first
+        bad tensor, changes nothing.
 
-        Returns {"tensors", "bytes", "format", "why", "layout", "workers", "transfer_group"}: format is
-        the layout the chunks must come in (rollout.sync.FORMATS: `sync_format`, or with "auto" the
-        most direct one this engine can load), why says why each more direct one was not taken,
-        layout (format "kernel") lists each engine parameter as [name, shape, dtype name, the trainer
-        tensors it is made of, concatenated along dim 0] (rollout/kernel_format.py); kernel-format
-        shapes and dtypes are checked against the engine's own parameters. workers: the engine's
-        ranks in an NCCL group; transfer_group: the trainer's NCCL group it joined (address:port), or
-        None. start: once the plan is accepted, start the update (start_weight_update) in the same
-        call, one round trip less; a trainer that then refuses the update ends it with
-        abort_weight_update."""
+        Returns {"tensors", "bytes", "format", "why", "layout", "workers", "transfer_group"} (the wire
+        form of rollout.sync_interface.EngineAnswer): format is the layout the chunks must come in
+        (rollout.sync.FORMATS: `sync_format`, or with "auto" the most direct one this engine can
+        load), why says why each more direct one was not taken, layout (format "kernel") lists each
+        engine parameter as [name, shape, dtype name, the trainer tensors it is made of,
+        concatenated along dim 0] (rollout/kernel_format.py); kernel-format shapes and dtypes are
+        checked against the engine's own parameters. workers: the engine's ranks in an NCCL group;
+        transfer_group: the trainer's NCCL group it joined (address:port), or None. start: once the
+        plan is accepted, start the update (start_weight_update) in the same call, one round trip
+        less; a trainer that then refuses the update ends it with abort_weight_update."""
         self._need_ipc("plan_weight_update")
-        if self._updating:
-            raise RuntimeError("plan_weight_update: an update is being received; finish it first")
+        u = self.weight_update
+        u.require_plannable()
         if self.sync_format not in ("auto",) + FORMATS:
             raise ValueError(f"sync_format: expected one of {('auto',) + FORMATS}, got {self.sync_format!r}")
         # A run's syncs describe the same update every time: the checks of the last one are reused
         # when the description is equal (they depend on nothing else: the checkpoint is fixed).
         key = (self.sync_format, tuple((n, tuple(shape), str(dt)) for n, shape, dt in metas))
-        if self._last_plan is not None and self._last_plan[0] == key:
-            fmt, plan, self._kernel_names, layout, why = self._last_plan[1]
-        else:
-            fmt, plan, self._kernel_names, layout, why = self._choose_format(metas)
-            self._last_plan = (key, (fmt, plan, self._kernel_names, layout, why))
-        self._plan = plan
-        nbytes = sum(math.prod(shape) * getattr(torch, dt).itemsize for shape, dt in plan.values())
+        plan = u.cached_plan(key) or EnginePlan(*self._choose_format(metas))
+        u.planned(plan, key)
         if start:
             self.start_weight_update()
-        return {"tensors": len(plan), "bytes": nbytes, "format": fmt, "why": dict(why), "layout": layout,
-                "workers": self.tensor_parallel_size, "transfer_group": self._transfer_group}
+        return {"tensors": len(plan.tensors), "bytes": plan.nbytes, "format": plan.format, "why": dict(plan.why),
+                "layout": plan.layout, "workers": self.tensor_parallel_size, "transfer_group": u.transfer_group}
 
     def _engine(self) -> dict:
         if self._engine_params is None:
@@ -531,27 +518,21 @@ class RolloutWorker:
 
     def start_weight_update(self) -> None:
         self._need_ipc("start_weight_update")
-        if self._plan is None:
-            raise RuntimeError("start_weight_update: no planned update (call plan_weight_update first)")
-        self._seconds = {}
+        u = self.weight_update
+        u.started()
         self._timed("wake", lambda: self._wake(["weights"]))
         # The cached KV blocks hold the old weights' keys and values. Emptied here rather than at the
         # end: nothing samples while the update runs (_refuse_while_updating), and here it overlaps
         # the trainer's NaN/Inf check (rollout/sync.py).
         self._timed("reset_prefix_cache", self.llm.reset_prefix_cache)
-        self._updating, self._received, self._session = True, set(), False
 
     def abort_weight_update(self, why: str) -> None:
         """End a started update the trainer will not complete (it refused the update, or failed
         before sending it). With no chunk received the engine serves its previous weights; after
         one, it refuses to sample until a complete update. Without a started update: nothing."""
         self._need_ipc("abort_weight_update")
-        if not self._updating:
-            return
-        if self._received:
-            self._end_broken(f"aborted by the trainer: {why}")
-            return
-        self._updating, self._plan, self._session = False, None, False
+        if self.weight_update.aborted(why):
+            self._end_session()
 
     def _timed(self, phase: str, fn):
         """fn(), its seconds added to this update's `phase` (finish_weight_update reports them)."""
@@ -559,103 +540,95 @@ class RolloutWorker:
         try:
             return fn()
         finally:
-            self._add_seconds(phase, time.perf_counter() - t0)
-
-    def _add_seconds(self, phase: str, seconds: float) -> None:
-        self._seconds[phase] = self._seconds.get(phase, 0.0) + seconds
+            self.weight_update.add_seconds(phase, time.perf_counter() - t0)
 
     def _fail_update(self, why: str) -> None:
         """A chunk failed after others may have been applied: refuse to serve until a complete update."""
-        self._end_broken(why)
-        raise RuntimeError(self._weights_broken)
+        if self.weight_update.fail(why):
+            self._end_session()
+        raise RuntimeError(self.weight_update.broken)
 
-    def _end_broken(self, why: str) -> None:
-        self._weights_broken = f"a streamed weight update failed after it had started ({why}); the model may " \
-                               "hold a mix of old and new weights until an update completes"
-        self._updating, self._plan = False, None
-        if self._session:
-            self._session = False
-            try:
-                self.llm.finish_weight_update()  # ends vLLM's update session so the next one can start
-            except Exception:  # noqa: BLE001 - vLLM may have ended it itself; the broken state stands
-                pass
+    def _end_session(self) -> None:
+        """End vLLM's update session of a broken update so that the next one can start."""
+        try:
+            self.llm.finish_weight_update()
+        except Exception:  # noqa: BLE001 - vLLM may have ended it itself; the broken state stands
+            pass
 
     def update_weight_chunk(self, update_info: dict) -> dict | None:
         """One chunk (vLLM's update info: names, shapes, dtypes, and for ipc the sizes and the
         buffer's handle; for nccl the call receives the broadcast while the trainer sends), checked
-        against the plan (each planned tensor exactly once, its shape and dtype), then loaded: a
-        chunk of kernel-format tensors straight into the engine's parameters, a chunk in checkpoint
-        format through vLLM's update session (started at the first such chunk; kernel chunks must
-        come before it, while the MoE layers hold their parameters). An update all in kernel format
-        never opens vLLM's session. Returns None, or finish_weight_update's report when this chunk
-        brought the last planned tensor (the update has then ended)."""
+        against the plan (rollout/sync_engine.py, E2), then loaded: a chunk of kernel-format tensors
+        straight into the engine's parameters, a chunk in checkpoint format through vLLM's update
+        session (started at the first such chunk; kernel chunks must come before it, while the MoE
+        layers hold their parameters). An update all in kernel format never opens vLLM's session.
+        Returns None, or finish_weight_update's report when this chunk brought the last planned
+        tensor (the update has then ended)."""
         import pickle
 
         from rollout import adapter
 
         self._need_ipc("update_weight_chunk")
-        if not self._updating:
-            raise RuntimeError("update_weight_chunk: no update started (start_weight_update)")
+        u = self.weight_update
+        u.require_streaming("update_weight_chunk")
         try:
-            kinds = set()
-            for name, shape, dtype in adapter.ipc_chunk_tensors(update_info):
-                want = self._plan.get(name)
-                if want is None:
-                    raise ValueError(f"tensor {name!r} is not in the planned update")
-                if name in self._received:
-                    raise ValueError(f"tensor {name!r} arrived twice")
-                if (tuple(shape), dtype) != want:
-                    raise ValueError(f"tensor {name!r}: planned {list(want[0])} {want[1]}, got {shape} {dtype}")
-                self._received.add(name)
-                kinds.add(name in self._kernel_names)
-            if len(kinds) > 1:
-                raise ValueError("a chunk mixes kernel-format and checkpoint-format tensors; the trainer "
-                                 "streams them separately (rollout/sync.py)")
-            if kinds == {True}:
-                if self._session:
-                    raise ValueError("kernel-format tensors arrived after checkpoint-format tensors; they "
-                                     "must come first (rollout/sync.py)")
-                info = {**update_info, "names": [self._kernel_names[n] for n in update_info["names"]]}
+            if u.receive(adapter.ipc_chunk_tensors(update_info)):
+                names = u.plan.kernel_names
+                info = {**update_info, "names": [names[n] for n in update_info["names"]]}
                 blob = pickle.dumps(info)
                 mapped = self._timed("kernel", lambda: self.llm.collective_rpc("megamoe_receive_kernel_chunk",
                                                                               args=(blob,))[0])
-                self._add_seconds("kernel_map", mapped["map_s"])
+                u.add_seconds("kernel_map", mapped["map_s"])
             else:
-                if not self._session:
+                if not u.session_open:
                     self._init_ipc_engine()
                     self._timed("session_start", self.llm.start_weight_update)
-                    self._session = True
+                    u.session_opened()
                 blob = pickle.dumps(update_info)
                 self._timed("reload", lambda: self.llm.collective_rpc("megamoe_update_weights", args=(blob,)))
         except Exception as e:  # noqa: BLE001 - reported with the broken state
             self._fail_update(f"{type(e).__name__}: {e}")
-        return self.finish_weight_update() if len(self._received) == len(self._plan) else None
+        return self.finish_weight_update() if u.all_received else None
 
     def _init_ipc_engine(self) -> None:
         """vLLM's IPC init handshake, once per engine, before its first update session (vLLM >= 0.32
         takes the packed flag there; 0.26 reads it from each chunk)."""
         from rollout import adapter
 
-        if self.weight_sync == "ipc" and not self._ipc_initialized and adapter.ipc_needs_init():
+        u = self.weight_update
+        if self.weight_sync == "ipc" and not u.ipc_initialized and adapter.ipc_needs_init():
             self.llm.init_weight_transfer_engine({"init_info": {"packed": True}})
-            self._ipc_initialized = True
+            u.ipc_initialized = True
 
     def finish_weight_update(self) -> dict:
         self._need_ipc("finish_weight_update")
-        if not self._updating:
-            raise RuntimeError("finish_weight_update: no update started (start_weight_update)")
-        missing = sorted(set(self._plan) - self._received)
+        u = self.weight_update
+        missing = u.missing()  # refused unless an update is streaming
         if missing:
             self._fail_update(f"{len(missing)} planned tensor(s) never arrived, e.g. {missing[0]!r}")
-        if self._session:
+        if u.session_open:
             try:
                 self._timed("session_finish", self.llm.finish_weight_update)
             except Exception as e:  # noqa: BLE001
                 self._fail_update(f"{type(e).__name__}: {e}")
-        n = len(self._received)
-        self._updating, self._plan, self._received, self._session = False, None, set(), False
-        self._weights_broken = None
-        return {"tensors": n, "seconds": dict(self._seconds)}
+        return u.complete()
+
+    # -- the update's state (rollout/sync_engine.py) -------------------------------------------
+
+    @property
+    def weight_update(self) -> EngineUpdate:
+        """This engine's streamed-update state. Made in __init__, or at first use for a worker
+        assembled without it (tests of the protocol over a fake engine)."""
+        u = self.__dict__.get("_weight_update")
+        if u is None:
+            u = self._weight_update = EngineUpdate()
+        return u
+
+    # Read-only views of the update's state under the names the protocol's tests read.
+    _plan = property(lambda self: self.weight_update.plan.tensors if self.weight_update.plan else None)
+    _kernel_names = property(lambda self: getattr(self.weight_update.last_plan, "kernel_names", {}))
+    _updating = property(lambda self: self.weight_update.state is State.STREAMING)
+    _weights_broken = property(lambda self: self.weight_update.broken)
 
     # -- sleep mode (colocated: free the GPU memory the trainer needs) --------------------------
 
@@ -670,8 +643,9 @@ class RolloutWorker:
             return
         self.llm.sleep(level=level)
         self._asleep = {"weights", "kv_cache"}
-        if level == 2 and not self._weights_broken:
-            self._weights_broken = "the engine slept at level 2, which discards its weights; an update restores them"
+        if level == 2 and not self.weight_update.broken:
+            self.weight_update.discarded("the engine slept at level 2, which discards its weights; an update "
+                                         "restores them")
 
     def _wake(self, tags: list[str] | None) -> None:
         todo = sorted(self._asleep if tags is None else self._asleep & set(tags))
