@@ -140,6 +140,11 @@ class DataConfig:
     chat_template: bool = field(False, "wrap each string prompt as one user turn with the tokenizer's chat template "
                                        "(prompts that are chat-message lists, TRL's conversational form, always get it)")
     shuffle: bool = field(True, "shuffle each epoch (seeded by run.seed and the epoch)")
+    dynamic_sampling: bool = field(False, "DAPO's dynamic sampling: drop the groups whose rewards are all equal "
+                                          "(advantage 0) and generate for new prompts until run.prompts_per_step "
+                                          "groups with signal fill the batch (rl/dynamic_sampling.py)")
+    max_extra_generates: int = field(4, "dynamic_sampling: generate calls per step beyond the first, at most; "
+                                        "after them the batch is filled with dropped groups (counted)")
     long_prompts: Literal["drop", "refuse"] = field(
         "drop", "prompts longer than min(rollout.max_model_len, trainer.max_seq_len) - rollout.max_tokens "
                 "tokens, found when the run starts: drop them (counted in train.log and the metric "
@@ -150,6 +155,9 @@ class DataConfig:
             raise ConfigError(f"{at}: set exactly one of {at}.task and {at}.path "
                               f"(got task={self.task!r}, path={self.path!r})")
         check(self.task_size >= 1, f"{at}.task_size", "an int >= 1", self.task_size)
+        check(not self.dynamic_sampling or self.max_extra_generates >= 1, f"{at}.max_extra_generates",
+              f"an int >= 1 with {at}.dynamic_sampling (the extra generate calls that replace dropped groups)",
+              self.max_extra_generates)
         for role in self.columns:
             if role not in ROLES:
                 raise ConfigError(f"{at}.columns: unknown role {role!r}; roles are {list(ROLES)}"
@@ -182,8 +190,13 @@ class RewardFnConfig:
 class RewardConfig:
     functions: list[RewardFnConfig] = field(doc="reward functions; the reward is their weighted sum",
                                             factory=lambda: [RewardFnConfig()])
-    scale_by_std: bool = field(True, "group advantage (r - mean_G) / (std_G + eps); false: r - mean_G")
+    scale_by_std: bool | None = field(None, "group advantage (r - mean_G) / (std_G + eps); false: r - mean_G; "
+                                            "null = true, except false under trainer.loss=dr_grpo")
     eps: float = field(1e-6, "added to the group std")
+    overlong_buffer: int = field(0, "DAPO's soft overlong punishment (rl/overlong.py): completions longer than "
+                                    "rollout.max_tokens - overlong_buffer tokens lose up to overlong_penalty, "
+                                    "linearly, by rollout.max_tokens; 0 = off")
+    overlong_penalty: float = field(1.0, "the overlong punishment at rollout.max_tokens (a reward amount, >= 0)")
 
     def validate(self, at: str) -> None:
         if not self.functions:
@@ -193,6 +206,8 @@ class RewardConfig:
             check(bool(f.fn), f"{at}.functions.{i}.fn", "a reward name or `pkg.module:fn`", f.fn)
             check(f.factory or not f.factory_kwargs, f"{at}.functions.{i}.factory_kwargs",
                   "empty unless factory: true (they are the factory's arguments)", f.factory_kwargs)
+        check(self.overlong_buffer >= 0, f"{at}.overlong_buffer", "an int >= 0 (0 = off)", self.overlong_buffer)
+        check(self.overlong_penalty >= 0, f"{at}.overlong_penalty", "a float >= 0", self.overlong_penalty)
 
 
 @dataclass
@@ -263,6 +278,12 @@ def validate(cfg: Config) -> Config:
                           f"rollout.gpus_per_worker and trainer.gpus_per_rank > 0), got {cfg.rollout.sleep_level}")
     if cfg.run.numerics == BITWISE:
         check_bitwise(cfg)
+    if cfg.reward.overlong_buffer > cfg.rollout.max_tokens:
+        raise ConfigError(f"reward.overlong_buffer: expected an int <= rollout.max_tokens ({cfg.rollout.max_tokens}), "
+                          f"got {cfg.reward.overlong_buffer}")
+    if cfg.trainer.loss == "dr_grpo" and cfg.reward.scale_by_std:
+        raise ConfigError("reward.scale_by_std: expected null or false with trainer.loss='dr_grpo' (Dr. GRPO's "
+                          "advantage is r - mean_G, without the std scaling), got True")
     if cfg.trainer.max_seq_len < cfg.rollout.max_tokens + 1:
         raise ConfigError(f"trainer.max_seq_len: expected an int > rollout.max_tokens ({cfg.rollout.max_tokens}), "
                           f"got {cfg.trainer.max_seq_len}")
@@ -448,9 +469,18 @@ def describe(cls=Config, prefix: str = "") -> list[tuple[str, str, str]]:
     return describe_tree(cls, prefix)
 
 
+def scale_by_std(cfg: Config) -> bool:
+    """Whether group advantages divide by the group's std: reward.scale_by_std, or when null, true
+    except under trainer.loss=dr_grpo."""
+    if cfg.reward.scale_by_std is not None:
+        return cfg.reward.scale_by_std
+    return cfg.trainer.loss != "dr_grpo"
+
+
 def trainer_worker_config(cfg: Config) -> TrainerWorkerConfig:
     """What each TrainerWorker rank gets: the trainer section, plus the sampler's temperature, the
     model's dtype, the run's seed and numerics (the trainer computes the sampler's logprobs in the same
-    dtype, with the same kernels in numerics=bitwise)."""
+    dtype, with the same kernels in numerics=bitwise) and rollout.max_tokens (the constant normaliser of
+    loss_agg 'constant')."""
     return TrainerWorkerConfig.of(cfg.trainer, temperature=cfg.rollout.temperature, dtype=cfg.model.dtype,
-                                  seed=cfg.run.seed, numerics=cfg.run.numerics)
+                                  seed=cfg.run.seed, numerics=cfg.run.numerics, max_tokens=cfg.rollout.max_tokens)

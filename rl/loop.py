@@ -5,7 +5,9 @@
 
 Per step k (1-based; the prompts of step k are a pure function of the seed and k, rl/data.py):
     prompts -> RolloutWorker.generate (G samples each, processed logprobs)
-            -> rewards (rl/rewards.py) -> group advantages (trainer/loss.py)
+            -> rewards (rl/rewards.py; + overlong shaping, rl/overlong.py; with data.dynamic_sampling,
+               more prompts until every group has signal, rl/dynamic_sampling.py)
+            -> group advantages (trainer/loss.py)
             -> TrainerWorker.train_step on every rank (returns the loss and the sampler-trainer
                mismatch measured on the same forward)
             -> TrainerWorker.export_weights -> RolloutWorker.update_weights
@@ -359,22 +361,23 @@ class Loop:
         return time.perf_counter() - t0
 
     # -- one step ----------------------------------------------------------------------------
-    def run_step(self) -> dict:
-        import ray
-        from trainer.loss import group_advantages
-
+    def draw(self, call: int):
+        """Generate and score the prompts of this step's generate call `call` (0: the step's own;
+        k >= 1: dynamic sampling's extra ones, rl/dynamic_sampling.py), overlong shaping applied."""
         from rl.data import apply_chat_template
+        from rl.dynamic_sampling import Draw, extra_step
         from rl.rewards import TrainerState
 
         cfg = self.cfg
-        self.where = f"step {self.step + 1}"
-        t_step = time.perf_counter()
-        batch = self.source.batch(self.step, cfg.run.prompts_per_step)
+        at = self.step if call == 0 else extra_step(self.step, call, cfg.run.steps)
+        batch = self.source.batch(at, cfg.run.prompts_per_step)
         prompts = batch.prompts
         if self.tokenizer is not None:  # message lists, and strings under data.chat_template
             prompts = apply_chat_template(self.tokenizer, prompts, strings=cfg.data.chat_template)
+        # Extra calls get seeds no step's first call uses.
         sampling = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
-                    "max_tokens": cfg.rollout.max_tokens, "seed": cfg.run.seed * 1_000_003 + self.step}
+                    "max_tokens": cfg.rollout.max_tokens,
+                    "seed": cfg.run.seed * 1_000_003 + self.step + call * 1_000_000_007}
 
         t0 = time.perf_counter()
         samples = self.generate(prompts, sampling)
@@ -387,9 +390,34 @@ class Loop:
         rewards = self.scorer([batch.prompts[i] for i in idx], texts, columns,
                               completion_ids=[s["completion_ids"] for s in samples],
                               trainer_state=TrainerState(global_step=self.step, max_steps=cfg.run.steps))
-        adv = group_advantages(rewards.total, cfg.rollout.n, scale_by_std=cfg.reward.scale_by_std,
+        if cfg.reward.overlong_buffer:
+            from rl.overlong import shape
+
+            rewards = shape(rewards, [len(s["completion_ids"]) for s in samples], max_tokens=cfg.rollout.max_tokens,
+                            buffer=cfg.reward.overlong_buffer, penalty=cfg.reward.overlong_penalty)
+        return Draw(prompts, samples, texts, rewards,
+                    {"rollout": t_rollout, "reward": time.perf_counter() - t0})
+
+    def run_step(self) -> dict:
+        import ray
+        from trainer.loss import group_advantages
+
+        from rl.config import scale_by_std
+        from rl.dynamic_sampling import fill_batch
+
+        cfg = self.cfg
+        self.where = f"step {self.step + 1}"
+        t_step = time.perf_counter()
+        ds_metrics = {}
+        if cfg.data.dynamic_sampling:  # DAPO's: draw until the batch's groups have signal (rl/dynamic_sampling.py)
+            draw, ds_metrics = fill_batch(self.draw, cfg.run.prompts_per_step, cfg.rollout.n,
+                                          cfg.data.max_extra_generates)
+        else:
+            draw = self.draw(0)
+        prompts, samples, texts, rewards = draw.prompts, draw.samples, draw.texts, draw.rewards
+        t_rollout, t_reward = draw.seconds["rollout"], draw.seconds["reward"]
+        adv = group_advantages(rewards.total, cfg.rollout.n, scale_by_std=scale_by_std(cfg),
                                eps=cfg.reward.eps).tolist()
-        t_reward = time.perf_counter() - t0
 
         train_batch = {"prompt_ids": [s["prompt_ids"] for s in samples],
                        "completion_ids": [s["completion_ids"] for s in samples],
@@ -420,6 +448,7 @@ class Loop:
         comp_tokens = sum(len(s["completion_ids"]) for s in samples)
         all_tokens = comp_tokens + sum(len(s["prompt_ids"]) for s in samples)
         m = rewards.metrics(cfg.rollout.n)
+        m.update(ds_metrics)
         m["reward/errors_total"] = sum(self.scorer.errors_total.values())
         m["data/dropped_prompts"] = self.source.dropped
         plens = [len(s["prompt_ids"]) for s in samples[::cfg.rollout.n]]

@@ -4,8 +4,9 @@
                           precision, device (trainer.lr, trainer.minibatches, ...)
     TrainerConfig         = TrainerSettings + moe_impl, world_size, placement and checkpoint cadence;
                           rl/config.py's `trainer` section is this class, as it is
-    TrainerWorkerConfig   = TrainerSettings + temperature, dtype, seed: what TrainerWorker gets; rl/
-                          passes those three explicitly from rollout.temperature, model.dtype, run.seed
+    TrainerWorkerConfig   = TrainerSettings + temperature, dtype, seed, numerics, max_tokens: what
+                          TrainerWorker gets; rl/ passes them explicitly from rollout.temperature,
+                          model.dtype, run.seed, run.numerics, rollout.max_tokens
 
     cfg = TrainerWorkerConfig.from_dict({"lr": 1e-5, "is_correction": "tis", "temperature": 0.8})
 
@@ -31,7 +32,12 @@ from megamoe.contract import FAST, HOST_IMPLS, NUMERICS
 
 # The choices of the trainer's settings; trainer/loss.py and rl/config.py import them from here.
 IS_CORRECTIONS = ("none", "tis", "token_mask", "seq_mask", "metrics_only")
-LOSS_AGGS = ("token_mean", "seq_mean_token_mean")
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "constant")
+# The policy objectives (trainer/loss.py; docs/OBJECTIVES.md gives each one's formula) and the
+# aggregation each uses when trainer.loss_agg is null.
+OBJECTIVES = ("grpo", "gspo", "cispo", "dr_grpo")
+OBJECTIVE_AGG = {"grpo": "token_mean", "gspo": "seq_mean_token_mean", "cispo": "token_mean", "dr_grpo": "constant"}
+KL_ESTIMATORS = ("k1", "k3")
 DTYPES = ("float32", "bfloat16")
 LR_SCHEDULES = ("constant", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
@@ -75,9 +81,22 @@ class TrainerSettings:
     grad_clip: float = field(1.0, "max global gradient norm; 0 disables clipping (the norm is still measured and checked)")
     clip_eps: float = field(0.2, "PPO ratio clip epsilon (lower side: 1 - clip_eps)")
     clip_eps_high: float | None = field(None, "upper PPO clip epsilon (1 + clip_eps_high); null = clip_eps")
-    loss_agg: Literal[LOSS_AGGS] = field(
-        "token_mean", "token_mean: sum over every completion token / their number in the minibatch; "
-                      "seq_mean_token_mean: mean over sequences of each one's token mean (GRPO's original)")
+    loss: Literal[OBJECTIVES] = field(
+        "grpo", "the policy objective (docs/OBJECTIVES.md): grpo (per-token PPO-clipped ratio); gspo (one "
+                "length-normalised ratio per sequence, clipped per sequence); cispo (REINFORCE weighted by the "
+                "clipped, stop-gradient token ratio: no token loses its gradient); dr_grpo (grpo without the "
+                "std scaling of the advantage, over a constant normaliser)")
+    loss_agg: Literal[LOSS_AGGS] | None = field(
+        None, "token_mean: sum over every completion token / their number in the minibatch; "
+              "seq_mean_token_mean: mean over sequences of each one's token mean (GRPO's original); "
+              "constant: sum over every token / (sequences x rollout.max_tokens) (Dr. GRPO's); "
+              "null = the objective's: constant for dr_grpo, seq_mean_token_mean for gspo, else token_mean")
+    kl_coef: float = field(0.0, "weight of the KL penalty to the reference policy (the initial weights: a frozen "
+                                "copy sharded over the trainer ranks in the compute dtype, parameters x 2 bytes "
+                                "(bf16; 4 in fp32) / world_size per rank); 0 = no reference, no penalty")
+    kl_estimator: Literal[KL_ESTIMATORS] = field(
+        "k3", "per-token estimator of KL(policy || reference) on the sampled tokens, d = ref_logp - logp: "
+              "k1 = -d; k3 = exp(d) - 1 - d (>= 0, lower variance)")
     is_correction: Literal[IS_CORRECTIONS] = field(
         "tis", "sampler-trainer importance correction, r = pi_trainer_old / pi_sampler per token: none; tis "
                "(weight min(r, is_cap)); token_mask / seq_mask (drop tokens / sequences whose ratio leaves "
@@ -103,6 +122,11 @@ class TrainerSettings:
     def clip_high(self) -> float:
         return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
 
+    @property
+    def aggregation(self) -> str:
+        """loss_agg, or the objective's own when it is null."""
+        return OBJECTIVE_AGG[self.loss] if self.loss_agg is None else self.loss_agg
+
     def validate(self, at: str = "") -> None:
         """Range and cross-field checks (types are the loader's); ConfigError naming `at.key`."""
         k = functools.partial(_key, at)
@@ -120,6 +144,9 @@ class TrainerSettings:
         check(0 < self.clip_eps < 1, k("clip_eps"), "a float in (0, 1)", self.clip_eps)
         check(self.clip_eps_high is None or self.clip_eps_high > 0, k("clip_eps_high"),
               "null or a float > 0", self.clip_eps_high)
+        check(self.loss != "dr_grpo" or self.aggregation == "constant", k("loss_agg"),
+              "null or 'constant' with loss 'dr_grpo' (Dr. GRPO's normaliser is a constant)", self.loss_agg)
+        check(self.kl_coef >= 0, k("kl_coef"), "a float >= 0 (0 = no KL penalty)", self.kl_coef)
         check(self.is_cap >= 1, k("is_cap"), "a float >= 1", self.is_cap)
         check(0 <= self.is_low < 1 < self.is_high, f"{k('is_low')}/{k('is_high')}",
               "0 <= is_low < 1 < is_high", (self.is_low, self.is_high))
@@ -161,7 +188,7 @@ class TrainerConfig(TrainerSettings):
 
 @dataclass(frozen=True)
 class TrainerWorkerConfig(TrainerSettings):
-    """What one TrainerWorker rank gets: its settings plus four values rl/ takes from other sections."""
+    """What one TrainerWorker rank gets: its settings plus the values rl/ takes from other sections."""
     temperature: float = field(1.0, "the sampler's temperature (rollout.temperature): trainer logprobs are "
                                     "log_softmax(logits / temperature)")
     dtype: Literal[("auto",) + DTYPES] = field(
@@ -170,18 +197,25 @@ class TrainerWorkerConfig(TrainerSettings):
     seed: int = field(0, "seed of torch's RNG on every rank (run.seed; the same everywhere)")
     numerics: Literal[NUMERICS] = field(FAST, "run.numerics: bitwise puts the dense linears, attention and norms "
                                               "on megamoe.invariant's kernels (trainer/bitwise.py)")
+    max_tokens: int | None = field(None, "rollout.max_tokens, the sampler's completion limit: loss_agg 'constant' "
+                                         "divides by sequences x max_tokens (null only without that aggregation)")
 
     def validate(self, at: str = "") -> None:
         super().validate(at)
         check(self.temperature > 0, _key(at, "temperature"), "a float > 0", self.temperature)
         check(self.seed >= 0, _key(at, "seed"), "an int >= 0", self.seed)
+        check(self.max_tokens is None or self.max_tokens >= 1, _key(at, "max_tokens"), "null or an int >= 1",
+              self.max_tokens)
+        check(self.aggregation != "constant" or self.max_tokens is not None, _key(at, "max_tokens"),
+              f"an int >= 1 with loss_agg 'constant' (loss={self.loss!r}): the normaliser is sequences x max_tokens",
+              self.max_tokens)
 
     @classmethod
     def of(cls, settings: TrainerSettings, *, temperature: float, dtype: str, seed: int,
-           numerics: str = FAST) -> "TrainerWorkerConfig":
+           numerics: str = FAST, max_tokens: int | None = None) -> "TrainerWorkerConfig":
         """A rank's config: `settings` (e.g. the run's TrainerConfig) and the values named here."""
         own = {f.name: getattr(settings, f.name) for f in dataclasses.fields(TrainerSettings)}
-        cfg = cls(**own, temperature=temperature, dtype=dtype, seed=seed, numerics=numerics)
+        cfg = cls(**own, temperature=temperature, dtype=dtype, seed=seed, numerics=numerics, max_tokens=max_tokens)
         cfg.validate()
         return cfg
 

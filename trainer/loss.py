@@ -1,4 +1,5 @@
-"""GRPO-style policy-gradient loss with PPO clipping and training-inference mismatch correction.
+"""Policy-gradient losses (GRPO, GSPO, CISPO, Dr. GRPO; docs/OBJECTIVES.md), an optional KL penalty
+to a reference policy, and training-inference mismatch correction.
 
 Pure functions on padded tensors: `[B, L]` per-token values of B sequences (completion tokens
 only), with `mask_BL` (bool) marking real tokens. rl/metrics.py reuses the mismatch math.
@@ -8,6 +9,8 @@ Three logprobs per completion token:
   old_logp  the trainer's policy before this train_step's first update (no gradient): the PPO
             ratio's denominator; equal to logp.detach() in a single-update step
   samp_logp the sampler's (vLLM's) processed logprob of the token it sampled
+and, with a KL penalty (kl_coef > 0), a fourth:
+  ref_logp  the frozen reference policy's (the initial weights'), no gradient
 
 Mismatch: r = exp(old_logp - samp_logp) is the importance ratio between the policy the trainer
 differentiates and the one that actually sampled; it would be 1 if both sides computed the same
@@ -15,7 +18,8 @@ function. Corrections (`is_correction`): "tis" weights each token by min(r, cap)
 "token_mask" drops tokens with r outside [low, high]; "seq_mask" drops whole sequences whose
 geometric-mean ratio exp(mean_t log r) is outside [low, high] (a length-independent sequence
 ratio, so long sequences are not masked just for being long); "metrics_only" and "none" leave
-the loss alone. The metrics are computed in every mode.
+the loss alone. The metrics are computed in every mode. Whatever the objective, the correction
+multiplies its per-token term by the weight and zeroes it where a token is dropped (policy_loss).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from megamoe.contract import BITWISE, FAST
-from trainer.config import IS_CORRECTIONS, LOSS_AGGS
+from trainer.config import IS_CORRECTIONS, KL_ESTIMATORS, LOSS_AGGS, OBJECTIVES
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,55 +226,101 @@ def mismatch_correction(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask
 
 
 # ---------------------------------------------------------------------------------------------
-# the policy loss
+# the policy loss (docs/OBJECTIVES.md gives every formula)
 # ---------------------------------------------------------------------------------------------
-def policy_loss_terms(logp: torch.Tensor, old_logp: torch.Tensor, advantages_B: torch.Tensor, mask: torch.Tensor,
-                      weights: torch.Tensor, keep: torch.Tensor, *, clip_low: float, clip_high: float):
-    """Per-token clipped PPO surrogate (to minimise) and the clip indicator, zero off `keep`.
+def objective_terms(objective: str, logp: torch.Tensor, old_logp: torch.Tensor, advantages_B: torch.Tensor,
+                    mask: torch.Tensor, *, clip_low: float, clip_high: float):
+    """Per-token policy-gradient terms to minimise, [B, L], before the mismatch correction and the
+    aggregation; the clip indicator; the ratio (detached). A = the token's sequence's advantage.
 
-        ratio = exp(logp - old_logp);  A = advantage of the token's sequence
-        loss_t = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)) * weight_t
+    grpo, dr_grpo  r_t = exp(logp_t - old_t);  loss_t = max(-A r_t, -A clip(r_t, 1 - lo, 1 + hi))
+    gspo           s = exp(mean_t (logp_t - old_t)) over the sequence's real tokens (length-normalised);
+                   r_t = s * exp(logp_t - sg(logp_t)) (value s, gradient s * grad logp_t: GSPO-token
+                   with one advantage per sequence); loss_t as grpo's with r_t, so the clip decision is
+                   the sequence's. Under seq_mean_token_mean the sequence's term is exactly GSPO's.
+    cispo          w_t = sg(clip(r_t, 1 - lo, 1 + hi));  loss_t = -w_t A logp_t: every token keeps a gradient
     """
-    ratio = torch.exp(logp - old_logp.detach())
     adv = advantages_B.to(logp.dtype)[:, None]
+    log_r = logp - old_logp.detach()
+    if objective in ("grpo", "dr_grpo"):
+        ratio = torch.exp(log_r)
+    elif objective == "gspo":
+        n = mask.sum(dim=1, keepdim=True).clamp(min=1)
+        seq_log_r = torch.where(mask, log_r, torch.zeros((), dtype=log_r.dtype)).sum(dim=1, keepdim=True) / n
+        ratio = torch.exp(seq_log_r.detach() + logp - logp.detach())
+    elif objective == "cispo":
+        ratio = torch.exp(log_r).detach()
+        weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+        return -weight * adv * logp, (weight != ratio) & mask, ratio
+    else:
+        raise ValueError(f"loss: expected one of {OBJECTIVES}, got {objective!r}")
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    per_token = torch.maximum(unclipped, clipped) * weights
-    # where, not multiply: a NaN/Inf on a dropped or padded token must not leak into the sum.
-    per_token = torch.where(keep, per_token, torch.zeros((), dtype=per_token.dtype))
-    was_clipped = (clipped > unclipped) & mask
-    return per_token, was_clipped, ratio.detach()
+    return torch.maximum(unclipped, clipped), (clipped > unclipped) & mask, ratio.detach()
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str, *, total_tokens: float, total_seqs: float) -> torch.Tensor:
+def reference_kl(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) on the sampled tokens; d = ref_logp - logp:
+    k1 = -d (unbiased, any sign), k3 = exp(d) - 1 - d (>= 0, unbiased, lower variance). Differentiable in logp."""
+    d = ref_logp.detach() - logp
+    if estimator == "k1":
+        return -d
+    if estimator == "k3":
+        return torch.expm1(d) - d
+    raise ValueError(f"kl_estimator: expected one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str, *, total_tokens: float, total_seqs: float,
+              max_tokens: int | None = None) -> torch.Tensor:
     """Sum of this shard's contribution to the (mini)batch loss.
 
     token_mean: sum_t loss_t / total_tokens (all real tokens of the minibatch, every rank);
-    seq_mean_token_mean: sum_b (sum_t loss_bt / n_b) / total_seqs. Dropped tokens count in the
-    denominators, so a correction removes their gradient without up-weighting the rest.
+    seq_mean_token_mean: sum_b (sum_t loss_bt / n_b) / total_seqs;
+    constant: sum_t loss_t / (total_seqs * max_tokens) (Dr. GRPO: no dependence on the lengths).
+    Dropped tokens count in the denominators, so a correction removes their gradient without
+    up-weighting the rest.
     """
     if agg == "token_mean":
         return per_token.sum() / max(total_tokens, 1.0)
     if agg == "seq_mean_token_mean":
         n = mask.sum(dim=1).clamp(min=1).to(per_token.dtype)
         return (per_token.sum(dim=1) / n).sum() / max(total_seqs, 1.0)
+    if agg == "constant":
+        if not max_tokens or max_tokens < 1:
+            raise ValueError(f"max_tokens: expected an int >= 1 with loss_agg 'constant', got {max_tokens!r}")
+        return per_token.sum() / (max(total_seqs, 1.0) * max_tokens)
     raise ValueError(f"loss_agg: expected one of {LOSS_AGGS}, got {agg!r}")
 
 
-def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, sampler_logp: torch.Tensor, advantages_B: torch.Tensor,
-              mask: torch.Tensor, *, is_correction: str = "tis", is_cap: float = 2.0, is_low: float = 0.5,
-              is_high: float = 2.0, clip_low: float = 0.2, clip_high: float = 0.2, agg: str = "token_mean",
-              total_tokens: float | None = None, total_seqs: float | None = None):
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, sampler_logp: torch.Tensor, advantages_B: torch.Tensor,
+                mask: torch.Tensor, *, objective: str = "grpo", is_correction: str = "tis", is_cap: float = 2.0,
+                is_low: float = 0.5, is_high: float = 2.0, clip_low: float = 0.2, clip_high: float = 0.2,
+                agg: str = "token_mean", total_tokens: float | None = None, total_seqs: float | None = None,
+                max_tokens: int | None = None, ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
+                kl_estimator: str = "k3"):
     """The full loss of one shard: (loss scalar, stats dict of fp64 sums for all-reduce).
 
-    total_tokens / total_seqs default to this shard's own (single-process use).
+        loss_t = objective_t * w_t + kl_coef * kl_t   on kept tokens, 0 elsewhere; then `agg`
+
+    w_t and the kept tokens are the mismatch correction's (is_correction), applied to the objective's
+    per-token term whatever the objective; the KL term is neither weighted nor kept where the
+    correction drops a token (the sample is not trusted for either). total_tokens / total_seqs
+    default to this shard's own (single-process use). ref_logp: the reference policy's logprobs of
+    the same tokens (needed when kl_coef > 0; measured in the stats whenever given).
     """
     weights, keep = mismatch_correction(old_logp, sampler_logp, mask, is_correction, cap=is_cap, low=is_low, high=is_high)
-    per_token, was_clipped, ratio = policy_loss_terms(logp, old_logp, advantages_B, mask, weights, keep,
-                                                      clip_low=clip_low, clip_high=clip_high)
+    per_token, was_clipped, ratio = objective_terms(objective, logp, old_logp, advantages_B, mask,
+                                                    clip_low=clip_low, clip_high=clip_high)
+    per_token = per_token * weights
+    if kl_coef > 0:
+        if ref_logp is None:
+            raise ValueError(f"ref_logp: expected the reference policy's logprobs with kl_coef={kl_coef}, got None")
+        per_token = per_token + kl_coef * reference_kl(logp, ref_logp, kl_estimator)
+    # where, not multiply: a NaN/Inf on a dropped or padded token must not leak into the sum.
+    per_token = torch.where(keep, per_token, torch.zeros((), dtype=per_token.dtype))
     tt = float(mask.sum()) if total_tokens is None else total_tokens
     ts = float(mask.shape[0]) if total_seqs is None else total_seqs
-    loss = aggregate(per_token, mask, agg, total_tokens=tt, total_seqs=ts)
+    loss = aggregate(per_token, mask, agg, total_tokens=tt, total_seqs=ts, max_tokens=max_tokens)
     with torch.no_grad():
         stats = {
             "clipped_sum": was_clipped.sum().double(),
@@ -278,16 +328,23 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, sampler_logp: torch.Te
             "is_weight_sum": torch.where(mask, weights, 0.0).sum().double(),
             "ppo_ratio_sum": torch.where(mask, ratio, 0.0).sum().double(),
         }
+        if ref_logp is not None:
+            for est in KL_ESTIMATORS:
+                kl = reference_kl(logp.detach(), ref_logp, est).double()
+                stats[f"ref_kl_{est}_sum"] = torch.where(mask, kl, 0.0).sum()
         stats.update(mismatch_sums(old_logp.detach(), sampler_logp, mask))
     return loss, stats
 
 
 def finish_stats(sums: dict[str, float]) -> dict[str, float]:
-    """All-reduced grpo_loss stats -> metrics."""
+    """All-reduced policy_loss stats -> metrics."""
     n = max(float(sums["tokens"]), 1.0)
     out = finish_mismatch(sums)
     out["loss/clip_frac"] = float(sums["clipped_sum"]) / n
     out["mismatch/masked_frac"] = float(sums["dropped_sum"]) / n
     out["mismatch/is_weight_mean"] = float(sums["is_weight_sum"]) / n
     out["loss/ppo_ratio_mean"] = float(sums["ppo_ratio_sum"]) / n
+    for est in KL_ESTIMATORS:
+        if f"ref_kl_{est}_sum" in sums:
+            out[f"kl/ref_{est}"] = float(sums[f"ref_kl_{est}_sum"]) / n
     return out

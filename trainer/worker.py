@@ -13,7 +13,8 @@ A step: validate the batch -> split into `minibatches` -> per minibatch, micro-b
 forward/backward (gradients accumulate; FSDP2 reduce-scatters them in fp32) -> global gradient
 norm and clipping -> if the loss and the norm are finite, AdamW steps; otherwise the step is
 skipped (logged, counted in `skipped_total`) and the weights and optimizer state stay the last
-good ones.
+good ones. With trainer.kl_coef > 0 every rank also holds its shard of a frozen reference policy
+(the initial weights) and runs its forward on each micro-batch (docs/OBJECTIVES.md).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from trainer.batch import BatchError, collate, micro_batches, shard_bounds, spli
 from trainer.config import ConfigError, TrainerWorkerConfig
 from trainer.experts import MOE_CALLS
 from trainer.fsdp import apply_fsdp, buckets, iter_full_weights, nonfinite_weights, weight_metadata
-from trainer.loss import finish_stats, grpo_loss, token_logprobs
+from trainer.loss import finish_stats, policy_loss, token_logprobs
 from trainer.model import load_model
 
 log = logging.getLogger("trainer")
@@ -85,6 +86,9 @@ class TrainerWorker:
             from torch.distributed.device_mesh import init_device_mesh
             mesh = init_device_mesh(self.device.type, (world_size,))
             apply_fsdp(self.model, mesh, self.compute_dtype)
+        else:
+            mesh = None
+        self.reference = self._load_reference(model_dir, mesh) if c.kl_coef > 0 else None
         self.optimizer = self._make_optimizer()
         self.step = 0             # train_step calls
         self.optimizer_steps = 0  # AdamW updates taken (the LR schedule's clock)
@@ -116,6 +120,26 @@ class TrainerWorker:
         dist.init_process_group(backend, init_method=f"tcp://{addr}:{int(port)}", rank=self.rank,
                                 world_size=self.world_size, timeout=datetime.timedelta(minutes=10))
         self._owns_pg = True
+
+    def _load_reference(self, model_dir: str, mesh) -> torch.nn.Module:
+        """The KL penalty's reference policy: the initial weights (model_dir, also on a resumed run),
+        frozen, in the compute dtype, sharded over the ranks as the policy is. Memory per rank:
+        parameters x bytes of the compute dtype / world_size (bf16 on CUDA: 2 bytes, an eighth of the
+        policy's 16: fp32 weights, fp32 gradients, two fp32 Adam moments; fp32 on CPU: 4), no gradients, no
+        optimizer state, no activations kept (its forward runs under no_grad). In bf16 it holds the
+        same rounding of the initial weights FSDP2's mixed precision computes the policy with."""
+        ref = load_model(model_dir, self.moe_impl, dtype=self.compute_dtype, device=self.device,
+                         numerics=self.cfg.numerics)
+        ref.requires_grad_(False)
+        ref.eval()
+        if mesh is not None:
+            apply_fsdp(ref, mesh, self.compute_dtype)
+        if self.rank == 0:
+            n = sum(p.numel() for p in ref.parameters())
+            per_rank = n * torch.finfo(self.compute_dtype).bits // 8 / self.world_size
+            log.info("reference policy for trainer.kl_coef=%g (%s): %d parameters, %.1f MiB per rank",
+                     self.cfg.kl_coef, self.cfg.kl_estimator, n, per_rank / 2**20)
+        return ref
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         c = self.cfg
@@ -155,8 +179,9 @@ class TrainerWorker:
         return {k: float(v) for k, v in zip(keys, vals)}
 
     # -- forward ---------------------------------------------------------------------------------
-    def _completion_logprobs(self, mb) -> torch.Tensor:
-        out = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+    def _completion_logprobs(self, mb, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """Per-token logprobs of the micro-batch's completions under `model` (the policy by default)."""
+        out = (model or self.model)(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
         logits = out.logits
         V = logits.shape[-1]
         picked = torch.gather(logits, 1, mb.positions.unsqueeze(-1).expand(-1, -1, V))
@@ -207,10 +232,16 @@ class TrainerWorker:
                     old = torch.zeros_like(logp)
                     for r, s in enumerate(mb.seqs):
                         old[r, : len(s.completion)] = old_logp[s.index]
-                loss, st = grpo_loss(logp, old, mb.sampler_logp, mb.advantages, mb.mask,
-                                     is_correction=c.is_correction, is_cap=c.is_cap, is_low=c.is_low,
-                                     is_high=c.is_high, clip_low=c.clip_eps, clip_high=c.clip_high,
-                                     agg=c.loss_agg, total_tokens=total_tokens, total_seqs=float(len(mini)))
+                ref = None
+                if self.reference is not None:
+                    with torch.no_grad():
+                        ref = self._completion_logprobs(mb, self.reference)
+                loss, st = policy_loss(logp, old, mb.sampler_logp, mb.advantages, mb.mask, objective=c.loss,
+                                       is_correction=c.is_correction, is_cap=c.is_cap, is_low=c.is_low,
+                                       is_high=c.is_high, clip_low=c.clip_eps, clip_high=c.clip_high,
+                                       agg=c.aggregation, total_tokens=total_tokens, total_seqs=float(len(mini)),
+                                       max_tokens=c.max_tokens, ref_logp=ref, kl_coef=c.kl_coef,
+                                       kl_estimator=c.kl_estimator)
                 # FSDP2 averages gradients over the ranks; each rank's loss is its share of the global
                 # (minibatch) loss, so scaling by world_size makes the reduced gradient the global one.
                 (loss * self.world_size).backward()

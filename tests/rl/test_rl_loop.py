@@ -170,13 +170,18 @@ def test_run_folder_rules(tmp_path):
 
 # ---- end to end -------------------------------------------------------------------------------
 
+OBJECTIVE = ["trainer.loss=gspo", "trainer.kl_coef=0.05", "reward.overlong_buffer=2", "reward.overlong_penalty=0.5"]
+
+
 @pytest.fixture(scope="module")
 def e2e(tmp_path_factory):
     work = tmp_path_factory.mktemp("rl_e2e")
     reward = write_reward_module(work)
     run_dir = work / "run"
     # cwd=work: the reward module is importable from the working directory, like a user's own file.
-    proc = run_train(run_dir, "run.steps=4", "trainer.checkpoint_every=2", "--reward", reward,
+    # Not the default objective, with a KL penalty and overlong shaping (docs/OBJECTIVES.md): their path
+    # through Ray and FSDP2 (the reference policy sharded as the policy is) costs this run little.
+    proc = run_train(run_dir, "run.steps=4", "trainer.checkpoint_every=2", *OBJECTIVE, "--reward", reward,
                      action="kill_rollout@2", cwd=work)
     return proc, run_dir
 
@@ -194,9 +199,20 @@ def test_e2e_metrics_are_finite_every_step(e2e):
     assert [r["step"] for r in records] == [1, 2, 3, 4], explain(proc)
     for r in records:
         assert not numeric_finite(r, STEP_KEYS + ("reward/first_char_is_answer/mean",)), (r["step"], r)
-        assert 0.0 <= r["reward/mean"] <= 1.0
+        assert -0.5 <= r["reward/mean"] <= 1.0  # first_char_is_answer in [0, 1], overlong shaping in [-0.5, 0]
+        assert -0.5 <= r["reward/overlong/mean"] <= 0.0 and r["reward/overlong/errors"] == 0
         assert r["reward/first_char_is_answer/errors"] == 0  # per-function failure count, every step
         assert r["mismatch/k3_kl"] >= 0.0
+    # trainer.kl_coef: before the first update the policy is its reference (the same weights through the
+    # same kernels): k1 = k3 = 0 exactly. The policy leaves the frozen reference once an update had a
+    # gradient (from a group with signal; the KL term's own gradient is 0 at the reference): then every
+    # later step's k3 > 0, else it stays 0 (two runs on 2026-12-06: k3 by step 0, 0, 2.2e-2, 2.3e-2 and,
+    # with no group with signal in any step, 0, 0, 0, 0).
+    assert (records[0]["kl/ref_k1"], records[0]["kl/ref_k3"]) == (0.0, 0.0), records[0]
+    moved = False
+    for prev, r in zip(records, records[1:]):
+        moved = moved or prev["train/grad_norm"] > 0
+        assert (r["kl/ref_k3"] > 0) == moved, [(r["step"], r["train/grad_norm"], r["kl/ref_k3"]) for r in records]
     # Both sides run megamoe in fp32 on the same weights at every step, the one after the restart too.
     assert fp32_mismatch_over_bounds(records) == [], [(r["step"], r["mismatch/abs_logp_diff_max"]) for r in records]
 
@@ -221,6 +237,7 @@ def test_e2e_rollout_worker_killed_mid_step_is_restarted(e2e):
 def test_e2e_run_folder_holds_config_plot_and_checkpoint(e2e):
     proc, run_dir = e2e
     cfg = C.load(run_dir / "config.yaml")
+    assert (cfg.trainer.loss, cfg.trainer.kl_coef, cfg.reward.overlong_buffer) == ("gspo", 0.05, 2)
     assert cfg.run.steps == 4 and [f.fn for f in cfg.reward.functions] == ["loop_test_rewards:first_char_is_answer"]
     png = run_dir / "plot.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", explain(proc)

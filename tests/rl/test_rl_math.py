@@ -105,6 +105,13 @@ STEPS = 3
 FP32_ABS_LOGP_DIFF_MAX = 1e-4
 
 
+# DAPO's dynamic sampling (docs/OBJECTIVES.md) through the loop: the random model's math reward is 0
+# for every sample, so every group is dropped, the one extra generate call a step finds no signal
+# either, and the batch is filled with the step's own groups (earliest first): the prompts the
+# assertions below expect.
+DYNAMIC = ["data.dynamic_sampling=true", "data.max_extra_generates=1"]
+
+
 @pytest.fixture(scope="module")
 def math_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("rl_math")
@@ -112,7 +119,7 @@ def math_run(tmp_path_factory):
     run_dir = work / "run"
     argv = [__import__("sys").executable, "-m", "rl.cli", "train", "--config", str(MATH), f"run.out_dir={run_dir}",
             f"run.steps={STEPS}", "run.progress=false", "run.tensorboard=false", "run.export_final=false",
-            "run.plot=false",
+            "run.plot=false", *DYNAMIC,
             "reward.functions=[{fn: math, weight: 1.0}, {fn: 'math_probe:probe', weight: 0.0}]"]
     proc = run_cli(argv, run_dir, cwd=work)
     return proc, run_dir
@@ -131,6 +138,9 @@ def test_math_run_prompts_rewards_metrics_and_mismatch(math_run):
     src = PromptSource.from_config(cfg.data, seed=cfg.run.seed)
     assert src.conversational
     for r in records:
+        ds = {k.split("/", 1)[1]: v for k, v in r.items() if k.startswith("dynamic_sampling/")}
+        assert ds == {"generate_calls": 2, "dropped_groups": 8, "kept_groups": 0, "surplus_groups": 0,
+                      "filled_groups": 4}, (r["step"], ds)
         # The sampler's prompt token ids are this step's chat-templated messages, as the tokenizer counts them.
         batch = src.batch(r["step"] - 1, cfg.run.prompts_per_step)
         texts = apply_chat_template(tok, batch.prompts, strings=False)

@@ -21,7 +21,7 @@ from trainer import checkpoint as ckpt
 from trainer.batch import BatchError, validate_batch
 from trainer.config import ConfigError, TrainerConfig, TrainerSettings, TrainerWorkerConfig
 from trainer.experts import MOE_CALLS, Fp32Router
-from trainer.loss import (finish_stats, group_advantages, grpo_loss, k3_kl, mismatch_correction, mismatch_metrics,
+from trainer.loss import (finish_stats, group_advantages, policy_loss, k3_kl, mismatch_correction, mismatch_metrics,
                           pad_lists, sequence_log_ratio, token_logprobs)
 from trainer.model import CheckpointMismatchError, load_model
 from trainer.testing import assert_same_weights, make_batch, weights_rel_err
@@ -113,7 +113,7 @@ def test_ppo_clipping_hand_computed():
     logp = torch.tensor([[math.log(1.5)], [math.log(0.5)]], requires_grad=True)
     adv = torch.tensor([1.0, -1.0])
     mask = torch.ones(2, 1, dtype=torch.bool)
-    loss, stats = grpo_loss(logp, old, old, adv, mask, is_correction="none", clip_low=0.2, clip_high=0.2)
+    loss, stats = policy_loss(logp, old, old, adv, mask, is_correction="none", clip_low=0.2, clip_high=0.2)
     # A>0, r=1.5: max(-1.5, -1.2) = -1.2 (clipped, no gradient); A<0, r=0.5: max(0.5, 0.8) = 0.8 (clipped)
     assert float(loss.detach()) == pytest.approx((-1.2 + 0.8) / 2, rel=1e-6)
     loss.backward()
@@ -121,7 +121,7 @@ def test_ppo_clipping_hand_computed():
     assert finish_stats({**{k: float(v) for k, v in stats.items()}})["loss/clip_frac"] == 1.0
     # inside the clip range the gradient is -A * r / N
     logp2 = torch.tensor([[math.log(1.1)], [math.log(0.9)]], requires_grad=True)
-    loss2, _ = grpo_loss(logp2, old, old, adv, mask, is_correction="none")
+    loss2, _ = policy_loss(logp2, old, old, adv, mask, is_correction="none")
     loss2.backward()
     torch.testing.assert_close(logp2.grad, torch.tensor([[-1.1 / 2], [0.9 / 2]]))
 
@@ -130,7 +130,7 @@ def test_loss_ignores_nan_on_dropped_and_padded_tokens():
     logp, mask = pad_lists([[-1.0, -2.0], [-1.5]])
     samp = torch.tensor([[-1.0, float("nan")], [-1.5, float("nan")]])
     mask = torch.tensor([[True, False], [True, False]])  # the NaNs sit on padding
-    loss, _ = grpo_loss(logp, logp, samp, torch.tensor([1.0, -0.5]), mask, is_correction="tis")
+    loss, _ = policy_loss(logp, logp, samp, torch.tensor([1.0, -0.5]), mask, is_correction="tis")
     assert math.isfinite(float(loss))
 
 
@@ -339,6 +339,21 @@ def test_nonfinite_loss_skips_the_step(model_dirs):
     # training continues from the last good weights
     m = w.train_step(good)
     assert m["skipped"] == 0 and m["optimizer_steps"] == 2 and math.isfinite(m["loss"])
+
+
+def test_the_reference_policy_is_the_frozen_initial_weights(model_dirs):
+    """trainer.kl_coef's reference on one unsharded rank (FSDP2-sharded: tests/rl/test_rl_math.py's run);
+    the loss's KL math is tests/trainer/test_objectives.py's."""
+    cfg = {**BASE_CFG, "loss": "gspo", "kl_coef": 0.1}
+    w = TrainerWorker(0, 1, "", 0, str(model_dirs["qwen3_moe"]), "megamoe", cfg)
+    before = {n: p.detach().clone() for n, p in w.reference.named_parameters()}
+    kls = [w.train_step(make_batch(8, seed=s)) for s in range(2)]
+    # Before the first update the policy is the reference: the same weights through the same kernels.
+    assert kls[0]["kl/ref_k1"] == 0.0 and kls[0]["kl/ref_k3"] == 0.0
+    assert kls[1]["kl/ref_k3"] > 0 and kls[1]["kl/ref_k1"] != 0
+    assert not any(p.requires_grad for p in w.reference.parameters())
+    assert all(torch.equal(before[n], p) for n, p in w.reference.named_parameters())
+    assert TrainerWorker(0, 1, "", 0, str(model_dirs["qwen3_moe"]), "megamoe", BASE_CFG).reference is None
 
 
 def test_activation_checkpointing_same_step(model_dirs):
