@@ -155,3 +155,26 @@ def finish_routing(sums: dict[str, float]) -> dict[str, float]:
     out["routing/unrouted_tokens"] = sums.get("routing_unrouted", 0.0)
     out["routing/replayed_tokens"] = sums.get("routing_replayed", 0.0)
     return out
+
+
+def routing_load(routed: list, num_experts: int) -> dict[str, float]:
+    """Load-balance metrics per MoE layer from the sampler's routing of a batch (verl's MoE metrics):
+    `routing/load_max_over_mean_l{i}` (tokens of the busiest expert / the mean per expert),
+    `routing/load_cv_l{i}` (coefficient of variation of tokens per expert: population std / mean),
+    `routing/idle_experts_l{i}` (experts that received no token). `routed`: per sequence an int array
+    [tokens, L, k] (rows of NO_ROUTING ignored); each token counts once for each of its k experts."""
+    import numpy as np
+
+    rows = [np.asarray(r) for r in routed if r is not None and len(r)]
+    if not rows:
+        return {}
+    ids = np.concatenate(rows)  # [N, L, k]
+    ids = ids[ids[:, 0, 0] >= 0]
+    out: dict[str, float] = {}
+    for layer in range(ids.shape[1]):
+        counts = np.bincount(ids[:, layer, :].reshape(-1).astype(np.int64), minlength=num_experts).astype(np.float64)
+        mean = counts.mean()
+        out[f"routing/load_max_over_mean_l{layer}"] = float(counts.max() / mean) if mean else math.nan
+        out[f"routing/load_cv_l{layer}"] = float(counts.std() / mean) if mean else math.nan
+        out[f"routing/idle_experts_l{layer}"] = float((counts == 0).sum())
+    return out

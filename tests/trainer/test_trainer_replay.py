@@ -164,3 +164,59 @@ def test_bad_replay_input_is_refused(model_dirs):
             pass
     assert all(isinstance(block_router(b), Fp32Router) and block_router(b).replay is None
                for _, b in moe_blocks(model))
+
+
+def _own_routing(model, batch) -> list:
+    """Per sequence the model's own experts for prompt + completion, int16 [T, L, k] (the 'sampler's')."""
+    out = []
+    for p, c in zip(batch["prompt_ids"], batch["completion_ids"]):
+        with torch.no_grad():
+            _, seen = _forward(model, torch.tensor([p + c]), torch.ones(1, len(p) + len(c), dtype=torch.long))
+        out.append(torch.stack(seen["ids"], 1).to(torch.int16).numpy())
+    return out
+
+
+def test_train_step_replays_and_reports(model_dirs):
+    """TrainerWorker end to end (one unsharded rank): routing from a perturbed copy of the model replayed, the
+    metrics report the disagreement of the trainer's own router, every real token replayed but one."""
+    from trainer.testing import make_batch
+    from trainer.worker import TrainerWorker
+
+    d = model_dirs["qwen3_moe"]
+    batch = make_batch(4, vocab=200, seed=5)
+    sampler = load_model(d, "megamoe")
+    with torch.no_grad():
+        for _, b in moe_blocks(sampler):
+            wr = block_router(b).weight
+            wr.add_(torch.randn_like(wr) * wr.std() * 0.5)
+    routed = _own_routing(sampler, batch)
+    routed[2][1] = NO_ROUTING  # a prompt token without routing
+    w = TrainerWorker(0, 1, "", 0, str(d), "megamoe", {"fsdp": False, "lr": 1e-4, "micro_batch_size": 2,
+                                                       "routing_replay": True})
+    m = w.train_step({**batch, "routed_experts": routed})
+    real = sum(len(p) + len(c) for p, c in zip(batch["prompt_ids"], batch["completion_ids"]))
+    assert m["routing/replayed_tokens"] == real - 1 and m["routing/unrouted_tokens"] == 1
+    assert 0 < m["routing/agree_l0"] < 1, m
+    assert {"routing/load_cv_l1", "routing/idle_experts_l1", "routing/entropy_l1"} <= set(m)
+    bad = [r[:-1] for r in routed]
+    with pytest.raises(Exception, match=r"routed_experts'\]\[0\]: expected integer expert ids of shape"):
+        w.train_step({**batch, "routed_experts": bad})
+
+
+def test_routing_load_hand_computed():
+    import numpy as np
+
+    from trainer.replay import routing_load
+
+    # 2 sequences, L=2 layers, k=2, E=4; one token without routing (ignored)
+    a = np.array([[[0, 1], [2, 3]], [[0, 2], [2, 3]]], dtype=np.int16)
+    b = np.array([[[0, 1], [3, 2]], [[-1, -1], [-1, -1]]], dtype=np.int16)
+    m = routing_load([a, b], num_experts=4)
+    # layer 0: expert counts [3, 2, 1, 0] -> mean 1.5, max/mean 2, std sqrt(1.25), one idle expert
+    assert m["routing/load_max_over_mean_l0"] == pytest.approx(2.0, abs=1e-12)
+    assert m["routing/load_cv_l0"] == pytest.approx(1.25 ** 0.5 / 1.5, abs=1e-12)
+    assert m["routing/idle_experts_l0"] == 1
+    # layer 1: counts [0, 0, 3, 3] -> mean 1.5, max/mean 2, std 1.5, two idle experts
+    assert m["routing/load_max_over_mean_l1"] == pytest.approx(2.0, abs=1e-12)
+    assert m["routing/load_cv_l1"] == pytest.approx(1.0, abs=1e-12)
+    assert m["routing/idle_experts_l1"] == 2
