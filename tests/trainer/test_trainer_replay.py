@@ -220,3 +220,17 @@ def test_routing_load_hand_computed():
     assert m["routing/load_max_over_mean_l1"] == pytest.approx(2.0, abs=1e-12)
     assert m["routing/load_cv_l1"] == pytest.approx(1.0, abs=1e-12)
     assert m["routing/idle_experts_l1"] == 2
+
+
+def test_config_refusals():
+    from rl import config as C
+    from trainer.config import ConfigError
+
+    base = ["model.make.seed=1", "data.task=digit"]
+    with pytest.raises(ConfigError, match=r"trainer.routing_replay: expected false \(bitwise mode"):
+        C.load(None, base + ["run.numerics=bitwise", "trainer.routing_replay=true"])
+    for key in ("routing_replay", "routing_metrics"):
+        with pytest.raises(ConfigError, match=rf"trainer.moe_impl: expected 'megamoe' or 'reference' with "
+                                              rf"trainer.{key}=true"):
+            C.load(None, base + ["trainer.moe_impl=stock", f"trainer.{key}=true"])
+    assert C.trainer_worker_config(C.load(None, base + ["trainer.routing_replay=true"])).routing_replay
