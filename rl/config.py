@@ -59,7 +59,8 @@ class ModelConfig:
 
 ENGINE_KWARGS_OWNED = {"numerics": "run.numerics", "weight_sync": "rollout.weight_sync", "dtype": "model.dtype",
                        "seed": "run.seed", "max_model_len": "rollout.max_model_len",
-                       "kv_cache_memory_bytes": "rollout.kv_cache_bytes", "sleep_mode": "rollout.sleep_level"}
+                       "kv_cache_memory_bytes": "rollout.kv_cache_bytes", "sleep_mode": "rollout.sleep_level",
+                       "return_routing": "trainer.routing_replay or trainer.routing_metrics"}
 """RolloutWorker arguments rl/loop.py derives from other keys (named in the error), never engine_kwargs."""
 
 

@@ -237,6 +237,11 @@ class RolloutWorker:
             raise ValueError("return_routing=True (trainer.routing_replay): expected enforce_eager=True on CUDA (the "
                              "routing capture runs Python in the MoE op, which a replayed CUDA graph skips), got "
                              f"enforce_eager={enforce_eager!r}")
+        if return_routing and self.moe_impl == "stock" and not enforce_eager:
+            raise ValueError("return_routing=True (trainer.routing_replay) with moe_impl='stock': expected "
+                             "enforce_eager=True (stock's routing is recorded in Python inside vLLM's MoE layer, "
+                             "which torch.compile traces; megamoe / reference record it inside their opaque op), got "
+                             f"enforce_eager={enforce_eager!r}")
         self.return_routing = bool(return_routing)
         self.llm = LLM(**kwargs)
         try:

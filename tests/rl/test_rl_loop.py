@@ -176,8 +176,10 @@ def e2e(tmp_path_factory):
     reward = write_reward_module(work)
     run_dir = work / "run"
     # cwd=work: the reward module is importable from the working directory, like a user's own file.
-    proc = run_train(run_dir, "run.steps=4", "trainer.checkpoint_every=2", "--reward", reward,
-                     action="kill_rollout@2", cwd=work)
+    # trainer.routing_replay: the loop's routing path (the sampler's routing carried to the trainer, replayed,
+    # the restarted engine returning it too); both sides megamoe fp32, so the replayed experts are the trainer's own.
+    proc = run_train(run_dir, "run.steps=4", "trainer.checkpoint_every=2", "trainer.routing_replay=true",
+                     "--reward", reward, action="kill_rollout@2", cwd=work)
     return proc, run_dir
 
 
@@ -197,6 +199,9 @@ def test_e2e_metrics_are_finite_every_step(e2e):
         assert 0.0 <= r["reward/mean"] <= 1.0
         assert r["reward/first_char_is_answer/errors"] == 0  # per-function failure count, every step
         assert r["mismatch/k3_kl"] >= 0.0
+        # routing replay: every token carried its sampler routing, identical to the trainer's (megamoe fp32)
+        assert r["routing/agree"] == 1.0 and r["routing/unrouted_tokens"] == 0, r
+        assert r["routing/replayed_tokens"] > 0 and "routing/load_cv_l0" in r, r
     # Both sides run megamoe in fp32 on the same weights at every step, the one after the restart too.
     assert fp32_mismatch_over_bounds(records) == [], [(r["step"], r["mismatch/abs_logp_diff_max"]) for r in records]
 
