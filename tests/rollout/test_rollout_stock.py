@@ -108,3 +108,13 @@ def test_stock_returns_routed_experts(worker, hf):
         for layer, logits in enumerate(out.router_logits):
             want = torch.topk(logits.float(), cfg.num_experts_per_tok, dim=-1).indices.sort(-1).values
             assert torch.equal(torch.from_numpy(r[:, layer]).long().sort(-1).values, want)
+
+
+def test_stock_routing_capture_with_compilation_is_refused_before_start(models):
+    """stock's routing is recorded in Python inside vLLM's MoE layer, which torch.compile traces: refused before
+    any engine starts, naming the key (no engine is built here)."""
+    from rollout.worker import RolloutWorker
+
+    with pytest.raises(ValueError, match=r"return_routing=True \(trainer.routing_replay\) with moe_impl='stock': "
+                                         r"expected enforce_eager=True"):
+        RolloutWorker(models[0], "stock", return_routing=True, enforce_eager=False)
