@@ -355,13 +355,16 @@ def test_every_engine_parameter_is_made_of_named_checkpoint_tensors(worker, mode
     assert engine["blockers"] and all("(cpu)" in b for b in engine["blockers"]), engine["blockers"][:3]
 
 
-def test_routed_experts_equal_the_trainers(worker, models, baseline):
-    """Rollout routing replay: the experts the engine (megamoe) routes every prompt and completion token to
-    are the experts the trainer's megamoe model picks from the same sequences, bitwise (fp32, CPU)."""
+@pytest.mark.parametrize("engine", ["worker", "compiled"])
+def test_routed_experts_equal_the_trainers(engine, request, models, baseline):
+    """Rollout routing replay: the experts the engine (megamoe; eager, and compiled, where the capture runs
+    inside the opaque MoE op) routes every prompt and completion token to are the experts the trainer's megamoe
+    model picks from the same sequences, bitwise (fp32, CPU)."""
     from trainer.experts import moe_blocks
     from trainer.model import load_model
 
-    routed = worker.routed_experts([s["prompt_ids"] for s in baseline], [s["completion_ids"] for s in baseline])
+    w = request.getfixturevalue(engine)
+    routed = w.routed_experts([s["prompt_ids"] for s in baseline], [s["completion_ids"] for s in baseline])
     model = load_model(models[0], "megamoe")
     seen = []
     hooks = [b.experts.register_forward_pre_hook(lambda mod, args: seen.append(args[1].clone()))
