@@ -113,8 +113,7 @@ def route(router_logits_TE: torch.Tensor, top_k: int, scoring: str = "softmax",
     check_route_inputs(router_logits_TE, top_k, scoring, check_finite=check_finite,
                        e_score_correction_bias=e_score_correction_bias, n_group=n_group, topk_group=topk_group,
                        routed_scaling_factor=routed_scaling_factor)
-    logits = router_logits_TE.float()
-    scores = _softmax(logits) if scoring == "softmax" else torch.sigmoid(logits)
+    scores = _scores(router_logits_TE, scoring)
     choice = scores.detach()
     if e_score_correction_bias is not None:
         choice = choice + e_score_correction_bias.detach().float()
@@ -130,9 +129,36 @@ def route(router_logits_TE: torch.Tensor, top_k: int, scoring: str = "softmax",
         kept.scatter_(1, _descending(group_scores)[:, :topk_group], True)
         choice = choice.masked_fill(~kept.repeat_interleave(E // n_group, dim=1), float("-inf"))
     topk_ids_Tk = _descending(choice)[:, :top_k]
-    topk_weights_Tk = scores.gather(1, topk_ids_Tk)
+    return _combine_weights(scores, topk_ids_Tk, renormalize, routed_scaling_factor), topk_ids_Tk
+
+
+def _scores(router_logits_TE: torch.Tensor, scoring: str) -> torch.Tensor:
+    logits = router_logits_TE.float()
+    return _softmax(logits) if scoring == "softmax" else torch.sigmoid(logits)
+
+
+def _combine_weights(scores_TE: torch.Tensor, topk_ids_Tk: torch.Tensor, renormalize: bool,
+                     routed_scaling_factor: float) -> torch.Tensor:
+    topk_weights_Tk = scores_TE.gather(1, topk_ids_Tk)
     if renormalize:
         topk_weights_Tk = topk_weights_Tk / topk_weights_Tk.sum(dim=-1, keepdim=True)
     if routed_scaling_factor != 1.0:
         topk_weights_Tk = topk_weights_Tk * routed_scaling_factor
-    return topk_weights_Tk, topk_ids_Tk
+    return topk_weights_Tk
+
+
+def route_weights(router_logits_TE: torch.Tensor, topk_ids_Tk: torch.Tensor, scoring: str = "softmax",
+                  renormalize: bool = False, *, routed_scaling_factor: float = 1.0) -> torch.Tensor:
+    """The combine weights [T, k] (fp32, differentiable w.r.t. the logits) of given experts `topk_ids_Tk`
+    (int, each in [0, E)), computed as `route` computes them for the experts it chooses: the scores
+    (softmax or sigmoid of the fp32 logits) at those ids, divided by their sum when `renormalize`,
+    times routed_scaling_factor. Routing replay (trainer/replay.py) uses the sampler's experts with
+    the trainer's own router logits, so the router still gets gradients; for ids equal to `route`'s the
+    result is bitwise `route`'s weights (the same ops). A score-correction bias and expert groups only
+    steer the choice, so they play no part here."""
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring: expected one of {SCORINGS}, got {scoring!r}")
+    if topk_ids_Tk.dim() != 2 or topk_ids_Tk.shape[0] != router_logits_TE.shape[0]:
+        raise ValueError(f"topk_ids: expected shape [T={router_logits_TE.shape[0]}, k], got {tuple(topk_ids_Tk.shape)}")
+    return _combine_weights(_scores(router_logits_TE, scoring), topk_ids_Tk.long(), renormalize,
+                            routed_scaling_factor)

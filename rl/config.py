@@ -59,7 +59,8 @@ class ModelConfig:
 
 ENGINE_KWARGS_OWNED = {"numerics": "run.numerics", "weight_sync": "rollout.weight_sync", "dtype": "model.dtype",
                        "seed": "run.seed", "max_model_len": "rollout.max_model_len",
-                       "kv_cache_memory_bytes": "rollout.kv_cache_bytes", "sleep_mode": "rollout.sleep_level"}
+                       "kv_cache_memory_bytes": "rollout.kv_cache_bytes", "sleep_mode": "rollout.sleep_level",
+                       "return_routing": "trainer.routing_replay or trainer.routing_metrics"}
 """RolloutWorker arguments rl/loop.py derives from other keys (named in the error), never engine_kwargs."""
 
 
@@ -301,6 +302,8 @@ def check_bitwise(cfg: Config) -> None:
          cfg.rollout.moe_impl)
     need(cfg.trainer.moe_impl == MEGAMOE, "trainer.moe_impl", "'megamoe' (the MoE kernel the sampler runs)",
          cfg.trainer.moe_impl)
+    need(not cfg.trainer.routing_replay, "trainer.routing_replay", "false (bitwise mode routes bitwise like the "
+         "sampler: refused rather than ignored, docs/ROUTING_REPLAY.md)", cfg.trainer.routing_replay)
     need(cfg.rollout.top_p == 1.0, "rollout.top_p", "1.0 (vLLM's processed logprobs renormalise over the "
          "nucleus; the trainer's log_softmax covers the whole vocabulary)", cfg.rollout.top_p)
     rollout_gpu, trainer_gpu = cfg.rollout.gpus_per_worker > 0, cfg.trainer.gpus_per_rank > 0

@@ -145,6 +145,10 @@ class Loop:
                       sleep_mode=r.sleep_level > 0, **r.engine_kwargs)
         if self.cfg.run.numerics != FAST:  # only then: a worker class of the interface without it still runs fast
             kwargs["numerics"] = self.cfg.run.numerics
+        # --- routing replay (docs/ROUTING_REPLAY.md) ---
+        if self.cfg.trainer.routing_replay or self.cfg.trainer.routing_metrics:
+            kwargs["return_routing"] = True
+        # --- end routing replay ---
         return host.remote(r.worker, (str(self.model_dir), r.moe_impl), kwargs)
 
     def start_rollouts(self) -> None:
@@ -422,6 +426,10 @@ class Loop:
         train_batch = {"prompt_ids": [s["prompt_ids"] for s in samples],
                        "completion_ids": [s["completion_ids"] for s in samples],
                        "sampler_logprobs": [s["logprobs"] for s in samples], "advantages": adv}
+        # --- routing replay (docs/ROUTING_REPLAY.md) ---
+        if "routed_experts" in samples[0]:
+            train_batch["routed_experts"] = [s["routed_experts"] for s in samples]
+        # --- end routing replay ---
         memory = {}
         if self.on_gpu:
             memory["after_rollout"] = self.gpu_memory_gib()

@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import re
 
 import torch
 import vllm
@@ -263,6 +264,7 @@ class MegaMoEMethod(UnquantizedFusedMoEMethod):
         return {"b13_E2I": layer.w13_bias, "b2_EH": layer.w2_bias, "activation": self.activation}
 
     def apply(self, layer, x, topk_weights, topk_ids, *args, **kwargs):
+        moe_method.capture_routing(layer_index(layer), topk_ids)
         if self.megamoe_impl == "stock":
             return super().apply(layer, x, topk_weights, topk_ids, *args, **kwargs)
         return moe_method.routed_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
@@ -286,12 +288,40 @@ class MegaMoEMethod(UnquantizedFusedMoEMethod):
 
     def apply_monolithic(self, layer, x, router_logits, input_ids=None):
         if self.megamoe_impl == "stock":
+            # vLLM's own kernel routes inside itself: its experts are out of the capture's reach, which
+            # routing_capture_blockers reports before a capture starts.
             return super().apply_monolithic(layer, x, router_logits, input_ids)
         # Routing and experts in one opaque op: a compiled engine routes with megamoe.route's own kernels.
         return moe_method.routed_experts_from_logits(x, layer.w13_weight, layer.w2_weight, router_logits,
                                                      self.megamoe_impl,
                                                      **self._route_kwargs(layer, router_logits.shape[-1]),
-                                                     **self._expert_kwargs(layer))
+                                                     **self._expert_kwargs(layer), capture_layer=layer_index(layer))
+
+
+def layer_index(layer) -> int:
+    """The decoder-layer index of a MoE layer (from vLLM's layer name, e.g. model.layers.3.mlp.experts),
+    the index routing capture files its experts under; -1 when the name carries none."""
+    m = _LAYER_INDEX.search(str(getattr(layer, "layer_name", "")))
+    return int(m.group(1)) if m else -1
+
+
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+def routing_capture_blockers(model: torch.nn.Module) -> list[str]:
+    """Why this engine's MoE layers cannot report the experts they route to (empty: they all can). The
+    megamoe / reference hook reports them from its op; stock's, from the routing vLLM hands `apply`,
+    except where vLLM's own monolithic kernel routes inside itself."""
+    out = []
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, MegaMoEMethod) and hasattr(module, "w13_weight"):
+            if layer_index(module) < 0:
+                out.append(f"{name}: no layer index in its name {getattr(module, 'layer_name', None)!r}")
+            elif method.megamoe_impl == "stock" and method.is_monolithic:
+                out.append(f"{name}: moe_impl='stock' runs vLLM's monolithic kernel here (vLLM {VLLM_VERSION}), "
+                           "which routes inside itself")
+    return out
 
 
 class MegaMoERouterMethod(UnquantizedLinearMethod):

@@ -66,6 +66,34 @@ def reset_moe_calls() -> None:
         _CALLS.clear()
 
 
+# Routing capture (rollout routing replay): while on, every MoE call that knows its layer appends the
+# experts it routed each token to, per layer, one int16 tensor per forward call, in call order. Read and
+# cleared in vLLM's worker process through rollout.extension (RolloutWorker.routed_experts).
+_CAPTURE: dict = {"on": False, "layers": {}}
+
+
+def start_capture() -> None:
+    with _LOCK:
+        _CAPTURE["layers"] = {}
+        _CAPTURE["on"] = True
+
+
+def take_capture() -> dict[int, list[torch.Tensor]]:
+    """{model layer index: [topk_ids int16 [rows, k] per forward call]} since start_capture; stops it."""
+    with _LOCK:
+        _CAPTURE["on"] = False
+        layers, _CAPTURE["layers"] = _CAPTURE["layers"], {}
+    return layers
+
+
+def capture_routing(layer: int, topk_ids_Tk: torch.Tensor) -> None:
+    """Record one MoE call's routing while a capture is on (layer < 0: a call that does not know its layer)."""
+    if _CAPTURE["on"] and layer >= 0:
+        ids = topk_ids_Tk.to(device="cpu", dtype=torch.int16)
+        with _LOCK:
+            _CAPTURE["layers"].setdefault(layer, []).append(ids)
+
+
 def activation_fields(activation: Activation | None) -> tuple[str, float, float]:
     """An Activation as the ops' (act, alpha, limit) arguments (a schema takes primitive types)."""
     activation = activation or SWIGLU
@@ -97,11 +125,12 @@ def _routed_experts_from_logits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Te
                                 e_score_correction_bias: torch.Tensor | None = None, n_group: int = 1,
                                 topk_group: int = 1, b13: torch.Tensor | None = None,
                                 b2: torch.Tensor | None = None, act: str = SILU, alpha: float = 0.0,
-                                limit: float = 0.0) -> torch.Tensor:
+                                limit: float = 0.0, capture_layer: int = -1) -> torch.Tensor:
     # check_finite=False: the check would read the logits back to the host (no CUDA-graph capture).
     topk_weights, topk_ids = megamoe.route(router_logits, top_k, scoring, renormalize,
                                            e_score_correction_bias=e_score_correction_bias, n_group=n_group,
                                            topk_group=topk_group, check_finite=False)
+    capture_routing(capture_layer, topk_ids)
     return _experts(x, w13, w2, topk_weights, topk_ids, impl, b13, b2, act, alpha, limit)
 
 
@@ -145,13 +174,14 @@ def routed_experts_from_logits(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EH
                                router_logits_TE: torch.Tensor, impl: str, *, top_k: int, scoring: str,
                                renormalize: bool, e_score_correction_bias: torch.Tensor | None = None,
                                n_group: int = 1, topk_group: int = 1, b13_E2I: torch.Tensor | None = None,
-                               b2_EH: torch.Tensor | None = None,
-                               activation: Activation | None = None) -> torch.Tensor:
+                               b2_EH: torch.Tensor | None = None, activation: Activation | None = None,
+                               capture_layer: int = -1) -> torch.Tensor:
     """y[T,H] = megamoe.fused_moe(...) on the experts megamoe.route chooses from the router logits (the
-    trainer's routing: see megamoe.route for top_k .. topk_group), as one op; counts the call."""
+    trainer's routing: see megamoe.route for top_k .. topk_group), as one op; counts the call. The
+    experts it routes to are recorded as layer `capture_layer` while a routing capture is on."""
     return routed_experts_from_logits_op(x_TH, w13_E2IH, w2_EHI, router_logits_TE, impl, top_k, scoring,
                                          renormalize, e_score_correction_bias, n_group, topk_group, b13_E2I, b2_EH,
-                                         *activation_fields(activation))
+                                         *activation_fields(activation), capture_layer)
 
 
 def shared_experts(x_TH: torch.Tensor, w13_2IH: torch.Tensor, w2_HI: torch.Tensor, impl: str) -> torch.Tensor:

@@ -132,7 +132,8 @@ class RolloutWorker:
                  seed: int = 0, max_model_len: int = 512, kv_cache_memory_bytes: int = 256 << 20,
                  enforce_eager: bool | None = None, enable_prefix_caching: bool = False,
                  tensor_parallel_size: int = 1, bucket_bytes: int = weights.DEFAULT_BUCKET_BYTES,
-                 weight_sync: str = "files", sleep_mode: bool = False, numerics: str = FAST, **engine_kwargs):
+                 weight_sync: str = "files", sleep_mode: bool = False, numerics: str = FAST,
+                 return_routing: bool = False, **engine_kwargs):
         """Start a vLLM engine on the local checkpoint `model_dir` with its MoE layers on `moe_impl`.
 
         enforce_eager: None means vLLM's default (torch.compile, and CUDA graphs on a GPU) on CUDA, and
@@ -153,6 +154,9 @@ class RolloutWorker:
         weight-transfer engine; the trainer on the same GPU) or "nccl" (vLLM's NCCL engine; the
         trainer on another GPU). sleep_mode: build the engine so that
         `sleep` can free its KV cache (and weights) while the trainer trains (CUDA only).
+        return_routing: every sample of `generate` carries "routed_experts", the experts each of its tokens
+        was routed to (`routed_experts`; rollout routing replay, docs/ROUTING_REPLAY.md); an engine whose MoE
+        layers cannot report them is refused at start.
         numerics: "fast" (vLLM's own dense kernels) or "bitwise" (rollout/bitwise.py: the trainer's
         batch-invariant linears and attention; vLLM CPU, moe_impl="megamoe", one rank, the
         architectures in rollout.bitwise.ARCHITECTURES; anything else is refused here).
@@ -221,6 +225,16 @@ class RolloutWorker:
         kwargs.update(adapter.attention_kwargs(self.spec.architecture, dtype))
         kwargs.update(engine_kwargs)
         kwargs.update(bitwise_kwargs)
+        if return_routing and torch.cuda.is_available() and not enforce_eager:
+            raise ValueError("return_routing=True (trainer.routing_replay): expected enforce_eager=True on CUDA (the "
+                             "routing capture runs Python in the MoE op, which a replayed CUDA graph skips), got "
+                             f"enforce_eager={enforce_eager!r}")
+        if return_routing and self.moe_impl == "stock" and not enforce_eager:
+            raise ValueError("return_routing=True (trainer.routing_replay) with moe_impl='stock': expected "
+                             "enforce_eager=True (stock's routing is recorded in Python inside vLLM's MoE layer, "
+                             "which torch.compile traces; megamoe / reference record it inside their opaque op), got "
+                             f"enforce_eager={enforce_eager!r}")
+        self.return_routing = bool(return_routing)
         self.llm = LLM(**kwargs)
         try:
             self._check_engine()
@@ -252,6 +266,12 @@ class RolloutWorker:
             if self.numerics == FAST and ours:
                 raise RuntimeError(f"vLLM worker {rank}: numerics='fast' but some dense ops run the bitwise "
                                    f"mode's kernels (registrations left from another engine?): {ops}")
+            if self.return_routing:
+                blockers = self.llm.collective_rpc("megamoe_routing_capture", args=("check",))[rank]["blockers"]
+                if blockers:
+                    raise ValueError(f"return_routing=True (trainer.routing_replay): vLLM worker {rank} (vLLM "
+                                     f"{s['vllm_version']}) cannot return the routed experts of its MoE layers: "
+                                     + "; ".join(blockers))
             if s["megamoe_router_gates"] < s["self_routed_moe_layers"]:
                 # Routing megamoe.route on logits from vLLM's own gate would not be the trainer's routing.
                 raise RuntimeError(f"vLLM worker {rank} (vLLM {s['vllm_version']}): {s['self_routed_moe_layers']} MoE "
@@ -327,7 +347,50 @@ class RolloutWorker:
                     "logprobs": adapter.sampled_logprobs(c),
                     "finish_reason": c.finish_reason,
                 })
+        if self.return_routing:
+            routed = self.routed_experts([s["prompt_ids"] for s in samples], [s["completion_ids"] for s in samples])
+            for sample, ids in zip(samples, routed):
+                sample["routed_experts"] = ids
         return samples
+
+    def routed_experts(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list:
+        """The experts this engine routes every token of each sequence to: per sequence a numpy int16 array
+        [len(prompt) + len(completion), L, k] (L: the model's MoE layers in layer order, k: its top-k).
+
+        Computed by one prefill of the whole sequences on this engine at its current weights, with the prefix
+        cache emptied first so that no token is skipped (vLLM CPU 0.32's own capture,
+        `enable_return_routed_experts`, needs its V2 model runner, which needs Triton's CPU backend). The
+        rows of each forward call are split between the sequences in the order they were submitted; rows
+        that do not split into whole sequences raise, never a silent shift."""
+        import numpy as np
+        from vllm import SamplingParams, TokensPrompt
+
+        self._refuse_while_updating("capture routing")
+        seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
+        if not seqs:
+            return []
+        self.llm.reset_prefix_cache()
+        self.llm.collective_rpc("megamoe_routing_capture", args=("start",))
+        try:
+            self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs],
+                              SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        finally:
+            got = self.llm.collective_rpc("megamoe_routing_capture", args=("take",))[0]
+        rows = np.frombuffer(got["ids"], dtype=np.int16).reshape(got["shape"]) if got["layers"] else None
+        if rows is None or rows.shape[0] != sum(len(s) for s in seqs):
+            raise RuntimeError(f"routing capture: expected {sum(len(s) for s in seqs)} token rows for {len(seqs)} "
+                               f"sequences, got {0 if rows is None else rows.shape[0]} (layers {got['layers']})")
+        out, i, start = [], 0, 0
+        for step in got["steps"]:
+            end = start + step
+            while i < len(seqs) and start < end:
+                out.append(rows[start:start + len(seqs[i])].copy())
+                start += len(seqs[i])
+                i += 1
+            if start != end:
+                raise RuntimeError(f"routing capture: a forward call of {step} rows does not hold whole sequences "
+                                   f"(sequence {i - 1} ends at row {start}, the call at {end})")
+        return out
 
     def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
         """Log-probabilities (temperature 1, no filtering) of given completions under the engine."""

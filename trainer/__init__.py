@@ -7,6 +7,7 @@
     model.py       load_model(dir, moe_impl, numerics=): checkpoint checks (names, shapes), experts, router
     bitwise.py     numerics="bitwise": InvariantLinear and the batch-invariant attention function (the
                    kernels vLLM's side shares, megamoe.invariant)
+    replay.py      rollout routing replay (R3): the sampler's experts in Fp32Router, routing and load metrics
     batch.py       batch validation / truncation, rank shards, padded micro-batches
     loss.py        GRPO/PPO loss, mismatch correction and metrics (pure functions; rl/ reuses them)
     fsdp.py        fully_shard per decoder layer + root; full weights streamed one tensor at a time

@@ -8,6 +8,9 @@ A batch is a dict of lists, one entry per sequence (docs/CONTRIBUTING.md):
     old_logprobs      list[list[float]]  optional: the trainer policy's logprobs when the batch was
                                          sampled (e.g. `logprobs(batch)` before several train_steps
                                          on one batch, PPO epochs); default: this step's own
+    routed_experts    list[array]        optional: per sequence the sampler's experts, int [len(prompt) +
+                                         len(completion), L MoE layers, k], -1 rows for tokens without
+                                         routing (trainer/replay.py; trainer.routing_replay / routing_metrics)
 Every rank receives the whole batch and takes its own contiguous shard, so global normalisers
 (token and sequence counts) are known everywhere without communication.
 """
@@ -33,6 +36,7 @@ class Seq:
     advantage: float
     truncated: bool = False
     old_logp: list[float] | None = None
+    routed: torch.Tensor | None = None  # [len(prompt) + len(completion), L, k] int16, the sampler's experts
 
 
 def _int_list(value, field: str, i: int) -> list[int]:
@@ -94,6 +98,11 @@ def validate_batch(batch: dict, *, vocab_size: int, max_seq_len: int, truncate: 
             if len(old) != len(comp):
                 raise BatchError(f"batch['old_logprobs'][{i}]: expected {len(comp)} values (one per completion "
                                  f"token), got {len(old)}")
+        # --- routing replay (docs/ROUTING_REPLAY.md) ---
+        routed = None
+        if batch.get("routed_experts") is not None:
+            routed = _routed(batch["routed_experts"], n, i, len(prompt) + len(comp))
+        # --- end routing replay ---
         truncated = False
         total = len(prompt) + len(comp)
         if total > max_seq_len:
@@ -106,10 +115,21 @@ def validate_batch(batch: dict, *, vocab_size: int, max_seq_len: int, truncate: 
             comp = comp[:room]
             samp = samp[:room] if samp is not None else None
             old = old[:room] if old is not None else None
+            routed = routed[:max_seq_len] if routed is not None else None
             truncated = True
             n_trunc += 1
-        seqs.append(Seq(i, prompt, comp, samp, adv, truncated, old))
+        seqs.append(Seq(i, prompt, comp, samp, adv, truncated, old, routed))
     return seqs, n_trunc
+
+
+def _routed(column, n: int, i: int, tokens: int) -> torch.Tensor:
+    if len(column) != n:
+        raise BatchError(f"batch['routed_experts']: expected {n} entries (as prompt_ids), got {len(column)}")
+    r = torch.as_tensor(column[i])
+    if r.dim() != 3 or r.shape[0] != tokens or r.dtype.is_floating_point:
+        raise BatchError(f"batch['routed_experts'][{i}]: expected integer expert ids of shape [{tokens} (prompt + "
+                         f"completion tokens), L, k], got {r.dtype} {tuple(r.shape)}")
+    return r
 
 
 def shard_bounds(n: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -142,6 +162,7 @@ class MicroBatch:
     advantages: torch.Tensor      # [b] fp32
     seqs: list[Seq]               # empty for a padding micro-batch
     n_real: int
+    routed: torch.Tensor | None = None  # [L, b * L_tokens, k] int64, -1 where no routing (padding included)
 
 
 def collate(seqs: list[Seq], pad_id: int, device: torch.device) -> MicroBatch:
@@ -174,5 +195,16 @@ def collate(seqs: list[Seq], pad_id: int, device: torch.device) -> MicroBatch:
         if s.sampler_logp is not None:
             samp[r, :c] = torch.tensor(s.sampler_logp, dtype=torch.float32)
         adv[r] = s.advantage
+    # --- routing replay (docs/ROUTING_REPLAY.md): the rows the MoE blocks see, [b, L] flattened row-major ---
+    routed = None
+    with_routing = [s for s in seqs if s.routed is not None]
+    if with_routing:
+        Lm, k = with_routing[0].routed.shape[1:]
+        routed = torch.full((b, L, Lm, k), -1, dtype=torch.long)
+        for r, s in enumerate(seqs):
+            if s.routed is not None:
+                routed[r, : s.routed.shape[0]] = s.routed.long()
+        routed = routed.reshape(b * L, Lm, k).permute(1, 0, 2).contiguous().to(device)
+    # --- end routing replay ---
     return MicroBatch(input_ids.to(device), attention_mask.to(device), targets.to(device), positions.to(device),
-                      mask.to(device), samp.to(device), adv.to(device), list(seqs) if real else [], real)
+                      mask.to(device), samp.to(device), adv.to(device), list(seqs) if real else [], real, routed)

@@ -28,7 +28,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from megamoe.contract import FAST, HOST_IMPLS, NUMERICS
+from megamoe.contract import BITWISE, FAST, HOST_IMPLS, NUMERICS
 
 # The choices of the trainer's settings; trainer/loss.py and rl/config.py import them from here.
 IS_CORRECTIONS = ("none", "tis", "token_mask", "seq_mask", "metrics_only")
@@ -117,6 +117,12 @@ class TrainerSettings:
     num_threads: int | None = field(None, "torch intra-op threads per rank (CPU); null leaves torch's default")
     export_dtype: Literal[DTYPES] | None = field(None, "dtype of exported weights when the caller names none; "
                                                        "null = the fp32 master weights as held")
+    routing_replay: bool = field(False, "rollout routing replay (R3, docs/ROUTING_REPLAY.md): the sampler returns the "
+                                        "experts it routed every token to and the trainer's forward uses them, with "
+                                        "combine weights from its own router; fast numerics only (bitwise needs none)")
+    routing_metrics: bool = field(False, "the sampler returns its routing and every step logs sampler-vs-trainer "
+                                         "top-k agreement and load balance per MoE layer, without replaying it "
+                                         "(routing_replay logs them too)")
 
     @property
     def clip_high(self) -> float:
@@ -174,6 +180,10 @@ class TrainerConfig(TrainerSettings):
     def validate(self, at: str = "") -> None:
         super().validate(at)
         k = functools.partial(_key, at)
+        for name in ("routing_replay", "routing_metrics"):
+            check(not getattr(self, name) or self.moe_impl != "stock", k("moe_impl"),
+                  f"'megamoe' or 'reference' with {k(name)}=true (transformers' own router has no seam for given "
+                  "experts)", self.moe_impl)
         check(self.world_size >= 1, k("world_size"), "an int >= 1", self.world_size)
         check(self.fsdp or self.world_size == 1, k("fsdp"),
               f"true with {k('world_size')}={self.world_size} (false means one unsharded rank)", self.fsdp)
@@ -203,6 +213,9 @@ class TrainerWorkerConfig(TrainerSettings):
     def validate(self, at: str = "") -> None:
         super().validate(at)
         check(self.temperature > 0, _key(at, "temperature"), "a float > 0", self.temperature)
+        check(not (self.routing_replay and self.numerics == BITWISE), _key(at, "routing_replay"),
+              "false with numerics 'bitwise' (the trainer routes bitwise like the sampler there: nothing to replay)",
+              self.routing_replay)
         check(self.seed >= 0, _key(at, "seed"), "an int >= 0", self.seed)
         check(self.max_tokens is None or self.max_tokens >= 1, _key(at, "max_tokens"), "null or an int >= 1",
               self.max_tokens)

@@ -197,6 +197,8 @@ class Fp32Router(nn.Module):
             self.register_buffer("e_score_correction_bias", e_score_correction_bias)
         else:
             self.e_score_correction_bias = None
+        # Routing replay (trainer/replay.py): set only inside trainer.replay.routing_replay.
+        self.replay = None
 
     def forward(self, hidden_states: torch.Tensor):
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
@@ -208,6 +210,8 @@ class Fp32Router(nn.Module):
         weights, ids = megamoe.route(router_logits, self.top_k, self.scoring, self.renormalize,
                                      e_score_correction_bias=self.e_score_correction_bias, n_group=self.n_group,
                                      topk_group=self.topk_group, check_finite=False)
+        if self.replay is not None:
+            weights, ids = self.replay.apply(self, router_logits, weights, ids)
         return router_logits, weights, ids
 
     def extra_repr(self) -> str:

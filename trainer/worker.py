@@ -19,6 +19,7 @@ good ones. With trainer.kl_coef > 0 every rank also holds its shard of a frozen 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import math
@@ -38,6 +39,7 @@ from trainer.experts import MOE_CALLS
 from trainer.fsdp import apply_fsdp, buckets, iter_full_weights, nonfinite_weights, weight_metadata
 from trainer.loss import finish_stats, policy_loss, token_logprobs
 from trainer.model import load_model
+from trainer.replay import finish_routing, replay_routers, routing_load, routing_replay, routing_sums
 
 log = logging.getLogger("trainer")
 
@@ -187,6 +189,22 @@ class TrainerWorker:
         picked = torch.gather(logits, 1, mb.positions.unsqueeze(-1).expand(-1, -1, V))
         return token_logprobs(picked, mb.targets, self.cfg.temperature, self.cfg.numerics)
 
+    # --- routing replay (docs/ROUTING_REPLAY.md) ---
+    def _routing(self, mb):
+        """The micro-batch's forward (and backward) with the sampler's routing replayed (trainer.routing_replay)
+        or only measured against it; nothing when the batch carries none."""
+        if mb.routed is None:
+            return contextlib.nullcontext([])
+        return routing_replay(self.model, mb.routed, mb.attention_mask.reshape(-1).bool(),
+                              replay=self.cfg.routing_replay)
+
+    def _routing_sums(self, states: list) -> dict[str, torch.Tensor]:
+        # A rank's padding micro-batch carries no routing: zeros for every layer, so every rank reduces the same keys.
+        sums = routing_sums(states) if states else {k: 0.0 for k in routing_sums(
+            [_NoRouting()] * len(replay_routers(self.model)))}
+        return {k: torch.tensor(v, dtype=torch.float64) for k, v in sums.items()}
+    # --- end routing replay ---
+
     def _local(self, seqs: list) -> tuple[list, int]:
         """This rank's shard of `seqs` and the largest shard any rank has."""
         start, end = shard_bounds(len(seqs), self.world_size, self.rank)
@@ -200,6 +218,7 @@ class TrainerWorker:
                                        truncate=c.truncate)
         self.truncated_total += n_trunc
         minis = split_even(seqs, min(c.minibatches, len(seqs)))
+        with_routing = seqs[0].routed is not None
         old_logp: dict[int, torch.Tensor] | None = None
         if seqs[0].old_logp is not None:
             old_logp = {s.index: torch.tensor(s.old_logp, dtype=torch.float32, device=self.device) for s in seqs}
@@ -211,7 +230,8 @@ class TrainerWorker:
                     local, nmax = self._local(mini)
                     for mb_seqs in micro_batches(local, nmax, c.micro_batch_size):
                         mb = collate(mb_seqs, self.pad_id, self.device)
-                        lp = self._completion_logprobs(mb)
+                        with self._routing(mb):
+                            lp = self._completion_logprobs(mb)
                         for r, s in enumerate(mb.seqs):
                             old_logp[s.index] = lp[r, : len(s.completion)].detach()
 
@@ -225,26 +245,31 @@ class TrainerWorker:
             stats_local: dict[str, torch.Tensor] = {}
             for mb_seqs in micro_batches(local, nmax, c.micro_batch_size):
                 mb = collate(mb_seqs, self.pad_id, self.device)
-                logp = self._completion_logprobs(mb)
-                if old_logp is None:
-                    old = logp.detach()
-                else:
-                    old = torch.zeros_like(logp)
-                    for r, s in enumerate(mb.seqs):
-                        old[r, : len(s.completion)] = old_logp[s.index]
-                ref = None
-                if self.reference is not None:
-                    with torch.no_grad():
-                        ref = self._completion_logprobs(mb, self.reference)
-                loss, st = policy_loss(logp, old, mb.sampler_logp, mb.advantages, mb.mask, objective=c.loss,
-                                       is_correction=c.is_correction, is_cap=c.is_cap, is_low=c.is_low,
-                                       is_high=c.is_high, clip_low=c.clip_eps, clip_high=c.clip_high,
-                                       agg=c.aggregation, total_tokens=total_tokens, total_seqs=float(len(mini)),
-                                       max_tokens=c.max_tokens, ref_logp=ref, kl_coef=c.kl_coef,
-                                       kl_estimator=c.kl_estimator)
-                # FSDP2 averages gradients over the ranks; each rank's loss is its share of the global
-                # (minibatch) loss, so scaling by world_size makes the reduced gradient the global one.
-                (loss * self.world_size).backward()
+                # routing replay: the sampler's experts stay on the routers through the backward (activation
+                # checkpointing recomputes the forward there); the frozen reference routes with its own router.
+                with self._routing(mb) as routing_states:
+                    logp = self._completion_logprobs(mb)
+                    if old_logp is None:
+                        old = logp.detach()
+                    else:
+                        old = torch.zeros_like(logp)
+                        for r, s in enumerate(mb.seqs):
+                            old[r, : len(s.completion)] = old_logp[s.index]
+                    ref = None
+                    if self.reference is not None:
+                        with torch.no_grad():
+                            ref = self._completion_logprobs(mb, self.reference)
+                    loss, st = policy_loss(logp, old, mb.sampler_logp, mb.advantages, mb.mask, objective=c.loss,
+                                           is_correction=c.is_correction, is_cap=c.is_cap, is_low=c.is_low,
+                                           is_high=c.is_high, clip_low=c.clip_eps, clip_high=c.clip_high,
+                                           agg=c.aggregation, total_tokens=total_tokens, total_seqs=float(len(mini)),
+                                           max_tokens=c.max_tokens, ref_logp=ref, kl_coef=c.kl_coef,
+                                           kl_estimator=c.kl_estimator)
+                    # FSDP2 averages gradients over the ranks; each rank's loss is its share of the global
+                    # (minibatch) loss, so scaling by world_size makes the reduced gradient the global one.
+                    (loss * self.world_size).backward()
+                if with_routing:
+                    st = {**st, **self._routing_sums(routing_states)}
                 loss_local += loss.detach().double().cpu()
                 for k, v in st.items():
                     v = v.detach().cpu()
@@ -290,6 +315,9 @@ class TrainerWorker:
             torch.cuda.synchronize(self.device)
         self.step += 1
         metrics = finish_stats(totals)
+        if with_routing:  # routing metrics (docs/ROUTING_REPLAY.md); every rank holds the whole batch
+            metrics.update(finish_routing(totals))
+            metrics.update(routing_load([s.routed for s in seqs], replay_routers(self.model)[0].num_experts))
         metrics.update({
             "loss": sum(losses) / len(losses),
             "grad_norm": sum(norms) / len(norms),
@@ -315,7 +343,8 @@ class TrainerWorker:
         with torch.no_grad():
             for mb_seqs in micro_batches(local, nmax, c.micro_batch_size):
                 mb = collate(mb_seqs, self.pad_id, self.device)
-                lp = self._completion_logprobs(mb).cpu()
+                with self._routing(mb):
+                    lp = self._completion_logprobs(mb).cpu()
                 for r, s in enumerate(mb.seqs):
                     out[s.index] = lp[r, : len(s.completion)].tolist()
         if self._distributed:
@@ -414,3 +443,9 @@ class TrainerWorker:
 
 
 __all__ = ["BatchError", "TrainerWorker"]
+
+
+class _NoRouting:
+    """The counts of a forward that saw no routing (routing_sums of a padding micro-batch)."""
+    tokens = agree = unrouted = replayed = 0
+    entropy_sum = 0.0

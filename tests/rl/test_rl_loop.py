@@ -181,8 +181,10 @@ def e2e(tmp_path_factory):
     # cwd=work: the reward module is importable from the working directory, like a user's own file.
     # Not the default objective, with a KL penalty and overlong shaping (docs/OBJECTIVES.md): their path
     # through Ray and FSDP2 (the reference policy sharded as the policy is) costs this run little.
-    proc = run_train(run_dir, "run.steps=4", "trainer.checkpoint_every=2", *OBJECTIVE, "--reward", reward,
-                     action="kill_rollout@2", cwd=work)
+    # trainer.routing_replay: the loop's routing path (the sampler's routing carried to the trainer, replayed,
+    # the restarted engine returning it too); both sides megamoe fp32, so the replayed experts are the trainer's own.
+    proc = run_train(run_dir, "run.steps=4", "trainer.checkpoint_every=2", *OBJECTIVE, "trainer.routing_replay=true",
+                     "--reward", reward, action="kill_rollout@2", cwd=work)
     return proc, run_dir
 
 
@@ -203,6 +205,9 @@ def test_e2e_metrics_are_finite_every_step(e2e):
         assert -0.5 <= r["reward/overlong/mean"] <= 0.0 and r["reward/overlong/errors"] == 0
         assert r["reward/first_char_is_answer/errors"] == 0  # per-function failure count, every step
         assert r["mismatch/k3_kl"] >= 0.0
+        # routing replay: every token carried its sampler routing, identical to the trainer's (megamoe fp32)
+        assert r["routing/agree"] == 1.0 and r["routing/unrouted_tokens"] == 0, r
+        assert r["routing/replayed_tokens"] > 0 and "routing/load_cv_l0" in r, r
     # trainer.kl_coef: before the first update the policy is its reference (the same weights through the
     # same kernels): k1 = k3 = 0 exactly. The policy leaves the frozen reference once an update had a
     # gradient (from a group with signal; the KL term's own gradient is 0 at the reference): then every

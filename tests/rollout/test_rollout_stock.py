@@ -91,3 +91,30 @@ def test_stock_reload_of_changed_weights_gives_the_new_model(worker, hf):
     err = max_abs_diff(_logprobs(samples), ref)
     print(f"[rollout] stock after update to model B: max |dlogp| vs transformers(B) = {err:.2e}")
     assert err <= LOGPROB_TOL_FP32
+
+
+def test_stock_returns_routed_experts(worker, hf):
+    """moe_impl stock reports vLLM's own routing (the ids vLLM hands the MoE method): one row per prompt and
+    completion token, every MoE layer, ids in [0, E), the same top-k set as transformers' router (fp32)."""
+    samples = worker.generate(PROMPTS, 1, {"max_tokens": 4, "seed": 0})
+    routed = worker.routed_experts([s["prompt_ids"] for s in samples], [s["completion_ids"] for s in samples])
+    cfg = hf[0].config
+    for s, r in zip(samples, routed, strict=True):
+        assert r.shape == (len(s["prompt_ids"]) + len(s["completion_ids"]), cfg.num_hidden_layers,
+                           cfg.num_experts_per_tok)
+        assert r.min() >= 0 and r.max() < cfg.num_experts
+        with torch.no_grad():
+            out = hf[0](input_ids=torch.tensor([s["prompt_ids"] + s["completion_ids"]]), output_router_logits=True)
+        for layer, logits in enumerate(out.router_logits):
+            want = torch.topk(logits.float(), cfg.num_experts_per_tok, dim=-1).indices.sort(-1).values
+            assert torch.equal(torch.from_numpy(r[:, layer]).long().sort(-1).values, want)
+
+
+def test_stock_routing_capture_with_compilation_is_refused_before_start(models):
+    """stock's routing is recorded in Python inside vLLM's MoE layer, which torch.compile traces: refused before
+    any engine starts, naming the key (no engine is built here)."""
+    from rollout.worker import RolloutWorker
+
+    with pytest.raises(ValueError, match=r"return_routing=True \(trainer.routing_replay\) with moe_impl='stock': "
+                                         r"expected enforce_eager=True"):
+        RolloutWorker(models[0], "stock", return_routing=True, enforce_eager=False)
