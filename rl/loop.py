@@ -3,14 +3,19 @@
     megamoe-rl train --config configs/tiny.yaml [a.b=value ...] [--resume]
     rl.loop.train(cfg, resume=False) -> exit code
 
-Per step k (1-based; the prompts of step k are a pure function of the seed and k, rl/data.py):
-    prompts -> RolloutWorker.generate (G samples each, processed logprobs)
-            -> rewards (rl/rewards.py) -> group advantages (trainer/loss.py)
-            -> TrainerWorker.train_step on every rank (returns the loss and the sampler-trainer
+Per step t (1-based; the prompts of step t are a pure function of the seed and t, rl/data.py):
+    prompts -> RolloutHost.generate (G samples each, processed logprobs: rl.records.Sample)
+            -> rewards (rl/rewards.py) -> group advantages (rl/advantages.py) -> rl.records.TrainBatch
+            -> TrainerHost.train_step on every rank (returns the loss and the sampler-trainer
                mismatch measured on the same forward)
-            -> TrainerWorker.export_weights -> RolloutWorker.update_weights
+            -> TrainerHost.export_weights -> RolloutHost.update_weights
             -> one line of metrics.jsonl (+ TensorBoard, progress bar); a checkpoint every
                trainer.checkpoint_every steps and at the end.
+With run.max_async_steps = k >= 1 (docs/ASYNC.md) the batch of step t was generated k steps earlier
+by the policy after step max(0, t-1-k): each step queues on the rollout workers the current weights
+and then the generation k steps ahead (Loop._next_batch), waits for its own batch and trains on it
+while they generate; checkpoints hold the batches in flight (inflight.json), a dead rollout worker's
+queue is replayed on its replacement (Loop._replay).
 
 Run folder (run.out_dir): config.yaml (resolved), metrics.jsonl, train.log, vllm.log (vLLM's own
 log, rl/logs.py), actors.json (pids of the actors, for operators and the fault tests), model/
