@@ -576,7 +576,9 @@ class Loop:
 
         train_batch = TrainBatch.from_samples(samples, adv)
         memory = {}
-        if self.on_gpu:
+        # The probe is a call on rollout worker 0: async, it would wait behind the queued generation.
+        probe = self.on_gpu and not lag
+        if probe:
             memory["after_rollout"] = self.gpu_memory_gib()
         t_sleep = 0.0
         if cfg.rollout.sleep_level:
@@ -589,14 +591,14 @@ class Loop:
         t0 = time.perf_counter()
         train_metrics = self._on_trainers("train_step", ray.put(train_batch.columns()))
         t_train = time.perf_counter() - t0
-        if self.on_gpu:
+        if probe:
             memory["after_train"] = self.gpu_memory_gib()
         self.weights_dirty = True
         self.step += 1
 
         # On-policy: the new weights go to the sampler now; async: with the next step's generation.
         sync = {"total": t_export} if lag else self.push_weights()
-        if self.on_gpu:
+        if probe:
             memory["after_sync"] = self.gpu_memory_gib()
 
         comp_tokens = sum(len(s.completion_ids) for s in samples)
@@ -612,7 +614,8 @@ class Loop:
         m["completion/at_max_tokens_frac"] = sum(n >= cfg.rollout.max_tokens for n in lens) / len(lens)
         for k, v in train_metrics.items():
             m[k if "/" in k else f"train/{k}"] = v
-        m["throughput/rollout_tokens_per_s"] = comp_tokens / max(t_rollout, 1e-9)
+        # The sampler's own seconds: async, the driver's wait (time/rollout_s) is only what was left of them.
+        m["throughput/rollout_tokens_per_s"] = comp_tokens / max(flight.busy_s if lag else t_rollout, 1e-9)
         m["throughput/train_tokens_per_s"] = all_tokens / max(t_train, 1e-9)
         m["time/rollout_s"] = t_rollout
         m["time/reward_s"] = t_reward
