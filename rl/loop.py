@@ -572,6 +572,7 @@ class Loop:
 
         t0 = time.perf_counter()
         rewards, adv = self._score(batch, samples)
+        samples = [dataclasses.replace(s, reward=r) for s, r in zip(samples, rewards.total)]
         t_reward = time.perf_counter() - t0
 
         train_batch = TrainBatch.from_samples(samples, adv)

@@ -29,8 +29,9 @@ class Sample:
 
     prompt_index: the prompt's position in its step's batch; the GRPO group is the samples of one
     prompt_index (rollout.n of them, consecutive). sampler_logprobs: the sampler's processed logprob
-    of each completion token (rollout/worker.py). routed_experts: the sampler's expert choices for
-    rollout routing replay, None where not recorded.
+    of each completion token (rollout/worker.py). reward: the weighted total of the reward functions,
+    set when the step scores it (None before, or where no function scored it). routed_experts: the
+    sampler's expert choices for rollout routing replay, None where not recorded.
     """
     prompt_index: int
     prompt_ids: list[int]
