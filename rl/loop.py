@@ -228,8 +228,9 @@ class Loop:
         if self.restarts > self.cfg.rollout.max_restarts:
             raise RolloutFailed(f"RolloutWorker {i}", method, self.where, why,
                                 note=f" after rollout.max_restarts={self.cfg.rollout.max_restarts} restarts") from why
-        log.warning("RolloutWorker %d died (%s); restarting it with the current weights (restart %d of %d)",
-                    i, type(why).__name__, self.restarts, self.cfg.rollout.max_restarts)
+        log.warning("RolloutWorker %d died (%s); restarting it with %s (restart %d of %d)", i, type(why).__name__,
+                    "the current weights" if push else "its queue of weights and generations", self.restarts,
+                    self.cfg.rollout.max_restarts)
         try:
             ray.kill(self.rollouts[i], no_restart=True)
         except Exception:  # noqa: BLE001 - it is dead already; kill only releases the handle
