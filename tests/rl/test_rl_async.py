@@ -55,6 +55,8 @@ def test_async_lag_is_fixed_and_a_killed_rollout_worker_regenerates_its_queue(as
     assert [(r["step"], r["async/policy_version"], r["async/lag"]) for r in records] == \
         [(1, 0, 0), (2, 0, 1), (3, 1, 1), (4, 2, 1), (5, 3, 1)]
     assert records[-1]["rollout/restarts_total"] == 1
+    assert "restarting it with its queue of weights and generations" in \
+        (async_runs["killed_dir"] / "train.log").read_text()
     for r in records:
         assert not numeric_finite(r, STEP_KEYS + ("time/rollout_busy_s",)), (r["step"], r)
     # Step 1 is on-policy: the sampler-trainer mismatch at the fp32 bound; later steps are off by one
