@@ -47,9 +47,10 @@ disaggregated gives the trainer ranks and the rollout workers placement groups o
 
 Around it: rl/run_dir.py (the run folder, checkpoints' pointer, resume), rl/cluster.py (Ray, the
 actor host, placement), rl/failures.py (an actor's failure as one paragraph), rl/base_model.py
-(the model made or checked before anything starts). This file stays over 500 lines for one reason:
-`Loop` is one state machine (actors, steps, weight syncs, checkpoints, restarts) whose ~450 lines of
-methods share its state; what does not need that state lives in the modules above.
+(the model made or checked before anything starts), rl/records.py (Sample, TrainBatch). This file
+stays over 500 lines for one reason: `Loop` is one state machine (actors, steps, weight syncs,
+generations in flight, checkpoints, restarts) whose ~650 lines of methods share its state; what
+does not need that state lives in the modules above.
 """
 
 from __future__ import annotations
