@@ -56,6 +56,44 @@ class WorkerHost:
         return os.getpid()
 
 
+class TrainerHost(WorkerHost):
+    """The actor of one trainer rank: the calls the loop makes, by name (trainer/worker.py's interface)."""
+
+    def train_step(self, batch: dict) -> dict:
+        return self.worker.train_step(batch)
+
+    def save_checkpoint(self, path: str) -> str:
+        return self.worker.save_checkpoint(path)
+
+    def load_checkpoint(self, path: str) -> dict:
+        return self.worker.load_checkpoint(path)
+
+    def export_weights(self, dtype: str | None = None) -> list:
+        """[an ObjectRef to rank 0's exported weights] (call_put's form; other ranks: [a ref to None])."""
+        return self.call_put("export_weights", dtype)
+
+
+class RolloutHost(WorkerHost):
+    """The actor of one rollout worker: the calls the loop makes, by name (rollout/worker.py's interface)."""
+
+    def generate(self, prompts: list, n: int, sampling: dict) -> tuple[list[dict], float]:
+        """RolloutWorker.generate's samples and the seconds this actor spent in it (its busy time)."""
+        import time
+
+        t0 = time.perf_counter()
+        out = self.worker.generate(prompts, n, sampling)
+        return out, time.perf_counter() - t0
+
+    def update_weights(self, named) -> dict:
+        return self.worker.update_weights(named)
+
+    def sleep(self, level: int):
+        return self.worker.sleep(level)
+
+    def gpu_memory(self):
+        return self.worker.gpu_memory()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))

@@ -97,7 +97,7 @@ class RolloutConfig:
         owned = sorted(set(self.engine_kwargs) & set(ENGINE_KWARGS_OWNED))
         check(not owned, f"{at}.engine_kwargs", "no key the run derives from another setting (set "
               f"{', '.join(ENGINE_KWARGS_OWNED[k] for k in owned)} instead)", owned)
-        # Refused, not warned: the advantage is relative to the group (trainer.loss.group_advantages,
+        # Refused, not warned: the advantage is relative to the group (rl.advantages.group_advantages,
         # with or without reward.scale_by_std), so a lone sample is its own group's mean, every
         # advantage is 0 and the run would spend its steps learning nothing; a warning scrolls past.
         check(self.n >= 2, f"{at}.n", "an int >= 2 (the GRPO advantage is a sample's reward minus its group's "
@@ -240,9 +240,16 @@ class RunConfig:
               "Mixtral; docs/CONSISTENCY.md)")
     export_final: bool = field(True, "at the end, write the last step's policy to <out_dir>/final as a "
                                      "Hugging Face checkpoint (what `megamoe-rl export` writes)")
+    max_async_steps: int = field(0, "fixed lag k of asynchronous RL: the batch trained at step t is sampled by "
+                                    "the policy after step max(0, t-1-k), while the trainer trains earlier "
+                                    "batches; 0 = on-policy, generate then train (docs/ASYNC.md)")
 
     def validate(self, at: str) -> None:
         check(self.steps >= 1, f"{at}.steps", "an int >= 1", self.steps)
+        k = self.max_async_steps
+        check(not isinstance(k, bool) and isinstance(k, int) and 0 <= k < self.steps, f"{at}.max_async_steps",
+              f"an int in [0, {at}.steps={self.steps}) (a lag of {at}.steps or more would sample every batch "
+              "from the initial weights)", k)
         check(self.prompts_per_step >= 1, f"{at}.prompts_per_step", "an int >= 1", self.prompts_per_step)
 
 
@@ -285,10 +292,33 @@ def validate(cfg: Config) -> Config:
     if cfg.trainer.loss == "dr_grpo" and cfg.reward.scale_by_std:
         raise ConfigError("reward.scale_by_std: expected null or false with trainer.loss='dr_grpo' (Dr. GRPO's "
                           "advantage is r - mean_G, without the std scaling), got True")
+    check_async(cfg)
     if cfg.trainer.max_seq_len < cfg.rollout.max_tokens + 1:
         raise ConfigError(f"trainer.max_seq_len: expected an int > rollout.max_tokens ({cfg.rollout.max_tokens}), "
                           f"got {cfg.trainer.max_seq_len}")
     return cfg
+
+
+def check_async(cfg: Config) -> None:
+    """run.max_async_steps >= 1 needs the sampler and the trainer to run at the same time and the
+    weights to travel queued behind the generations in flight (docs/ASYNC.md); ConfigError naming
+    the keys otherwise."""
+    k = cfg.run.max_async_steps
+    if k < 1:
+        return
+    if cfg.rollout.sleep_level:
+        raise ConfigError(f"rollout.sleep_level: expected 0 with run.max_async_steps={k} (a sleeping engine "
+                          f"cannot generate while the trainer trains), got {cfg.rollout.sleep_level}")
+    sync = resolve_weight_sync(cfg)
+    if sync != "files":
+        raise ConfigError(f"rollout.weight_sync: expected 'files' (or 'auto' resolving to it) with "
+                          f"run.max_async_steps={k} (the streamed transports need the engine idle; async "
+                          f"queues the update behind the generations in flight), got {cfg.rollout.weight_sync!r} "
+                          f"resolving to {sync!r}")
+    if cfg.data.dynamic_sampling:
+        raise ConfigError(f"data.dynamic_sampling: expected false with run.max_async_steps={k} (its extra generate "
+                          f"calls happen when a step's batch is scored; the async pipeline generates each batch "
+                          f"once, k steps ahead), got True")
 
 
 def check_bitwise(cfg: Config) -> None:

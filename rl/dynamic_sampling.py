@@ -27,11 +27,13 @@ callable, `draw(k) -> Draw`, that generates and scores call k.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rl.records import Sample
 from rl.rewards import RewardResult
 
 log = logging.getLogger("megamoe.rl.dynamic_sampling")
@@ -41,7 +43,7 @@ log = logging.getLogger("megamoe.rl.dynamic_sampling")
 class Draw:
     """One generate call's results, prompt-major: group g is samples[g * n:(g + 1) * n]."""
     prompts: list           # as the sampler got them (chat template applied), one per group
-    samples: list[dict]     # RolloutWorker.generate's dicts
+    samples: list[Sample]   # prompt_index: the group's position in `prompts`
     texts: list[str]        # each sample's completion text
     rewards: RewardResult   # scored and shaped
     seconds: dict[str, float] = field(default_factory=dict)  # time/<phase>_s of this call
@@ -100,7 +102,7 @@ def merge(draws: list[Draw], picks: list[tuple[int, int]], n: int) -> Draw:
     for d_i, g in picks:
         d, sl = draws[d_i], slice(g * n, (g + 1) * n)
         prompts.append(d.prompts[g])
-        samples.extend({**s, "prompt_index": len(prompts) - 1} for s in d.samples[sl])
+        samples.extend(dataclasses.replace(s, prompt_index=len(prompts) - 1) for s in d.samples[sl])
         texts.extend(d.texts[sl])
         total.extend(d.rewards.total[sl])
         for name in per_fn:

@@ -3,16 +3,21 @@
     megamoe-rl train --config configs/tiny.yaml [a.b=value ...] [--resume]
     rl.loop.train(cfg, resume=False) -> exit code
 
-Per step k (1-based; the prompts of step k are a pure function of the seed and k, rl/data.py):
-    prompts -> RolloutWorker.generate (G samples each, processed logprobs)
+Per step t (1-based; the prompts of step t are a pure function of the seed and t, rl/data.py):
+    prompts -> RolloutHost.generate (G samples each, processed logprobs: rl.records.Sample)
             -> rewards (rl/rewards.py; + overlong shaping, rl/overlong.py; with data.dynamic_sampling,
                more prompts until every group has signal, rl/dynamic_sampling.py)
-            -> group advantages (trainer/loss.py)
-            -> TrainerWorker.train_step on every rank (returns the loss and the sampler-trainer
+            -> group advantages (rl/advantages.py) -> rl.records.TrainBatch
+            -> TrainerHost.train_step on every rank (returns the loss and the sampler-trainer
                mismatch measured on the same forward)
-            -> TrainerWorker.export_weights -> RolloutWorker.update_weights
+            -> TrainerHost.export_weights -> RolloutHost.update_weights
             -> one line of metrics.jsonl (+ TensorBoard, progress bar); a checkpoint every
                trainer.checkpoint_every steps and at the end.
+With run.max_async_steps = k >= 1 (docs/ASYNC.md) the batch of step t was generated k steps earlier
+by the policy after step max(0, t-1-k): each step queues on the rollout workers the current weights
+and then the generation k steps ahead (Loop._next_batch), waits for its own batch and trains on it
+while they generate; checkpoints hold the batches in flight (inflight.json), a dead rollout worker's
+queue is replayed on its replacement (Loop._replay).
 
 Run folder (run.out_dir): config.yaml (resolved), metrics.jsonl, train.log, vllm.log (vLLM's own
 log, rl/logs.py), actors.json (pids of the actors, for operators and the fault tests), model/
@@ -44,13 +49,16 @@ disaggregated gives the trainer ranks and the rollout workers placement groups o
 
 Around it: rl/run_dir.py (the run folder, checkpoints' pointer, resume), rl/cluster.py (Ray, the
 actor host, placement), rl/failures.py (an actor's failure as one paragraph), rl/base_model.py
-(the model made or checked before anything starts). This file stays over 500 lines for one reason:
-`Loop` is one state machine (actors, steps, weight syncs, checkpoints, restarts) whose ~450 lines of
-methods share its state; what does not need that state lives in the modules above.
+(the model made or checked before anything starts), rl/records.py (Sample, TrainBatch). This file
+stays over 500 lines for one reason: `Loop` is one state machine (actors, steps, weight syncs,
+generations in flight, checkpoints, restarts) whose ~650 lines of methods share its state; what
+does not need that state lives in the modules above.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import logging
 import re
@@ -61,9 +69,11 @@ from pathlib import Path
 
 from megamoe.contract import FAST
 from rl.base_model import resolve_model
-from rl.cluster import Placement, WorkerHost, node_ip_and_port, place, plan_bundles, start_ray, strategy
+from rl.cluster import (Placement, RolloutHost, TrainerHost, WorkerHost, node_ip_and_port, place, plan_bundles,
+                        start_ray, strategy)
 from rl.config import Config, to_yaml, trainer_worker_config
 from rl.failures import ANSI, ActorError, RolloutFailed, TrainerDied, died, failure_paragraph
+from rl.records import Sample, TrainBatch
 from rl.run_dir import (checkpoints_dir, holds_run, latest_checkpoint, log_config_changes, prepare_run_dir,
                         resume_checkpoint, write_atomic)
 from rollout.sync import STREAMED
@@ -71,6 +81,25 @@ from rollout.sync import STREAMED
 log = logging.getLogger("megamoe.rl")
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+INFLIGHT = "inflight.json"  # in a checkpoint of an async run: the batches generated, not yet trained on
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """One step's generation submitted to the rollout workers and not yet trained on (async mode).
+    Worker j generates prompts[bounds[j][0]:bounds[j][1]]; syncs[j] are the weight updates queued on
+    it before that generation, refs[j] the generation, outs[j] its (samples, seconds) once fetched."""
+    step: int          # 0-based: the batch trained at metrics step `step + 1`
+    version: int       # the policy version that generates it
+    batch: object      # rl.data's batch (prompts as the data gave them, the reward columns)
+    prompts: list      # as the sampler gets them (chat template applied)
+    sampling: dict
+    bounds: list
+    syncs: list | None
+    refs: list | None
+    outs: list | None
+    samples: list | None = None
+    busy_s: float = 0.0  # the slowest worker's seconds in generate
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,13 +142,21 @@ class Loop:
         self.stop_requested = False
         self.pids: dict[str, list[int]] = {"trainer": [], "rollout": []}
         self.where = f"start, before step {start_step + 1}"  # the point of the run, for failure reports
+        # Async (run.max_async_steps >= 1): the generations in flight, oldest first; the version of the
+        # weights last queued on the rollout workers (0: model_dir's, which a new worker loads); the
+        # trainer's exported weights by version while a replay may need them; per worker, the weight
+        # updates queued since its last generation.
+        self.pending: collections.deque[_InFlight] = collections.deque()
+        self.rollout_version = 0
+        self.weight_refs: dict[int, object] = {}
+        self.unchecked: list[list] = [[] for _ in range(cfg.rollout.num_workers)]
 
     # -- actors ------------------------------------------------------------------------------
-    def _host(self, num_cpus: float, num_gpus: float, pg, bundle: int):
+    def _host(self, cls: type[WorkerHost], num_cpus: float, num_gpus: float, pg, bundle: int):
         import ray
 
         # max_restarts=0: a dead worker is replaced by the loop, which knows the current weights.
-        return ray.remote(WorkerHost).options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0,
+        return ray.remote(cls).options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0,
                                               scheduling_strategy=strategy(pg, bundle))
 
     def start_trainers(self) -> None:
@@ -132,14 +169,14 @@ class Loop:
         cfg = trainer_worker_config(self.cfg)  # moe_impl and world_size travel as the arguments
         self.trainers = []
         for rank in range(t.world_size):
-            host = self._host(t.cpus_per_rank, t.gpus_per_rank, pl.trainer_pg, pl.trainer_bundles[rank])
+            host = self._host(TrainerHost, t.cpus_per_rank, t.gpus_per_rank, pl.trainer_pg, pl.trainer_bundles[rank])
             self.trainers.append(host.remote(t.worker,
                                              (rank, t.world_size, addr, port, str(self.model_dir), t.moe_impl, cfg), {}))
 
     def _new_rollout(self, i: int):
         r = self.cfg.rollout
         pl = self.placement
-        host = self._host(r.cpus_per_worker, r.gpus_per_worker, pl.rollout_pg, pl.rollout_bundles[i])
+        host = self._host(RolloutHost, r.cpus_per_worker, r.gpus_per_worker, pl.rollout_pg, pl.rollout_bundles[i])
         kwargs = dict(dtype=self.cfg.model.dtype, seed=self.cfg.run.seed + i, max_model_len=r.max_model_len,
                       kv_cache_memory_bytes=r.kv_cache_bytes, weight_sync=self.weight_sync,
                       sleep_mode=r.sleep_level > 0, **r.engine_kwargs)
@@ -184,21 +221,23 @@ class Loop:
                 raise kind(actor, method, self.where, e) from e
         return ray.get(refs)
 
-    def _trainer_call(self, method: str, *args, put: bool = False):
-        """Call `method` on every trainer rank (each runs collectives); rank 0's result (with put=True,
-        [an ObjectRef to it] left in the object store by rank 0)."""
-        refs = [(t.call_put if put else t.call).remote(method, *args) for t in self.trainers]
+    def _on_trainers(self, method: str, *args):
+        """Call TrainerHost.`method` on every trainer rank (each runs collectives); rank 0's result."""
+        refs = [getattr(t, method).remote(*args) for t in self.trainers]
         return self._get(refs, self._trainer_names(), method)[0]
 
-    def restart_rollout(self, i: int, why: BaseException, method: str) -> None:
+    def restart_rollout(self, i: int, why: BaseException, method: str, push: bool = True) -> None:
+        """Replace dead RolloutWorker i; push=True gives it the trainer's current weights (the async
+        loop instead replays the weights and generations it had queued: _replay)."""
         import ray
 
         self.restarts += 1
         if self.restarts > self.cfg.rollout.max_restarts:
             raise RolloutFailed(f"RolloutWorker {i}", method, self.where, why,
                                 note=f" after rollout.max_restarts={self.cfg.rollout.max_restarts} restarts") from why
-        log.warning("RolloutWorker %d died (%s); restarting it with the current weights (restart %d of %d)",
-                    i, type(why).__name__, self.restarts, self.cfg.rollout.max_restarts)
+        log.warning("RolloutWorker %d died (%s); restarting it with %s (restart %d of %d)", i, type(why).__name__,
+                    "the current weights" if push else "its queue of weights and generations", self.restarts,
+                    self.cfg.rollout.max_restarts)
         try:
             ray.kill(self.rollouts[i], no_restart=True)
         except Exception:  # noqa: BLE001 - it is dead already; kill only releases the handle
@@ -206,7 +245,7 @@ class Loop:
         self.rollouts[i] = self._new_rollout(i)
         self.pids["rollout"][i] = self._get([self.rollouts[i].pid.remote()], [f"RolloutWorker {i}"], "__init__")[0]
         self.write_pids()
-        if self.weights_dirty:
+        if push and self.weights_dirty:
             self.push_weights([i])
 
     def _export_dtype(self) -> str | None:
@@ -248,11 +287,11 @@ class Loop:
             return times
         # A reference to rank 0's weights in the object store: the driver never holds them (fetching
         # them here and putting them back cost two more host copies of the whole model).
-        named = self._trainer_call("export_weights", self._export_dtype(), put=True)[0]
+        named = self._on_trainers("export_weights", self._export_dtype())[0]
         times["export"] = time.perf_counter() - t0
         for i in targets:
             try:
-                info = ray.get(self.rollouts[i].call.remote("update_weights", named))
+                info = ray.get(self.rollouts[i].update_weights.remote(named))
             except ray.exceptions.RayActorError as e:
                 if e.actor_init_failed:
                     raise ActorError(f"RolloutWorker {i}", "__init__", self.where, e) from e
@@ -290,18 +329,22 @@ class Loop:
         """GPU memory in use on rollout worker 0's device (every process on it), GiB; None on CPU."""
         if not self.on_gpu:
             return None
-        mem = self._get([self.rollouts[0].call.remote("gpu_memory")], ["RolloutWorker 0"], "gpu_memory")[0]
+        mem = self._get([self.rollouts[0].gpu_memory.remote()], ["RolloutWorker 0"], "gpu_memory")[0]
         return mem["device_used_bytes"] / 2**30 if mem else None
 
-    def generate(self, prompts: list[str], sampling: dict) -> list[dict]:
+    def _bounds(self, num_prompts: int) -> list[tuple[int, int]]:
+        """The slice of a step's prompts each rollout worker generates."""
+        k = len(self.rollouts)
+        return [(num_prompts * j // k, num_prompts * (j + 1) // k) for j in range(k)]
+
+    def generate(self, prompts: list[str], sampling: dict) -> list[Sample]:
         """G samples per prompt over all rollout workers, ordered prompt-major; retried on worker death."""
         import ray
 
         n = self.cfg.rollout.n
-        k = len(self.rollouts)
-        bounds = [(len(prompts) * j // k, len(prompts) * (j + 1) // k) for j in range(k)]
+        bounds = self._bounds(len(prompts))
         while True:
-            refs = [w.call.remote("generate", prompts[a:b], n, sampling) for w, (a, b) in zip(self.rollouts, bounds)]
+            refs = [w.generate.remote(prompts[a:b], n, sampling) for w, (a, b) in zip(self.rollouts, bounds)]
             outs, dead = [], None
             for j, ref in enumerate(refs):
                 try:
@@ -315,17 +358,140 @@ class Loop:
             if dead is None:
                 break
             self.restart_rollout(*dead, "generate")  # another dead worker, if any, is found by the retry
-        samples = []
-        for (a, _), out in zip(bounds, outs):
-            for s in out:
-                samples.append({**s, "prompt_index": a + s["prompt_index"]})
-        samples.sort(key=lambda s: s["prompt_index"])  # stable: keeps each prompt's sample order
-        counts = [0] * len(prompts)
+        return self._samples(bounds, [o for o, _ in outs], len(prompts), self.step)
+
+    def _samples(self, bounds: list[tuple[int, int]], outs: list[list[dict]], num_prompts: int,
+                 version: int) -> list[Sample]:
+        """The workers' outputs (worker j generated prompts bounds[j]) as Samples of policy `version`,
+        prompt-major, each prompt's samples in the sampler's order; checks rollout.n per prompt."""
+        n = self.cfg.rollout.n
+        samples = [Sample.from_worker(s, offset=a, policy_version=version) for (a, _), out in zip(bounds, outs) for s in out]
+        samples.sort(key=lambda s: s.prompt_index)  # stable: keeps each prompt's sample order
+        counts = [0] * num_prompts
         for s in samples:
-            counts[s["prompt_index"]] += 1
+            counts[s.prompt_index] += 1
         if any(c != n for c in counts):
             raise RuntimeError(f"RolloutWorker.generate returned {counts} samples per prompt, expected n={n} each")
         return samples
+
+    # -- async: generations in flight (run.max_async_steps >= 1; docs/ASYNC.md) -------------------
+    # The rollout workers execute their calls in submission order (Ray: one caller, one actor), so
+    # the loop queues, per step: the trainer's current weights, then the generation of the batch k
+    # steps ahead. A weight update therefore always lands between two generate calls, and the batch
+    # of step index s (0-based) is generated by version max(0, s - k), whatever the timing.
+    def _submit(self, step: int) -> None:
+        """Queue the generation of batch `step` (0-based) on every rollout worker, by the weights
+        last queued (self.rollout_version)."""
+        prompt_batch, prompts, sampling = self._prompts(step)
+        bounds = self._bounds(len(prompts))
+        flight = _InFlight(step, self.rollout_version, prompt_batch, prompts, sampling, bounds,
+                           syncs=self.unchecked, refs=[None] * len(bounds), outs=[None] * len(bounds))
+        self.unchecked = [[] for _ in self.rollouts]
+        for j, w in enumerate(self.rollouts):
+            a, b = bounds[j]
+            flight.refs[j] = w.generate.remote(prompts[a:b], self.cfg.rollout.n, sampling)
+        self.pending.append(flight)
+
+    def _queue_weights(self) -> float:
+        """Queue the trainer's current weights (version self.step) behind every worker's generations,
+        keeping a reference to them while a generation in flight may need them again (_replay);
+        returns the seconds the export took (the driver's part of the sync)."""
+        if self.rollout_version == self.step:
+            return 0.0
+        t0 = time.perf_counter()
+        ref = self._on_trainers("export_weights", self._export_dtype())[0]
+        self.weight_refs[self.step] = ref
+        self.rollout_version = self.step
+        for j, w in enumerate(self.rollouts):
+            self.unchecked[j].append(w.update_weights.remote(ref))
+        return time.perf_counter() - t0
+
+    def _collect(self, flight: _InFlight) -> None:
+        """Wait for `flight`'s generations (and the weight updates queued before them); a worker that
+        died is replaced and its queue replayed from the policy versions it needed (_replay)."""
+        import ray
+
+        if flight.samples is not None:
+            return
+        j = 0
+        while j < len(flight.refs):
+            if flight.outs[j] is None:
+                try:
+                    for ref in flight.syncs[j]:
+                        ray.get(ref)
+                    flight.outs[j] = ray.get(flight.refs[j])
+                except ray.exceptions.RayActorError as e:
+                    if e.actor_init_failed:
+                        raise ActorError(f"RolloutWorker {j}", "__init__", self.where, e) from e
+                    self._replay(j, e)
+                    continue  # this worker again, on its replacement
+                except ray.exceptions.RayError as e:
+                    raise ActorError(f"RolloutWorker {j}", "generate or update_weights", self.where, e) from e
+            j += 1
+        flight.samples = self._samples(flight.bounds, [o for o, _ in flight.outs], len(flight.prompts),
+                                       flight.version)
+        flight.busy_s = max(sec for _, sec in flight.outs)
+        flight.outs = flight.refs = flight.syncs = None  # the samples are all that is kept
+        keep = min([f.version for f in self.pending if f.samples is None] + [self.rollout_version])
+        self.weight_refs = {v: r for v, r in self.weight_refs.items() if v >= keep}
+
+    def _replay(self, j: int, why: BaseException) -> None:
+        """Replace dead RolloutWorker j and queue on the new one what the dead one had not returned:
+        each unfinished generation behind the weights of its policy version, then the weights last
+        queued; the samples are those the dead worker would have returned (same weights, same seeds)."""
+        self.restart_rollout(j, why, "generate", push=False)
+        w, version = self.rollouts[j], 0  # a new worker holds model_dir's weights: version 0
+        for f in self.pending:
+            if f.samples is not None or f.outs[j] is not None:
+                continue
+            f.syncs[j] = []
+            if f.version != version:
+                f.syncs[j].append(w.update_weights.remote(self.weight_refs[f.version]))
+                version = f.version
+            a, b = f.bounds[j]
+            f.refs[j] = w.generate.remote(f.prompts[a:b], self.cfg.rollout.n, f.sampling)
+        self.unchecked[j] = []
+        if self.rollout_version != version:
+            self.unchecked[j].append(w.update_weights.remote(self.weight_refs[self.rollout_version]))
+
+    def _next_batch(self) -> tuple[_InFlight, float, float]:
+        """The batch of this step, generated `run.max_async_steps` versions ago: queue the current
+        weights and the generation k steps ahead, then wait for this step's. Returns (flight, seconds
+        the driver waited for it, seconds the weight export took)."""
+        k, steps = self.cfg.run.max_async_steps, self.cfg.run.steps
+        t_sync = self._queue_weights()
+        nxt = self.pending[-1].step + 1 if self.pending else self.step
+        for step in range(nxt, min(self.step + k, steps - 1) + 1):
+            self._submit(step)
+        flight = self.pending[0]
+        assert flight.step == self.step, (flight.step, self.step)
+        t0 = time.perf_counter()
+        self._collect(flight)
+        self.pending.popleft()
+        return flight, time.perf_counter() - t0, t_sync
+
+    def _inflight_file(self, ckpt: Path) -> None:
+        """The samples of the batches in flight into checkpoint `ckpt` (waiting for them): a resume
+        trains on exactly these (docs/ASYNC.md, resume)."""
+        for f in self.pending:
+            self._collect(f)
+        data = [{"step": f.step, "version": f.version, "busy_s": f.busy_s,
+                 "samples": [smp.to_json() for smp in f.samples]} for f in self.pending]
+        write_atomic(ckpt / INFLIGHT, json.dumps(data) + "\n")
+
+    def _load_inflight(self, ckpt: Path) -> None:
+        f = ckpt / INFLIGHT
+        if not f.exists():
+            return
+        for d in json.loads(f.read_text()):
+            prompt_batch, prompts, sampling = self._prompts(d["step"])
+            flight = _InFlight(d["step"], d["version"], prompt_batch, prompts, sampling, self._bounds(len(prompts)),
+                               syncs=None, refs=None, outs=None)
+            flight.samples = [Sample.from_json(x) for x in d["samples"]]
+            flight.busy_s = d["busy_s"]
+            self.pending.append(flight)
+        log.info("resume: %d batch(es) in flight at the checkpoint (steps %s), from %s", len(self.pending),
+                 [f.step + 1 for f in self.pending], f)
 
     def _check_prompt_lengths(self, tokenizer) -> None:
         """Every prompt must leave room for rollout.max_tokens in the engine and the trainer; the
@@ -352,9 +518,11 @@ class Loop:
         root = checkpoints_dir(self.run_dir)
         root.mkdir(parents=True, exist_ok=True)
         name = step_dir(root, self.step).name
-        self._trainer_call("save_checkpoint", str(root / name))
+        self._on_trainers("save_checkpoint", str(root / name))
         # Older checkpoints go only once the new one reads back whole (run.keep_checkpoints).
         verify(root / name)
+        if self.cfg.run.max_async_steps:
+            self._inflight_file(root / name)
         write_atomic(root / "latest.json", json.dumps({"step": self.step, "path": name}) + "\n")
         keep = self.cfg.trainer.keep_checkpoints
         steps = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name != name)
@@ -365,109 +533,128 @@ class Loop:
         return time.perf_counter() - t0
 
     # -- one step ----------------------------------------------------------------------------
-    def draw(self, call: int):
-        """Generate and score the prompts of this step's generate call `call` (0: the step's own;
-        k >= 1: dynamic sampling's extra ones, rl/dynamic_sampling.py), overlong shaping applied."""
+    def _prompts(self, step: int, call: int = 0) -> tuple[object, list, dict]:
+        """Batch `step` (0-based) of the data, its prompts as the sampler gets them, and its sampling
+        parameters: pure functions of the config, the seed and the step. Call `call` >= 1 is dynamic
+        sampling's extra generate call of that step: other prompts (rl.dynamic_sampling.extra_step) and
+        seeds no step's own call uses."""
         from rl.data import apply_chat_template
-        from rl.dynamic_sampling import Draw, extra_step
-        from rl.rewards import TrainerState
+        from rl.dynamic_sampling import extra_step
 
         cfg = self.cfg
-        at = self.step if call == 0 else extra_step(self.step, call, cfg.run.steps)
+        at = step if call == 0 else extra_step(step, call, cfg.run.steps)
         batch = self.source.batch(at, cfg.run.prompts_per_step)
         prompts = batch.prompts
         if self.tokenizer is not None:  # message lists, and strings under data.chat_template
             prompts = apply_chat_template(self.tokenizer, prompts, strings=cfg.data.chat_template)
-        # Extra calls get seeds no step's first call uses.
         sampling = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
                     "max_tokens": cfg.rollout.max_tokens,
-                    "seed": cfg.run.seed * 1_000_003 + self.step + call * 1_000_000_007}
+                    "seed": cfg.run.seed * 1_000_003 + step + call * 1_000_000_007}
+        return batch, prompts, sampling
 
-        t0 = time.perf_counter()
-        samples = self.generate(prompts, sampling)
-        t_rollout = time.perf_counter() - t0
+    def _rewards(self, batch, samples: list[Sample]):
+        """The rewards of samples drawn from `batch` (rl/rewards.py), with overlong shaping (rl/overlong.py)."""
+        from rl.rewards import TrainerState
 
-        t0 = time.perf_counter()
-        idx = [s["prompt_index"] for s in samples]
-        texts = [s["text"] for s in samples]
+        cfg = self.cfg
+        idx = [s.prompt_index for s in samples]
         columns = {k: [v[i] for i in idx] for k, v in batch.columns.items()}
-        rewards = self.scorer([batch.prompts[i] for i in idx], texts, columns,
-                              completion_ids=[s["completion_ids"] for s in samples],
+        rewards = self.scorer([batch.prompts[i] for i in idx], [s.text for s in samples], columns,
+                              completion_ids=[s.completion_ids for s in samples],
                               trainer_state=TrainerState(global_step=self.step, max_steps=cfg.run.steps))
         if cfg.reward.overlong_buffer:
             from rl.overlong import shape
 
-            rewards = shape(rewards, [len(s["completion_ids"]) for s in samples], max_tokens=cfg.rollout.max_tokens,
+            rewards = shape(rewards, [len(s.completion_ids) for s in samples], max_tokens=cfg.rollout.max_tokens,
                             buffer=cfg.reward.overlong_buffer, penalty=cfg.reward.overlong_penalty)
-        return Draw(prompts, samples, texts, rewards,
+        return rewards
+
+    def draw(self, call: int):
+        """Generate and score this step's generate call `call` (0: the step's own; >= 1: dynamic
+        sampling's extra ones, rl/dynamic_sampling.py)."""
+        from rl.dynamic_sampling import Draw
+
+        batch, prompts, sampling = self._prompts(self.step, call)
+        t0 = time.perf_counter()
+        samples = self.generate(prompts, sampling)
+        t_rollout = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        rewards = self._rewards(batch, samples)
+        return Draw(prompts, samples, [s.text for s in samples], rewards,
                     {"rollout": t_rollout, "reward": time.perf_counter() - t0})
 
     def run_step(self) -> dict:
         import ray
-        from trainer.loss import group_advantages
 
+        from rl.advantages import group_advantages
         from rl.config import scale_by_std
         from rl.dynamic_sampling import fill_batch
 
         cfg = self.cfg
         self.where = f"step {self.step + 1}"
         t_step = time.perf_counter()
+        lag = cfg.run.max_async_steps
         ds_metrics = {}
-        if cfg.data.dynamic_sampling:  # DAPO's: draw until the batch's groups have signal (rl/dynamic_sampling.py)
-            draw, ds_metrics = fill_batch(self.draw, cfg.run.prompts_per_step, cfg.rollout.n,
-                                          cfg.data.max_extra_generates)
+        if lag:  # this step's batch was generated `lag` steps ago (docs/ASYNC.md)
+            flight, t_rollout, t_export = self._next_batch()
+            prompts, samples = flight.prompts, flight.samples
+            t0 = time.perf_counter()
+            rewards = self._rewards(flight.batch, samples)
+            t_reward = time.perf_counter() - t0
         else:
-            draw = self.draw(0)
-        prompts, samples, texts, rewards = draw.prompts, draw.samples, draw.texts, draw.rewards
-        t_rollout, t_reward = draw.seconds["rollout"], draw.seconds["reward"]
+            if cfg.data.dynamic_sampling:  # DAPO's: draw until the batch's groups have signal
+                draw, ds_metrics = fill_batch(self.draw, cfg.run.prompts_per_step, cfg.rollout.n,
+                                              cfg.data.max_extra_generates)
+            else:
+                draw = self.draw(0)
+            prompts, samples, rewards = draw.prompts, draw.samples, draw.rewards
+            t_rollout, t_reward = draw.seconds["rollout"], draw.seconds["reward"]
         adv = group_advantages(rewards.total, cfg.rollout.n, scale_by_std=scale_by_std(cfg),
                                eps=cfg.reward.eps).tolist()
-
-        train_batch = {"prompt_ids": [s["prompt_ids"] for s in samples],
-                       "completion_ids": [s["completion_ids"] for s in samples],
-                       "sampler_logprobs": [s["logprobs"] for s in samples], "advantages": adv}
-        # --- routing replay (docs/ROUTING_REPLAY.md) ---
-        if "routed_experts" in samples[0]:
-            train_batch["routed_experts"] = [s["routed_experts"] for s in samples]
-        # --- end routing replay ---
+        samples = [dataclasses.replace(s, reward=r) for s, r in zip(samples, rewards.total)]
+        train_batch = TrainBatch.from_samples(samples, adv)
         memory = {}
-        if self.on_gpu:
+        # The probe is a call on rollout worker 0: async, it would wait behind the queued generation.
+        probe = self.on_gpu and not lag
+        if probe:
             memory["after_rollout"] = self.gpu_memory_gib()
         t_sleep = 0.0
         if cfg.rollout.sleep_level:
             # The KV cache (and with level 2 the weights) make room for the trainer; the sync wakes
             # the weights, the next generate the KV cache.
             t0 = time.perf_counter()
-            self._get([w.call.remote("sleep", cfg.rollout.sleep_level) for w in self.rollouts],
+            self._get([w.sleep.remote(cfg.rollout.sleep_level) for w in self.rollouts],
                       [f"RolloutWorker {i}" for i in range(len(self.rollouts))], "sleep")
             t_sleep = time.perf_counter() - t0
         t0 = time.perf_counter()
-        train_metrics = self._trainer_call("train_step", ray.put(train_batch))
+        train_metrics = self._on_trainers("train_step", ray.put(train_batch.columns()))
         t_train = time.perf_counter() - t0
-        if self.on_gpu:
+        if probe:
             memory["after_train"] = self.gpu_memory_gib()
         self.weights_dirty = True
         self.step += 1
 
-        sync = self.push_weights()
-        if self.on_gpu:
+        # On-policy: the new weights go to the sampler now; async: with the next step's generation.
+        sync = {"total": t_export} if lag else self.push_weights()
+        if probe:
             memory["after_sync"] = self.gpu_memory_gib()
 
-        comp_tokens = sum(len(s["completion_ids"]) for s in samples)
-        all_tokens = comp_tokens + sum(len(s["prompt_ids"]) for s in samples)
+        comp_tokens = sum(len(s.completion_ids) for s in samples)
+        all_tokens = comp_tokens + sum(len(s.prompt_ids) for s in samples)
         m = rewards.metrics(cfg.rollout.n)
         m.update(ds_metrics)
         m["reward/errors_total"] = sum(self.scorer.errors_total.values())
         m["data/dropped_prompts"] = self.source.dropped
-        plens = [len(s["prompt_ids"]) for s in samples[::cfg.rollout.n]]
+        plens = [len(s.prompt_ids) for s in samples[::cfg.rollout.n]]
         m.update({"prompt/len_mean": sum(plens) / len(plens), "prompt/len_min": min(plens), "prompt/len_max": max(plens)})
-        lens = [len(s["completion_ids"]) for s in samples]
+        lens = [len(s.completion_ids) for s in samples]
         m["completion/len_mean"] = sum(lens) / len(lens)
         m["completion/len_max"] = max(lens)
         m["completion/at_max_tokens_frac"] = sum(n >= cfg.rollout.max_tokens for n in lens) / len(lens)
         for k, v in train_metrics.items():
             m[k if "/" in k else f"train/{k}"] = v
-        m["throughput/rollout_tokens_per_s"] = comp_tokens / max(t_rollout, 1e-9)
+        # The sampler's own seconds: async, the driver's wait (time/rollout_s) is only what was left of them.
+        m["throughput/rollout_tokens_per_s"] = comp_tokens / max(flight.busy_s if lag else t_rollout, 1e-9)
         m["throughput/train_tokens_per_s"] = all_tokens / max(t_train, 1e-9)
         m["time/rollout_s"] = t_rollout
         m["time/reward_s"] = t_reward
@@ -477,8 +664,13 @@ class Loop:
         m.update({f"time/weight_sync/{k}_s": v for k, v in sync.items()})
         m.update({f"memory/gpu_used_gib/{k}": v for k, v in memory.items() if v is not None})
         m["rollout/restarts_total"] = self.restarts
+        if lag:
+            # time/rollout_s is what the driver waited for the batch; the sampler's own time is this.
+            m["time/rollout_busy_s"] = flight.busy_s
+            m["async/policy_version"] = flight.version
+            m["async/lag"] = flight.step - flight.version
         m["sample/prompt"] = prompts[0]  # as the sampler got it (chat template applied)
-        m["sample/completion"] = texts[0]
+        m["sample/completion"] = samples[0].text
         m["time/step_s"] = time.perf_counter() - t_step
         return m
 
@@ -493,10 +685,13 @@ class Loop:
         self.wait_for_actors()
         if self.step > 0:
             _, path = latest_checkpoint(self.run_dir)
-            self._trainer_call("load_checkpoint", str(path))
+            self._on_trainers("load_checkpoint", str(path))
             kept = truncate_jsonl(self.run_dir / "metrics.jsonl", self.step)
             log.info("resumed from %s (step %d; metrics.jsonl keeps %d lines)", path, self.step, kept)
-            self.push_weights()
+            if cfg.run.max_async_steps:
+                self._load_inflight(path)  # the weights go queued, with the next step's generation
+            else:
+                self.push_weights()
 
         bar = None
         if cfg.run.progress:

@@ -31,7 +31,7 @@ None means "this function does not score this sample" (TRL's convention): the sa
 the weighted sum over the functions that scored it (TRL's NaN-aware sum), and a sample that no
 function scored has no reward at all (`RewardResult.total` holds None; counted as `reward/none`,
 and per function as `reward/<name>/none`). Such a sample gets advantage 0 and stays out of its
-group's mean and std (trainer.loss.group_advantages): "could not judge" is not "wrong", and
+group's mean and std (rl.advantages.group_advantages): "could not judge" is not "wrong", and
 scoring it 0, as TRL's sum of NaNs does, would push the policy away from it and shift its group's
 baseline. Never an error.
 

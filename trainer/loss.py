@@ -70,31 +70,6 @@ def token_logprobs(logits_BLV: torch.Tensor, targets_BL: torch.Tensor, temperatu
     return torch.gather(lsm, -1, targets_BL.long().unsqueeze(-1)).squeeze(-1)
 
 
-def group_advantages(rewards: Sequence[float | None] | torch.Tensor, group_size: int, *, scale_by_std: bool = True,
-                     eps: float = 1e-6) -> torch.Tensor:
-    """GRPO advantages: (r - mean of its group) / (std of its group + eps); groups are consecutive.
-
-    std is the population std (unbiased=False): a group of identical rewards gets advantage 0. A
-    reward of None (or NaN) marks a sample no reward function scored: it gets advantage 0 and its
-    group's mean and std are over the scored samples only (rl/rewards.py says why).
-    """
-    r = torch.as_tensor([float("nan") if x is None else x for x in rewards] if not torch.is_tensor(rewards)
-                        else rewards, dtype=torch.float64)
-    if r.dim() != 1 or group_size < 1 or r.numel() % group_size:
-        raise ValueError(f"rewards: expected a flat list whose length is a multiple of group_size={group_size}, "
-                         f"got shape {tuple(r.shape)}")
-    g = r.view(-1, group_size)
-    scored = ~g.isnan()
-    count = scored.sum(dim=1, keepdim=True).clamp(min=1)
-    g0 = torch.where(scored, g, torch.zeros((), dtype=g.dtype))
-    mean = g0.sum(dim=1, keepdim=True) / count
-    adv = torch.where(scored, g - mean, torch.zeros((), dtype=g.dtype))
-    if scale_by_std:
-        std = (adv.square().sum(dim=1, keepdim=True) / count).sqrt()
-        adv = adv / (std + eps)
-    return adv.reshape(-1).float()
-
-
 # ---------------------------------------------------------------------------------------------
 # mismatch math (rl/metrics.py imports these)
 # ---------------------------------------------------------------------------------------------

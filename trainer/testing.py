@@ -22,8 +22,6 @@ def free_port() -> int:
 def make_batch(n: int = 8, *, vocab: int = 512, seed: int = 0, prompt_len: tuple[int, int] = (2, 6),
                completion_len: tuple[int, int] = (1, 7), group_size: int = 4) -> dict:
     """A seeded batch: random prompts/completions, sampler logprobs, group-normalised advantages."""
-    from trainer.loss import group_advantages
-
     g = torch.Generator().manual_seed(seed)
 
     def ids(lo: int, hi: int) -> list[int]:
@@ -36,7 +34,11 @@ def make_batch(n: int = 8, *, vocab: int = 512, seed: int = 0, prompt_len: tuple
     sampler = [(base + 0.05 * torch.randn(len(c), generator=g)).tolist() for c in completions]
     rewards = torch.rand(n, generator=g)
     gs = group_size if n % group_size == 0 else 1
-    adv = group_advantages(rewards, gs, scale_by_std=gs > 1).tolist() if gs > 1 else (rewards - rewards.mean()).tolist()
+    if gs > 1:  # GRPO-like: (r - group mean) / (group std + 1e-6), the shape of rl.advantages' values
+        r = rewards.double().view(-1, gs)
+        adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + 1e-6)).reshape(-1).float().tolist()
+    else:
+        adv = (rewards - rewards.mean()).tolist()
     return {"prompt_ids": prompts, "completion_ids": completions, "sampler_logprobs": sampler, "advantages": adv}
 
 

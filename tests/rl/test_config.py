@@ -266,3 +266,25 @@ def test_console_script_help_is_fast():
     wall = time.monotonic() - t0
     assert proc.returncode == 0 and "megamoe-rl train" in proc.stdout
     assert wall < HELP_WALL_S, f"`megamoe-rl train --help` took {wall:.2f} s (bound {HELP_WALL_S} s)"
+
+
+def test_async_refusals_name_the_key():
+    """run.max_async_steps: k < 0, k >= run.steps and a placement that cannot overlap sampling and
+    training are refused when the config loads (the CLI loads it before Ray starts)."""
+    tiny = ROOT / "configs" / "tiny.yaml"
+    for k in (-1, 10, 11):
+        with pytest.raises(C.ConfigError, match=rf"run.max_async_steps: expected an int in \[0, run.steps=10\).*"
+                                                rf"got {k}$"):
+            C.load(tiny, ["run.steps=10", f"run.max_async_steps={k}"])
+    assert C.load(tiny, ["run.steps=10", "run.max_async_steps=9"]).run.max_async_steps == 9
+    gpu = ["rollout.gpus_per_worker=1", "trainer.gpus_per_rank=1"]
+    with pytest.raises(C.ConfigError, match=r"rollout.sleep_level: expected 0 with run.max_async_steps=1 .*got 1$"):
+        C.load(tiny, gpu + ["rollout.sleep_level=1", "run.max_async_steps=1"])
+    nccl = gpu + ["ray.placement=disaggregated", "rollout.weight_sync=nccl"]
+    with pytest.raises(C.ConfigError, match=r"rollout.weight_sync: expected 'files' .* run.max_async_steps=2 .*got "
+                                            r"'nccl' resolving to 'nccl'$"):
+        C.load(tiny, nccl + ["run.max_async_steps=2"])
+    # The same placements on-policy, and async with the files transport, load.
+    assert C.load(tiny, gpu + ["rollout.sleep_level=1"]).rollout.sleep_level == 1
+    assert C.load(tiny, nccl).rollout.weight_sync == "nccl"
+    assert C.load(tiny, gpu + ["run.max_async_steps=1", "rollout.weight_sync=files"]).run.max_async_steps == 1

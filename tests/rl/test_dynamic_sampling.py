@@ -11,6 +11,7 @@ import pytest
 
 from rl import config as C
 from rl.dynamic_sampling import Draw, extra_step, fill_batch, has_signal
+from rl.records import Sample
 from rl.rewards import RewardResult
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +25,8 @@ def _draw(call: int, group_rewards: list[list[float | None]]) -> Draw:
     for g, rs in enumerate(group_rewards):
         assert len(rs) == N
         for j, r in enumerate(rs):
-            samples.append({"prompt_index": g, "completion_ids": [call, g, j], "prompt_ids": [1], "logprobs": [-1.0]})
+            samples.append(Sample(prompt_index=g, prompt_ids=[1], completion_ids=[call, g, j], sampler_logprobs=[-1.0],
+                                  text=f"c{call}.{g}.{j}", finish_reason="stop", policy_version=0))
             texts.append(f"c{call}.{g}.{j}")
             total.append(r)
     per_fn = {"f": list(total)}
@@ -63,7 +65,7 @@ def test_groups_without_signal_are_replaced_by_new_prompts_until_the_batch_is_fu
     # generation order: call 0's groups 1 and 3, then call 2's groups 0 and 1
     assert batch.prompts == ["p0.1", "p0.3", "p2.0", "p2.1"]
     assert batch.texts == [f"c{c}.{g}.{j}" for c, g in ((0, 1), (0, 3), (2, 0), (2, 1)) for j in range(N)]
-    assert [s["prompt_index"] for s in batch.samples] == [i for i in range(4) for _ in range(N)]
+    assert [s.prompt_index for s in batch.samples] == [i for i in range(4) for _ in range(N)]
     assert batch.rewards.total == good + good + good + [0.2, 0.1, 0.2]
     assert batch.rewards.per_fn["f"] == batch.rewards.total
     assert batch.rewards.errors == {"f": 0 + 1 + 2}  # every call's scoring failures count

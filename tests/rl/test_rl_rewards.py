@@ -496,7 +496,7 @@ def test_weighted_sum_is_over_the_functions_that_scored(conv_batch):
 
 
 def test_unscored_samples_get_advantage_zero_and_stay_out_of_the_group_statistics():
-    from trainer.loss import group_advantages
+    from rl.advantages import group_advantages
 
     adv = group_advantages([1.0, None, 0.0, 0.5, None, None, None, None], group_size=4).tolist()
     # Scored: 1.0, 0.0, 0.5 -> mean 0.5, population std sqrt((0.25 + 0.25 + 0) / 3) = 0.40825.

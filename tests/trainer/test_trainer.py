@@ -21,7 +21,8 @@ from trainer import checkpoint as ckpt
 from trainer.batch import BatchError, validate_batch
 from trainer.config import ConfigError, TrainerConfig, TrainerSettings, TrainerWorkerConfig
 from trainer.experts import MOE_CALLS, Fp32Router
-from trainer.loss import (finish_stats, group_advantages, policy_loss, k3_kl, mismatch_correction, mismatch_metrics,
+from rl.advantages import group_advantages
+from trainer.loss import (finish_stats, policy_loss, k3_kl, mismatch_correction, mismatch_metrics,
                           pad_lists, sequence_log_ratio, token_logprobs)
 from trainer.model import CheckpointMismatchError, load_model
 from trainer.testing import assert_same_weights, make_batch, weights_rel_err
