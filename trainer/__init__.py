@@ -9,7 +9,8 @@
                    kernels vLLM's side shares, megamoe.invariant)
     replay.py      rollout routing replay (R3): the sampler's experts in Fp32Router, routing and load metrics
     batch.py       batch validation / truncation, rank shards, padded micro-batches
-    loss.py        GRPO/PPO loss, mismatch correction and metrics (pure functions; rl/ reuses them)
+    loss.py        the policy losses (grpo, gspo, cispo, dr_grpo; KL to a reference), mismatch correction
+                   and metrics (pure functions; the advantages come from rl/advantages.py)
     fsdp.py        fully_shard per decoder layer + root; full weights streamed one tensor at a time
     checkpoint.py  atomic DCP checkpoints (model, optimizer, counters, RNG); latest_checkpoint
     worker.py      TrainerWorker: one rank (rl/ wraps it with ray.remote)
