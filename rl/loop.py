@@ -17,7 +17,12 @@ log, rl/logs.py), actors.json (pids of the actors, for operators and the fault t
 (when made by model.make), plot.png, traceback.txt (after a failure),
 checkpoints/step_NNNNNN/ (the trainer's atomic DCP checkpoint) and checkpoints/latest.json, the
 pointer to the newest complete one, replaced atomically after the checkpoint is complete, and
-final/ (the last step's policy as a Hugging Face checkpoint: run.export_final, rl/export.py).
+final/ (the last step's policy as a Hugging Face checkpoint: run.export_final, rl/export.py),
+samples.jsonl (run.samples_every) and eval_samples.jsonl (rl/samples.py), wandb/ and wandb_id.txt (run.wandb, rl/wandb_log.py).
+
+Evaluation (eval.every, rl/evaluation.py): before step 1, every eval.every steps and after the last
+step, between the weight push and the metrics line, on the rollout engines with seeds of its own;
+its eval/* metrics join that step's metrics line (a line of step 0 for the base policy).
 
 Before Ray starts, everything that can be refused is checked (train(): the model, the rewards, the
 dataset, every prompt's length); a refused fresh start leaves nothing in run.out_dir.
@@ -97,6 +102,16 @@ class Loop:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.tokenizer = tokenizer if cfg.data.chat_template or self.source.conversational else None
         self._check_prompt_lengths(tokenizer)
+        # -- issue 49 hook: evaluation, samples.jsonl, W&B; checked here, before anything starts --
+        from rl.evaluation import Evaluator
+        from rl.wandb_log import check_wandb
+
+        check_wandb(cfg)
+        self.evaluator = (Evaluator(cfg, tokenizer, None if cfg.eval.functions is not None else self.scorer.fns)
+                          if cfg.eval.every else None)
+        self.step_samples: list[dict] = []  # the last step's rows for samples.jsonl / W&B (rl/samples.py)
+        self.wandb = None  # rl.wandb_log.WandbSink, opened by run()
+        # -- end of the issue 49 hook --
         self.plan = plan_bundles(cfg)
         from rl.config import resolve_weight_sync
 
@@ -287,11 +302,12 @@ class Loop:
         mem = self._get([self.rollouts[0].call.remote("gpu_memory")], ["RolloutWorker 0"], "gpu_memory")[0]
         return mem["device_used_bytes"] / 2**30 if mem else None
 
-    def generate(self, prompts: list[str], sampling: dict) -> list[dict]:
-        """G samples per prompt over all rollout workers, ordered prompt-major; retried on worker death."""
+    def generate(self, prompts: list[str], sampling: dict, n: int | None = None) -> list[dict]:
+        """n (default rollout.n) samples per prompt over all rollout workers, ordered prompt-major;
+        retried on worker death."""
         import ray
 
-        n = self.cfg.rollout.n
+        n = self.cfg.rollout.n if n is None else n
         k = len(self.rollouts)
         bounds = [(len(prompts) * j // k, len(prompts) * (j + 1) // k) for j in range(k)]
         while True:
@@ -390,6 +406,9 @@ class Loop:
         adv = group_advantages(rewards.total, cfg.rollout.n, scale_by_std=cfg.reward.scale_by_std,
                                eps=cfg.reward.eps).tolist()
         t_reward = time.perf_counter() - t0
+        from rl.samples import sample_rows  # issue 49 hook: samples.jsonl / the W&B samples table
+
+        self.step_samples = sample_rows(self.step + 1, prompts, texts, rewards, adv, idx)
 
         train_batch = {"prompt_ids": [s["prompt_ids"] for s in samples],
                        "completion_ids": [s["completion_ids"] for s in samples],
@@ -450,6 +469,9 @@ class Loop:
         from rl.metrics import truncate_jsonl
 
         cfg = self.cfg
+        from rl.wandb_log import WandbSink  # issue 49 hook
+
+        self.wandb = WandbSink.open(self.run_dir, cfg)
         self.placement = place(self.plan)
         self.start_trainers()
         self.start_rollouts()
@@ -458,6 +480,9 @@ class Loop:
             _, path = latest_checkpoint(self.run_dir)
             self._trainer_call("load_checkpoint", str(path))
             kept = truncate_jsonl(self.run_dir / "metrics.jsonl", self.step)
+            for name in ("samples.jsonl", "eval_samples.jsonl"):  # issue 49 hook: as metrics.jsonl
+                if (self.run_dir / name).exists():
+                    truncate_jsonl(self.run_dir / name, self.step)
             log.info("resumed from %s (step %d; metrics.jsonl keeps %d lines)", path, self.step, kept)
             self.push_weights()
 
@@ -475,12 +500,18 @@ class Loop:
         from rl.metrics import MetricsLogger
 
         cfg = self.cfg
-        with MetricsLogger(self.run_dir, tensorboard=cfg.run.tensorboard) as sink:
+        with MetricsLogger(self.run_dir, tensorboard=cfg.run.tensorboard, wandb=self.wandb,
+                           samples_every=cfg.run.samples_every) as sink:
+            if self.evaluator is not None and self.step == 0:  # issue 49 hook: the base policy, before step 1
+                sink.log(0, self.evaluate())
             while self.step < cfg.run.steps:
                 if self.stop_requested:  # Ctrl-C before the first step: the last checkpoint stands
                     log.warning("stopped by Ctrl-C before step %d; continue with --resume", self.step + 1)
                     return EXIT_INTERRUPTED
                 m = self.run_step()
+                if self.evaluator is not None and self.evaluator.due(self.step):  # issue 49 hook
+                    m.update(self.evaluate())
+                sink.log_samples(self.step, self.step_samples)  # issue 49 hook
                 # Metrics first, then the checkpoint: a crash in between leaves a metrics line that a
                 # resume from the previous checkpoint drops and writes again, never a missing line.
                 sink.log(self.step, m)
@@ -501,6 +532,16 @@ class Loop:
                     log.warning("stopped by Ctrl-C after step %d; continue with --resume", self.step)
                     return EXIT_INTERRUPTED
         return EXIT_OK
+
+    def evaluate(self) -> dict:
+        """eval/* metrics (rl/evaluation.py) of the policy the rollout engines hold after self.step:
+        one version, since nothing trains or syncs meanwhile."""
+        self.where = f"the evaluation after step {self.step}"
+        from rl.samples import EVAL_SAMPLES_FILE, append_rows
+
+        m, rows = self.evaluator.run(lambda prompts, sampling, n: self.generate(prompts, sampling, n), self.step)
+        append_rows(self.run_dir, rows, EVAL_SAMPLES_FILE)
+        return m
 
     def shutdown(self) -> None:
         import ray
@@ -649,12 +690,17 @@ def _run(loop: Loop, cfg: Config, run_dir: Path, command: str, env: dict[str, st
     try:
         if cfg.run.plot and (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").stat().st_size:
             from rl.plot import plot_run
-            log.info("plot: %s", plot_run(run_dir))
+            plot = plot_run(run_dir)
+            log.info("plot: %s", plot)
+            if loop.wandb is not None:  # issue 49 hook
+                loop.wandb.log_plot(plot)
         if code == EXIT_OK and cfg.run.export_final:
             log.info("final policy (Hugging Face checkpoint): %s", export_final(run_dir))
     except Exception as e:  # noqa: BLE001
         _report_failure(e, run_dir, command, "the end of the run (plot / export)")
         code = EXIT_FAILED
+    if loop.wandb is not None:  # issue 49 hook
+        loop.wandb.close(code)
     return code
 
 

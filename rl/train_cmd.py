@@ -70,6 +70,8 @@ def run_train(args: argparse.Namespace) -> int:
         if cfg.data.task is not None:
             check_task(cfg.data.task)
         rewards = load_rewards(cfg.reward)  # a reward that cannot load fails here, before any actor starts
+        if cfg.eval.functions is not None:
+            load_rewards(cfg.eval.reward_config(cfg.reward), "eval.functions")
     except (C.ConfigError, RewardLoadError, ValueError) as e:
         args.parser.error(str(e))
     if args.dry_run:
