@@ -104,9 +104,9 @@ def config_help() -> str:
             if isinstance(v, dict):
                 walk(v, f"{prefix}{k}.")
 
-    # model.make is null by default; its own defaults are shown all the same
-    walk(C.to_dict(C.Config(model=C.ModelConfig(make=C.MakeModelConfig()))), "")
-    defaults["model.make"] = None
+    # model.make and eval.data are null by default; their own defaults are shown all the same
+    walk(C.to_dict(C.Config(model=C.ModelConfig(make=C.MakeModelConfig()), eval=C.EvalConfig(data=C.DataConfig()))), "")
+    defaults["model.make"] = defaults["eval.data"] = None
     lines = []
     for key, tp, doc in C.describe():
         default = defaults.get(key)

@@ -90,12 +90,10 @@ def test_wandb_mode_without_the_package_is_refused_naming_the_extra(monkeypatch)
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from transformers import AutoTokenizer
+def tokenizer():
+    from rl.make_model import DEFAULT_VOCAB, build_tokenizer
 
-    from rl.make_model import make_model
-
-    return AutoTokenizer.from_pretrained(make_model(tmp_path_factory.mktemp("eval_tok") / "m", seed=0))
+    return build_tokenizer(DEFAULT_VOCAB)  # the tiny models' tokenizer, without writing a model
 
 
 def test_eval_dataset_with_no_rows_left_is_refused_naming_the_key(tokenizer, tmp_path):
