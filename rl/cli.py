@@ -33,6 +33,7 @@ SUBCOMMANDS: dict[str, str] = {
     "train": "rl.train_cmd:add_train_parser",
     "consistency": "rl.consistency_cmd:add_consistency_parser",
     "export": "rl.export_cmd:add_export_parser",
+    "eval": "rl.eval_cmd:add_eval_parser",
     "divergence": "rl.divergence_cmd:add_divergence_parser",
     "doctor": "rl.doctor:add_doctor_parser",
 }

@@ -212,6 +212,68 @@ class RewardConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Evaluation between steps on the rollout engines (rl/evaluation.py) and `megamoe-rl eval`."""
+    every: int = field(0, "evaluate before the first step, every N steps and after the last one; 0 = never "
+                          "(`megamoe-rl eval` ignores it)")
+    data: DataConfig | None = field(None, "the eval dataset, the keys of `data` (task or path, split, columns, "
+                                          "templates, long_prompts; shuffle is ignored: every row is evaluated in "
+                                          "its order); required when eval.every > 0")
+    task_seed: int | None = field(None, "seed of a built-in eval task's generator; null = run.seed + 1 (run.seed "
+                                        "would make the training task's first rows)")
+    prompts: int | None = field(None, "evaluate the first N rows of the eval dataset (after long prompts are "
+                                      "dropped); null = every row")
+    n: int = field(4, "samples per prompt (pass@k needs k <= n)")
+    temperature: float = field(1.0, "sampling temperature of the evaluation")
+    max_tokens: int | None = field(None, "completion length limit in tokens; null = rollout.max_tokens")
+    functions: list[RewardFnConfig] | None = field(None, "reward functions of the evaluation (the keys of "
+                                                         "reward.functions); null = reward.functions")
+    pass_k: list[int] = field(doc="the k of eval/pass@k (unbiased estimator from eval.n samples per prompt); "
+                                  "eval/pass@1 is always reported", factory=lambda: [1])
+    correct_at: float = field(1.0, "a sample counts as solved (pass@k) when its summed reward >= this")
+
+    def validate(self, at: str) -> None:
+        check(self.every >= 0, f"{at}.every", "an int >= 0 (0 = never)", self.every)
+        if self.every > 0 and self.data is None:
+            raise ConfigError(f"{at}.data: expected an eval dataset (task or path) when {at}.every > 0, got null")
+        if self.data is not None:
+            self.data.validate(f"{at}.data")
+        check(self.prompts is None or self.prompts >= 1, f"{at}.prompts", "an int >= 1 or null", self.prompts)
+        check(self.n >= 1, f"{at}.n", "an int >= 1", self.n)
+        check(self.temperature > 0, f"{at}.temperature", "a float > 0", self.temperature)
+        check(self.max_tokens is None or self.max_tokens >= 1, f"{at}.max_tokens", "an int >= 1 or null",
+              self.max_tokens)
+        if self.functions is not None:
+            RewardConfig(functions=self.functions).validate(f"{at}")
+        check(bool(self.pass_k) and all(k >= 1 for k in self.pass_k), f"{at}.pass_k",
+              "a non-empty list of ints >= 1", self.pass_k)
+        check(max(self.pass_k) <= self.n, f"{at}.pass_k", f"every k <= {at}.n ({self.n}): pass@k is estimated "
+              f"from {at}.n samples per prompt", self.pass_k)
+        check(math.isfinite(self.correct_at), f"{at}.correct_at", "a finite float", self.correct_at)
+
+    def reward_config(self, training: RewardConfig) -> RewardConfig:
+        """The reward section the evaluation scores with: eval.functions, else the training functions."""
+        return RewardConfig(functions=self.functions) if self.functions is not None else training
+
+
+WANDB_MODES = ("disabled", "offline", "online")
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases logging (rl/wandb_log.py); needs the `wandb` extra: pip install 'megamoe-rl[wandb]'."""
+    mode: Literal[WANDB_MODES] = field("disabled", "disabled (no W&B), offline (files in <out_dir>/wandb, "
+                                                   "`wandb sync` later; no network) or online")
+    project: str = field("megamoe-rl", "W&B project")
+    entity: str | None = field(None, "W&B entity (user or team); null = the account's default")
+    name: str | None = field(None, "run name; null = the run folder's name")
+    group: str | None = field(None, "W&B group")
+    tags: list[str] = field(doc="W&B tags", factory=list)
+    samples_every: int = field(0, "a table of sample completions (samples.jsonl's rows) every N steps; "
+                                  "0 = run.samples_every")
+
+
+@dataclass
 class RayConfig:
     address: str | None = field(None, "Ray cluster to join ('auto' or host:port); null: $RAY_ADDRESS if set, "
                                       "else start a local instance")
@@ -243,6 +305,9 @@ class RunConfig:
     max_async_steps: int = field(0, "fixed lag k of asynchronous RL: the batch trained at step t is sampled by "
                                     "the policy after step max(0, t-1-k), while the trainer trains earlier "
                                     "batches; 0 = on-policy, generate then train (docs/ASYNC.md)")
+    samples_every: int = field(0, "every N steps, append that step's samples (prompt, completion, rewards, "
+                                  "advantage) to <out_dir>/samples.jsonl; 0 = never")
+    wandb: WandbConfig = field(doc="Weights & Biases logging (default disabled)", factory=WandbConfig)
 
     def validate(self, at: str) -> None:
         check(self.steps >= 1, f"{at}.steps", "an int >= 1", self.steps)
@@ -251,6 +316,8 @@ class RunConfig:
               f"an int in [0, {at}.steps={self.steps}) (a lag of {at}.steps or more would sample every batch "
               "from the initial weights)", k)
         check(self.prompts_per_step >= 1, f"{at}.prompts_per_step", "an int >= 1", self.prompts_per_step)
+        check(self.samples_every >= 0, f"{at}.samples_every", "an int >= 0 (0 = never)", self.samples_every)
+        check(self.wandb.samples_every >= 0, f"{at}.wandb.samples_every", "an int >= 0", self.wandb.samples_every)
 
 
 @dataclass
@@ -263,6 +330,8 @@ class Config:
     reward: RewardConfig = field(doc="reward functions and group advantages", factory=RewardConfig)
     ray: RayConfig = field(doc="the Ray cluster and actor placement", factory=RayConfig)
     run: RunConfig = field(doc="the run: folder, length, seed, batch", factory=RunConfig)
+    eval: EvalConfig = field(doc="evaluation between steps (off by default) and `megamoe-rl eval`",
+                             factory=EvalConfig)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,6 +362,10 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("reward.scale_by_std: expected null or false with trainer.loss='dr_grpo' (Dr. GRPO's "
                           "advantage is r - mean_G, without the std scaling), got True")
     check_async(cfg)
+    e = cfg.eval
+    if e.max_tokens is not None and e.max_tokens >= cfg.rollout.max_model_len:
+        raise ConfigError(f"eval.max_tokens: expected an int < rollout.max_model_len ({cfg.rollout.max_model_len}), "
+                          f"got {e.max_tokens}")
     if cfg.trainer.max_seq_len < cfg.rollout.max_tokens + 1:
         raise ConfigError(f"trainer.max_seq_len: expected an int > rollout.max_tokens ({cfg.rollout.max_tokens}), "
                           f"got {cfg.trainer.max_seq_len}")
@@ -315,6 +388,10 @@ def check_async(cfg: Config) -> None:
                           f"run.max_async_steps={k} (the streamed transports need the engine idle; async "
                           f"queues the update behind the generations in flight), got {cfg.rollout.weight_sync!r} "
                           f"resolving to {sync!r}")
+    if cfg.eval.every:
+        raise ConfigError(f"eval.every: expected 0 with run.max_async_steps={k} (an evaluation pinned to one policy "
+                          f"version between the queued generations is not built yet: docs/EVAL.md), got "
+                          f"{cfg.eval.every}")
     if cfg.data.dynamic_sampling:
         raise ConfigError(f"data.dynamic_sampling: expected false with run.max_async_steps={k} (its extra generate "
                           f"calls happen when a step's batch is scored; the async pipeline generates each batch "

@@ -50,26 +50,26 @@ class Batch:
     columns: dict[str, list[Any]]      # answer, data_source and the dataset's other columns
 
 
-def _load_hf(path: str, split: str, prompt_col: str = "prompt"):
+def _load_hf(path: str, split: str, prompt_col: str = "prompt", key: str = "data"):
     import datasets
 
     p = Path(path)
     if not p.exists():
-        raise DataError(f"data.path: no such file or folder {path!r}")
+        raise DataError(f"{key}.path: no such file or folder {path!r}")
     if p.is_dir():
         try:
             ds = datasets.load_from_disk(str(p))
         except FileNotFoundError as e:
-            raise DataError(f"data.path: {path!r} is a folder but not one written by save_to_disk: {e}") from e
+            raise DataError(f"{key}.path: {path!r} is a folder but not one written by save_to_disk: {e}") from e
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
-                raise DataError(f"data.split: expected one of {list(ds)} (the splits in {path!r}), got {split!r}")
+                raise DataError(f"{key}.split: expected one of {list(ds)} (the splits in {path!r}), got {split!r}")
             ds = ds[split]
         return ds
     builders = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
     builder = builders.get(p.suffix.lower())
     if builder is None:
-        raise DataError(f"data.path: expected a .json, .jsonl or .parquet file or a save_to_disk folder, "
+        raise DataError(f"{key}.path: expected a .json, .jsonl or .parquet file or a save_to_disk folder, "
                         f"got {path!r}")
     try:
         with _quiet("datasets"):  # its own error log line would come before ours, saying less
@@ -77,11 +77,11 @@ def _load_hf(path: str, split: str, prompt_col: str = "prompt"):
     except Exception as e:  # noqa: BLE001 - whatever datasets raises, the user gets the file and the line
         where = _first_bad_json_line(p) if builder == "json" else None
         if where is not None:
-            raise DataError(f"data.path: {path!r} is not valid JSON at {where}") from None
+            raise DataError(f"{key}.path: {path!r} is not valid JSON at {where}") from None
         if builder == "json":  # valid JSON that Arrow cannot type: a prompt of another kind in some row
-            check_prompts(_json_column(p, prompt_col), repr(path), prompt_col)
+            check_prompts(_json_column(p, prompt_col), repr(path), prompt_col, key=key)
         cause = e.__cause__ or e  # datasets wraps the reader's error (ArrowInvalid, ...) in a generic one
-        raise DataError(f"data.path: {path!r} does not load as a {builder} dataset "
+        raise DataError(f"{key}.path: {path!r} does not load as a {builder} dataset "
                         f"({type(cause).__name__}: {cause})") from None
 
 
@@ -138,7 +138,7 @@ class PromptSource:
     """Rows (a list of dicts or a `datasets.Dataset`) + column mapping -> per-step batches."""
 
     def __init__(self, rows, columns: dict[str, str], *, template: str = "{prompt}", seed: int = 0,
-                 shuffle: bool = True, origin: str = "data"):
+                 shuffle: bool = True, origin: str = "data", key: str = "data"):
         self.rows = rows
         self.n = len(rows)
         if self.n == 0:
@@ -146,14 +146,14 @@ class PromptSource:
         names = list(rows.column_names) if hasattr(rows, "column_names") else list(rows[0])
         for role, col in columns.items():
             if "." in col and col not in names and role == "prompt":
-                raise DataError(f"data.columns.prompt: expected a column of the dataset ({origin}), not a nested "
+                raise DataError(f"{key}.columns.prompt: expected a column of the dataset ({origin}), not a nested "
                                 f"field; got {col!r} (its columns are {names})")
             if "." in col and col not in names:  # a nested field (verl's reward_model.ground_truth)
-                _nested(rows, col, names, role, origin)
+                _nested(rows, col, names, role, origin, key)
                 continue
             if col not in names:
                 hint = difflib.get_close_matches(col, names, n=3)
-                raise DataError(f"data.columns.{role}: the dataset ({origin}) has no column {col!r}; its columns "
+                raise DataError(f"{key}.columns.{role}: the dataset ({origin}) has no column {col!r}; its columns "
                                 f"are {names}" + (f" (did you mean {' or '.join(map(repr, hint))}?)" if hint else ""))
         self.columns = dict(columns)
         # The dataset's own columns, renamed to their roles; the rest keep their names. Nested
@@ -163,16 +163,18 @@ class PromptSource:
         roles = set(self._rename.values()) | set(self._nested)
         clash = [c for c in names if c not in self._rename and c in roles]
         if clash:
-            raise DataError(f"data.columns: the dataset ({origin}) has column(s) {clash} besides the column(s) "
+            raise DataError(f"{key}.columns: the dataset ({origin}) has column(s) {clash} besides the column(s) "
                             f"mapped to that role; rename or drop them so the role is unambiguous")
         self.template = template
-        self.conversational = check_prompts(self._column(columns["prompt"]), origin, columns["prompt"])
+        self.conversational = check_prompts(self._column(columns["prompt"]), origin, columns["prompt"], key=key)
         if self.conversational and template != "{prompt}":
-            raise DataError(f"data.prompt_template: the prompts of the dataset ({origin}) are chat messages, "
+            raise DataError(f"{key}.prompt_template: the prompts of the dataset ({origin}) are chat messages, "
                             f"which a format string cannot hold; expected '{{prompt}}' (the default), got {template!r}")
         self.seed = seed
         self.shuffle = shuffle
         self.origin = origin
+        self.key = key
+        self._use = "train on" if key == "data" else "evaluate"  # what the refusals say
         self._rows_used = list(range(self.n))  # row index of each position (all rows unless `keep`)
         self.dropped = 0
         self._perm_cache: dict[int, list[int]] = {}
@@ -191,27 +193,27 @@ class PromptSource:
         """Use only these rows (ascending row indices) from now on; the per-step batches stay a pure
         function of (seed, step) over the kept rows."""
         if not rows:
-            raise DataError(f"data: no prompt of the dataset ({self.origin}) is left to train on")
+            raise DataError(f"{self.key}: no prompt of the dataset ({self.origin}) is left to {self._use}")
         self.dropped = self.n - len(rows)
         self._rows_used = list(rows)
         self.n = len(rows)
         self._perm_cache = {}
 
     @classmethod
-    def from_config(cls, data_cfg, seed: int) -> "PromptSource":
+    def from_config(cls, data_cfg, seed: int, key: str = "data") -> "PromptSource":
         if data_cfg.task is not None:
             from rl.tasks import make_task
             try:
                 rows = make_task(data_cfg.task, data_cfg.task_size, seed, **data_cfg.task_kwargs)
             except TypeError as e:
-                raise DataError(f"data.task_kwargs: {data_cfg.task_kwargs!r} do not fit task "
+                raise DataError(f"{key}.task_kwargs: {data_cfg.task_kwargs!r} do not fit task "
                                 f"{data_cfg.task!r}: {e}") from e
             origin = f"task {data_cfg.task!r}"
         else:
-            rows = _load_hf(data_cfg.path, data_cfg.split, data_cfg.columns.get("prompt", "prompt"))
+            rows = _load_hf(data_cfg.path, data_cfg.split, data_cfg.columns.get("prompt", "prompt"), key)
             origin = repr(data_cfg.path)
         return cls(rows, data_cfg.columns, template=data_cfg.prompt_template, seed=seed,
-                   shuffle=data_cfg.shuffle, origin=origin)
+                   shuffle=data_cfg.shuffle, origin=origin, key=key)
 
     def _perm(self, epoch: int) -> list[int]:
         if epoch not in self._perm_cache:
@@ -247,19 +249,19 @@ def _dig(value, path: list[str]):
     return value
 
 
-def _nested(rows, dotted: str, names: list[str], role: str, origin: str) -> None:
+def _nested(rows, dotted: str, names: list[str], role: str, origin: str, key: str = "data") -> None:
     """Refuse a dotted column mapping whose field is missing from any row, naming the first such row."""
     head, *path = dotted.split(".")
     if head not in names:
         hint = difflib.get_close_matches(head, names, n=3)
-        raise DataError(f"data.columns.{role}: the dataset ({origin}) has no column {head!r} (of {dotted!r}); its "
+        raise DataError(f"{key}.columns.{role}: the dataset ({origin}) has no column {head!r} (of {dotted!r}); its "
                         f"columns are {names}" + (f" (did you mean {' or '.join(map(repr, hint))}?)" if hint else ""))
     values = rows[head] if hasattr(rows, "column_names") else [r[head] for r in rows]
     for i, v in enumerate(values):
         try:
             _dig(v, path)
         except (KeyError, TypeError, IndexError):
-            raise DataError(f"data.columns.{role}: row {i} of the dataset ({origin}) has no field {dotted!r} "
+            raise DataError(f"{key}.columns.{role}: row {i} of the dataset ({origin}) has no field {dotted!r} "
                             f"(its {head!r} is {v!r}); expected every row's {head!r} to hold "
                             f"{'.'.join(path)!r}") from None
 
@@ -270,7 +272,7 @@ def _messages(p: list) -> list[dict]:
     return [{k: v for k, v in m.items() if v is not None} for m in p]
 
 
-def check_prompts(values: list, origin: str, col: str = "prompt") -> bool:
+def check_prompts(values: list, origin: str, col: str = "prompt", *, key: str = "data") -> bool:
     """Whether the prompt column is conversational (True) or standard (False); DataError naming the
     dataset, the row and what was expected for anything else (module docstring)."""
     where = f"column {col!r} of the dataset ({origin})"
@@ -279,34 +281,34 @@ def check_prompts(values: list, origin: str, col: str = "prompt") -> bool:
         if isinstance(p, str):
             kinds.add("str")
         elif isinstance(p, list):
-            _check_conversation(p, i, where)
+            _check_conversation(p, i, where, key)
             kinds.add("messages")
         else:
-            raise DataError(f"data: row {i} of {where} holds a value of type {type(p).__name__} ({str(p)[:80]!r}); expected a "
+            raise DataError(f"{key}: row {i} of {where} holds a value of type {type(p).__name__} ({str(p)[:80]!r}); expected a "
                             f"prompt string or a list of chat messages {{'role': ..., 'content': ...}}")
         if len(kinds) > 1:
-            raise DataError(f"data: row {i} of {where} is a {'string' if isinstance(p, str) else 'list of messages'}, "
+            raise DataError(f"{key}: row {i} of {where} is a {'string' if isinstance(p, str) else 'list of messages'}, "
                             f"but earlier rows are {'lists of messages' if isinstance(p, str) else 'strings'}; "
                             f"expected one form for the whole dataset")
     return kinds == {"messages"}
 
 
-def _check_conversation(p: list, i: int, where: str) -> None:
+def _check_conversation(p: list, i: int, where: str, key: str = "data") -> None:
     expected = ("expected a non-empty list of messages, each a mapping with 'role' (one of "
                 f"{', '.join(ROLES)}) and 'content' (a string)")
     if not p:
-        raise DataError(f"data: row {i} of {where} is an empty list; {expected}")
+        raise DataError(f"{key}: row {i} of {where} is an empty list; {expected}")
     for j, m in enumerate(p):
         if not isinstance(m, dict):
-            raise DataError(f"data: row {i} of {where}: message {j} is of type {type(m).__name__} ({str(m)[:60]!r}); "
+            raise DataError(f"{key}: row {i} of {where}: message {j} is of type {type(m).__name__} ({str(m)[:60]!r}); "
                             f"{expected}")
         role, content = m.get("role"), m.get("content")
         if role is None:
-            raise DataError(f"data: row {i} of {where}: message {j} has no 'role' ({str(m)[:80]!r}); {expected}")
+            raise DataError(f"{key}: row {i} of {where}: message {j} has no 'role' ({str(m)[:80]!r}); {expected}")
         if role not in ROLES:
-            raise DataError(f"data: row {i} of {where}: message {j} has the unknown role {role!r}; {expected}")
+            raise DataError(f"{key}: row {i} of {where}: message {j} has the unknown role {role!r}; {expected}")
         if not isinstance(content, str):
-            raise DataError(f"data: row {i} of {where}: message {j} ({role}) has content {content!r}; {expected}")
+            raise DataError(f"{key}: row {i} of {where}: message {j} ({role}) has content {content!r}; {expected}")
 
 
 def apply_chat_template(tokenizer, prompts: list, *, strings: bool = True) -> list[str]:
@@ -345,11 +347,11 @@ def check_prompt_lengths(source: PromptSource, tokenizer, limit: int, policy: st
     long = [i for i, n in enumerate(lengths) if n > limit]
     if long and policy == "refuse":
         i = long[0]
-        raise DataError(f"data.long_prompts=refuse: row {i} of the dataset ({source.origin}) is a prompt of "
+        raise DataError(f"{source.key}.long_prompts=refuse: row {i} of the dataset ({source.origin}) is a prompt of "
                         f"{lengths[i]} tokens, more than the {limit} allowed{why}; {len(long)} row(s) are "
                         f"that long (data.long_prompts=drop skips them)")
     if long and len(long) == len(lengths):
-        raise DataError(f"data.long_prompts=drop: no prompt of the dataset ({source.origin}) is left to train on: "
+        raise DataError(f"{source.key}.long_prompts=drop: no prompt of the dataset ({source.origin}) is left to {source._use}: "
                         f"every one is longer than the {limit} tokens allowed{why} (the shortest has {min(lengths)}); "
                         f"raise those limits or shorten the prompts")
     if long:

@@ -24,7 +24,12 @@ log, rl/logs.py), actors.json (pids of the actors, for operators and the fault t
 (when made by model.make), plot.png, traceback.txt (after a failure),
 checkpoints/step_NNNNNN/ (the trainer's atomic DCP checkpoint) and checkpoints/latest.json, the
 pointer to the newest complete one, replaced atomically after the checkpoint is complete, and
-final/ (the last step's policy as a Hugging Face checkpoint: run.export_final, rl/export.py).
+final/ (the last step's policy as a Hugging Face checkpoint: run.export_final, rl/export.py),
+samples.jsonl (run.samples_every) and eval_samples.jsonl (rl/samples.py), wandb/ and wandb_id.txt (run.wandb, rl/wandb_log.py).
+
+Evaluation (eval.every, rl/evaluation.py): before step 1, every eval.every steps and after the last
+step, between the weight push and the metrics line, on the rollout engines with seeds of its own;
+its eval/* metrics join that step's metrics line (a line of step 0 for the base policy).
 
 Before Ray starts, everything that can be refused is checked (train(): the model, the rewards, the
 dataset, every prompt's length); a refused fresh start leaves nothing in run.out_dir.
@@ -128,6 +133,15 @@ class Loop:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.tokenizer = tokenizer if cfg.data.chat_template or self.source.conversational else None
         self._check_prompt_lengths(tokenizer)
+        # Evaluation, samples.jsonl, W&B (docs/EVAL.md): checked here, before anything starts.
+        from rl.evaluation import Evaluator
+        from rl.wandb_log import check_wandb
+
+        check_wandb(cfg)
+        self.evaluator = (Evaluator(cfg, tokenizer, None if cfg.eval.functions is not None else self.scorer.fns)
+                          if cfg.eval.every else None)
+        self.step_samples: list[dict] = []  # the last step's rows for samples.jsonl / W&B (rl/samples.py)
+        self.wandb = None  # rl.wandb_log.WandbSink, opened by run()
         self.plan = plan_bundles(cfg)
         from rl.config import resolve_weight_sync
 
@@ -337,11 +351,12 @@ class Loop:
         k = len(self.rollouts)
         return [(num_prompts * j // k, num_prompts * (j + 1) // k) for j in range(k)]
 
-    def generate(self, prompts: list[str], sampling: dict) -> list[Sample]:
-        """G samples per prompt over all rollout workers, ordered prompt-major; retried on worker death."""
+    def generate(self, prompts: list[str], sampling: dict, n: int | None = None) -> list[Sample]:
+        """n (default rollout.n) samples per prompt over all rollout workers, ordered prompt-major;
+        retried on worker death."""
         import ray
 
-        n = self.cfg.rollout.n
+        n = self.cfg.rollout.n if n is None else n
         bounds = self._bounds(len(prompts))
         while True:
             refs = [w.generate.remote(prompts[a:b], n, sampling) for w, (a, b) in zip(self.rollouts, bounds)]
@@ -358,13 +373,13 @@ class Loop:
             if dead is None:
                 break
             self.restart_rollout(*dead, "generate")  # another dead worker, if any, is found by the retry
-        return self._samples(bounds, [o for o, _ in outs], len(prompts), self.step)
+        return self._samples(bounds, [o for o, _ in outs], len(prompts), self.step, n)
 
     def _samples(self, bounds: list[tuple[int, int]], outs: list[list[dict]], num_prompts: int,
-                 version: int) -> list[Sample]:
+                 version: int, n: int | None = None) -> list[Sample]:
         """The workers' outputs (worker j generated prompts bounds[j]) as Samples of policy `version`,
-        prompt-major, each prompt's samples in the sampler's order; checks rollout.n per prompt."""
-        n = self.cfg.rollout.n
+        prompt-major, each prompt's samples in the sampler's order; checks n (default rollout.n) per prompt."""
+        n = self.cfg.rollout.n if n is None else n
         samples = [Sample.from_worker(s, offset=a, policy_version=version) for (a, _), out in zip(bounds, outs) for s in out]
         samples.sort(key=lambda s: s.prompt_index)  # stable: keeps each prompt's sample order
         counts = [0] * num_prompts
@@ -613,6 +628,11 @@ class Loop:
                                eps=cfg.reward.eps).tolist()
         samples = [dataclasses.replace(s, reward=r) for s, r in zip(samples, rewards.total)]
         train_batch = TrainBatch.from_samples(samples, adv)
+        from rl.samples import sample_rows  # samples.jsonl / the W&B samples table (docs/EVAL.md)
+
+        extra = {"lag": [self.step - s.policy_version for s in samples]} if lag else {}
+        self.step_samples = sample_rows(self.step + 1, prompts, [s.text for s in samples], rewards, adv,
+                                        [s.prompt_index for s in samples], **extra)
         memory = {}
         # The probe is a call on rollout worker 0: async, it would wait behind the queued generation.
         probe = self.on_gpu and not lag
@@ -679,6 +699,9 @@ class Loop:
         from rl.metrics import truncate_jsonl
 
         cfg = self.cfg
+        from rl.wandb_log import WandbSink
+
+        self.wandb = WandbSink.open(self.run_dir, cfg)
         self.placement = place(self.plan)
         self.start_trainers()
         self.start_rollouts()
@@ -687,6 +710,9 @@ class Loop:
             _, path = latest_checkpoint(self.run_dir)
             self._on_trainers("load_checkpoint", str(path))
             kept = truncate_jsonl(self.run_dir / "metrics.jsonl", self.step)
+            for name in ("samples.jsonl", "eval_samples.jsonl"):  # truncated as metrics.jsonl
+                if (self.run_dir / name).exists():
+                    truncate_jsonl(self.run_dir / name, self.step)
             log.info("resumed from %s (step %d; metrics.jsonl keeps %d lines)", path, self.step, kept)
             if cfg.run.max_async_steps:
                 self._load_inflight(path)  # the weights go queued, with the next step's generation
@@ -707,12 +733,18 @@ class Loop:
         from rl.metrics import MetricsLogger
 
         cfg = self.cfg
-        with MetricsLogger(self.run_dir, tensorboard=cfg.run.tensorboard) as sink:
+        with MetricsLogger(self.run_dir, tensorboard=cfg.run.tensorboard, wandb=self.wandb,
+                           samples_every=cfg.run.samples_every) as sink:
+            if self.evaluator is not None and self.step == 0:  # the base policy, before step 1
+                sink.log(0, self.evaluate())
             while self.step < cfg.run.steps:
                 if self.stop_requested:  # Ctrl-C before the first step: the last checkpoint stands
                     log.warning("stopped by Ctrl-C before step %d; continue with --resume", self.step + 1)
                     return EXIT_INTERRUPTED
                 m = self.run_step()
+                if self.evaluator is not None and self.evaluator.due(self.step):
+                    m.update(self.evaluate())
+                sink.log_samples(self.step, self.step_samples)
                 # Metrics first, then the checkpoint: a crash in between leaves a metrics line that a
                 # resume from the previous checkpoint drops and writes again, never a missing line.
                 sink.log(self.step, m)
@@ -733,6 +765,20 @@ class Loop:
                     log.warning("stopped by Ctrl-C after step %d; continue with --resume", self.step)
                     return EXIT_INTERRUPTED
         return EXIT_OK
+
+    def evaluate(self) -> dict:
+        """eval/* metrics (rl/evaluation.py) of the policy the rollout engines hold after self.step:
+        one version, since nothing trains or syncs meanwhile."""
+        self.where = f"the evaluation after step {self.step}"
+        from rl.samples import EVAL_SAMPLES_FILE, append_rows
+
+        def generate(prompts, sampling, n):  # the Evaluator reads RolloutWorker.generate's dict fields
+            return [{"prompt_index": x.prompt_index, "prompt_ids": x.prompt_ids, "completion_ids": x.completion_ids,
+                     "logprobs": x.sampler_logprobs, "text": x.text} for x in self.generate(prompts, sampling, n)]
+
+        m, rows = self.evaluator.run(generate, self.step)
+        append_rows(self.run_dir, rows, EVAL_SAMPLES_FILE)
+        return m
 
     def shutdown(self) -> None:
         import ray
@@ -881,12 +927,17 @@ def _run(loop: Loop, cfg: Config, run_dir: Path, command: str, env: dict[str, st
     try:
         if cfg.run.plot and (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").stat().st_size:
             from rl.plot import plot_run
-            log.info("plot: %s", plot_run(run_dir))
+            plot = plot_run(run_dir)
+            log.info("plot: %s", plot)
+            if loop.wandb is not None:
+                loop.wandb.log_plot(plot)
         if code == EXIT_OK and cfg.run.export_final:
             log.info("final policy (Hugging Face checkpoint): %s", export_final(run_dir))
     except Exception as e:  # noqa: BLE001
         _report_failure(e, run_dir, command, "the end of the run (plot / export)")
         code = EXIT_FAILED
+    if loop.wandb is not None:
+        loop.wandb.close(code)
     return code
 
 

@@ -158,11 +158,16 @@ def check_tensorboard() -> None:
 
 class MetricsLogger:
     """Appends one JSON line per step to <run_dir>/metrics.jsonl; mirrors to TensorBoard (<run_dir>/tensorboard)
-    when `tensorboard`."""
+    when `tensorboard` and to W&B when given `wandb` (rl/wandb_log.py's WandbSink, closed by its owner).
+    `log_samples` appends a step's samples to samples.jsonl every `samples_every` steps (rl/samples.py)
+    and hands them to W&B's samples table."""
 
-    def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool = True):
+    def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool = True, wandb=None, samples_every: int = 0):
         if tensorboard:
             check_tensorboard()
+        self.run_dir = Path(run_dir)
+        self.samples_every = samples_every
+        self._wandb = wandb
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(self.path, "a", buffering=1)
@@ -182,6 +187,16 @@ class MetricsLogger:
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(step, metrics)
+
+    def log_samples(self, step: int, rows: list[dict]) -> None:
+        from rl import samples
+
+        if samples.due(step, self.samples_every):
+            samples.append_rows(self.run_dir, rows)
+        if self._wandb is not None:
+            self._wandb.log_samples(step, rows)
 
     def close(self) -> None:
         self._f.close()

@@ -1,4 +1,4 @@
-"""A PNG of a run's reward and sampler-trainer mismatch over steps, from its metrics.jsonl.
+"""A PNG of a run's reward (and eval reward / pass@1) and sampler-trainer mismatch over steps, from its metrics.jsonl.
 
     python -m rl.plot runs/demo            # writes runs/demo/plot.png
 """
@@ -46,6 +46,11 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
         ax_r.fill_between(xs, [max(m - s, a) for m, s, a in zip(mean, std, lo)],
                           [min(m + s, b) for m, s, b in zip(mean, std, hi)],
                           alpha=0.2, color="tab:blue", label="± std (within min..max)")
+    for key, label, color in (("eval/reward_mean", "eval reward mean", "tab:green"),
+                              ("eval/pass@1", "eval pass@1", "tab:olive")):
+        x, y = _series(records, key)  # the held-out evaluation (eval.every), where the run has one
+        if y:
+            ax_r.plot(x, y, marker="o", linestyle="--", label=label, color=color)
     ax_r.set_ylabel("reward")
     ax_r.set_title(f"{run_dir.name}: reward and sampler-trainer mismatch")
     ax_r.grid(alpha=0.3)

@@ -233,9 +233,9 @@ def _build(factory: Callable, spec, key: str) -> Callable:
     return fn
 
 
-def load_reward(spec, index: int) -> RewardFn:
+def load_reward(spec, index: int, at: str = "reward.functions") -> RewardFn:
     """A `RewardFnConfig` (config.reward.functions[index]) -> RewardFn, checked before any sample."""
-    key = f"reward.functions.{index}"
+    key = f"{at}.{index}"
     fn = resolve(spec.fn, f"{key}.fn")
     if spec.factory:
         fn = _build(fn, spec, key)
@@ -277,12 +277,12 @@ def load_reward(spec, index: int) -> RewardFn:
                     columns=columns, accepts=accepts, is_async=inspect.iscoroutinefunction(fn))
 
 
-def load_rewards(reward_cfg) -> list[RewardFn]:
-    fns = [load_reward(s, i) for i, s in enumerate(reward_cfg.functions)]
+def load_rewards(reward_cfg, at: str = "reward.functions") -> list[RewardFn]:
+    fns = [load_reward(s, i, at) for i, s in enumerate(reward_cfg.functions)]
     names = [f.name for f in fns]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
-        raise RewardLoadError(f"reward.functions: two functions are named {sorted(dup)}; give them distinct "
+        raise RewardLoadError(f"{at}: two functions are named {sorted(dup)}; give them distinct "
                               f"`name`s so their metrics do not collide")
     return fns
 

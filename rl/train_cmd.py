@@ -70,6 +70,8 @@ def run_train(args: argparse.Namespace) -> int:
         if cfg.data.task is not None:
             check_task(cfg.data.task)
         rewards = load_rewards(cfg.reward)  # a reward that cannot load fails here, before any actor starts
+        if cfg.eval.functions is not None:
+            load_rewards(cfg.eval.reward_config(cfg.reward), "eval.functions")
     except (C.ConfigError, RewardLoadError, ValueError) as e:
         args.parser.error(str(e))
     if args.dry_run:
@@ -102,9 +104,9 @@ def config_help() -> str:
             if isinstance(v, dict):
                 walk(v, f"{prefix}{k}.")
 
-    # model.make is null by default; its own defaults are shown all the same
-    walk(C.to_dict(C.Config(model=C.ModelConfig(make=C.MakeModelConfig()))), "")
-    defaults["model.make"] = None
+    # model.make and eval.data are null by default; their own defaults are shown all the same
+    walk(C.to_dict(C.Config(model=C.ModelConfig(make=C.MakeModelConfig()), eval=C.EvalConfig(data=C.DataConfig()))), "")
+    defaults["model.make"] = defaults["eval.data"] = None
     lines = []
     for key, tp, doc in C.describe():
         default = defaults.get(key)

@@ -26,7 +26,7 @@ import sys
 import pytest
 
 from test_rl_loop import (STEP_KEYS, explain, fp32_mismatch_over_bounds, numeric_finite, run_cli,  # noqa: F401
-                          run_train, two_checkpoints, write_reward_module)
+                          run_train, two_checkpoints, wandb_offline_history, write_reward_module)
 from rl.metrics import read_jsonl
 
 
@@ -47,7 +47,7 @@ def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("rl_faults")
     reward = write_reward_module(work)
     run_dir = work / "run"
-    common = ("trainer.checkpoint_every=2", "--reward", reward)
+    common = ("trainer.checkpoint_every=2", "run.wandb.mode=offline", "--reward", reward)
     killed = run_train(run_dir, "run.steps=6", *common, action="kill_trainer@3", cwd=work)
     after_kill = {"metrics": read_jsonl(run_dir / "metrics.jsonl"), "latest": _latest(run_dir),
                   "pids": json.loads((run_dir / "actors.json").read_text()),
@@ -117,6 +117,17 @@ def test_ctrl_c_stops_every_actor_and_leaves_a_resumable_run(runs):
     assert (runs["dir"] / "checkpoints" / "step_000004" / "meta.json").is_file()
     pids = json.loads((runs["dir"] / "actors.json").read_text())
     assert not any(_alive(pid) for pid in pids["trainer"] + pids["rollout"]), pids
+
+
+@pytest.mark.slow
+def test_the_resumed_run_continues_the_same_wandb_run(runs):
+    # run.wandb.mode=offline: each start writes an offline W&B run; both carry the id kept in the run folder.
+    files, history = wandb_offline_history(runs["dir"])
+    run_id = (runs["dir"] / "wandb_id.txt").read_text().strip()
+    assert [f.name for f in files] == [f"run-{run_id}.wandb"] * 2, files
+    records = read_jsonl(runs["dir"] / "metrics.jsonl")
+    assert sorted(history) == [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [history[r["step"]]["reward/mean"] for r in records] == [r["reward/mean"] for r in records]
 
 
 # ---- the failure paragraph, from Ray's own exception objects (no cluster) ----------------------

@@ -34,6 +34,12 @@ CLI = [sys.executable, "-m", "rl.cli", "train", "--config", str(TINY)]
 # per completion (the demo samples 2), so the runs go through several of vLLM's decode steps.
 SMALL = ["rollout.n=4", "run.prompts_per_step=4", "rollout.max_tokens=4", "run.progress=false"]
 RUN_TIMEOUT_S = 420
+# The e2e run's evaluation (rl/evaluation.py): 8 held-out digit prompts x 4 samples before step 1 and
+# after every step, scored by a built-in reward (the test reward counts its calls to time the faults).
+EVAL = ["eval.every=1", "eval.data.task=digit", "eval.data.task_size=8", "eval.n=4", "eval.pass_k=[1, 4]",
+        "eval.functions=[{fn: exact_match, kwargs: {match: prefix}}]"]
+# What differs between two runs of one config by timing alone (and the restart count, by the fault).
+TIMING = ("time/", "throughput/", "memory/", "rollout/restarts_total")
 
 REWARD_MODULE = textwrap.dedent('''
     """A user reward for the loop tests; RL_TEST_ACTION=<what>@<call>[,<what>@<call>...] also injects faults."""
@@ -114,6 +120,11 @@ FP32_MAX_ABS_LOGP_DIFF = 1e-4
 FP32_K3_KL = 1e-9
 
 
+def train_records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's lines of training steps (a run with evaluation also has a line of step 0)."""
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] > 0]
+
+
 def fp32_mismatch_over_bounds(records: list[dict]) -> list[tuple]:
     """(step, max |dlogp|, k3) of every metrics record whose sampler-trainer mismatch exceeds the fp32
     bounds above: a step sampled from weights other than the trainer's."""
@@ -183,8 +194,22 @@ def e2e(tmp_path_factory):
     # through Ray and FSDP2 (the reference policy sharded as the policy is) costs this run little.
     # trainer.routing_replay: the loop's routing path (the sampler's routing carried to the trainer, replayed,
     # the restarted engine returning it too); both sides megamoe fp32, so the replayed experts are the trainer's own.
+    # Evaluation every step, samples.jsonl and W&B offline (docs/EVAL.md).
     proc = run_train(run_dir, "run.steps=4", "trainer.checkpoint_every=2", *OBJECTIVE, "trainer.routing_replay=true",
-                     "--reward", reward, action="kill_rollout@2", cwd=work)
+                     *EVAL, "run.samples_every=2", "run.wandb.mode=offline", "--reward", reward,
+                     action="kill_rollout@2", cwd=work)
+    return proc, run_dir
+
+
+@pytest.fixture(scope="module")
+def e2e_without_eval(e2e, tmp_path_factory):
+    """The e2e run's first two steps again with evaluation (and W&B, samples) off and no fault: the
+    baseline its training metrics must equal."""
+    work = tmp_path_factory.mktemp("rl_e2e_no_eval")
+    reward = write_reward_module(work)
+    run_dir = work / "run"
+    proc = run_train(run_dir, "run.steps=2", "trainer.checkpoint_every=0", "run.export_final=false", "run.plot=false",
+                     "run.tensorboard=false", *OBJECTIVE, "trainer.routing_replay=true", "--reward", reward, cwd=work)
     return proc, run_dir
 
 
@@ -197,7 +222,7 @@ def test_e2e_run_completes(e2e):
 @pytest.mark.slow
 def test_e2e_metrics_are_finite_every_step(e2e):
     proc, run_dir = e2e
-    records = read_jsonl(run_dir / "metrics.jsonl")
+    records = train_records(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3, 4], explain(proc)
     for r in records:
         assert not numeric_finite(r, STEP_KEYS + ("reward/first_char_is_answer/mean",)), (r["step"], r)
@@ -225,7 +250,7 @@ def test_e2e_metrics_are_finite_every_step(e2e):
 @pytest.mark.slow
 def test_e2e_rollout_worker_killed_mid_step_is_restarted(e2e):
     proc, run_dir = e2e
-    records = read_jsonl(run_dir / "metrics.jsonl")
+    records = train_records(run_dir)
     # Killed while step 2's rewards were scored: step 2's weight push found it dead.
     assert [r["rollout/restarts_total"] for r in records] == [0, 1, 1, 1], explain(proc)
     log = (run_dir / "train.log").read_text()
@@ -271,6 +296,153 @@ def test_e2e_vllm_logs_go_to_the_run_folder_and_its_warnings_once_to_the_termina
     warnings = [ln.split("] ", 1)[-1] for ln in terminal if re.search(r"vllm pid=\d+ WARNING ", ln)]
     assert len(warnings) == len(set(warnings)), warnings  # each distinct message once, over every process
     assert all(w in vllm_log for w in warnings)
+
+
+# ---- evaluation, samples.jsonl, W&B in the e2e run (rl/evaluation.py, rl/samples.py, rl/wandb_log.py) ----
+
+EVAL_KEYS = ("eval/reward_mean", "eval/pass@1", "eval/pass@4", "eval/len_mean", "eval/reward/exact_match/mean")
+
+
+@pytest.mark.slow
+def test_e2e_evaluates_before_step_1_and_after_every_step(e2e):
+    proc, run_dir = e2e
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4], explain(proc)
+    assert sorted(k.split("/")[0] for k in records[0] if k != "step") == ["eval"] * (len(records[0]) - 1)
+    for r in records:
+        assert not numeric_finite(r, EVAL_KEYS), r
+        assert (r["eval/prompts"], r["eval/samples"], r["eval/reward/errors"]) == (8, 32, 0)
+        # One 0/1 reward of weight 1: the summed reward is its mean, and so is pass@1 (solved: reward >= 1).
+        assert r["eval/reward_mean"] == r["eval/reward/exact_match/mean"] == pytest.approx(r["eval/pass@1"], abs=1e-12)
+        assert r["eval/pass@1"] <= r["eval/pass@4"] and 1 <= r["eval/len_mean"] <= 4
+    print("e2e eval reward by step:", [(r["step"], r["eval/reward_mean"], r["eval/pass@4"]) for r in records])
+
+
+@pytest.mark.slow
+def test_e2e_training_metrics_equal_with_evaluation_off(e2e, e2e_without_eval):
+    # Evaluations before step 1 and after step 1 ran on the same engines; steps 1 and 2 must not
+    # notice (timings aside). Seen failing (2026-12-06) with an eval metric named without its eval/
+    # prefix (reward/exact_match/mean landed among the training metrics).
+    proc, run_dir = e2e_without_eval
+    assert proc.returncode == 0, explain(proc)
+    off = read_jsonl(run_dir / "metrics.jsonl")
+    on = train_records(e2e[1])[:2]
+    assert [r["step"] for r in off] == [r["step"] for r in on] == [1, 2], explain(proc)
+    for a, b in zip(on, off):
+        a = {k: v for k, v in a.items() if not k.startswith(TIMING + ("eval/",))}
+        b = {k: v for k, v in b.items() if not k.startswith(TIMING)}
+        assert a == b, sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+@pytest.mark.slow
+def test_e2e_samples_jsonl_every_2_steps_with_rewards_and_advantages(e2e):
+    proc, run_dir = e2e
+    rows = read_jsonl(run_dir / "samples.jsonl")
+    assert sorted({r["step"] for r in rows}) == [2, 4], explain(proc)
+    for step in (2, 4):
+        got = [r for r in rows if r["step"] == step]
+        assert [(r["prompt_index"], r["sample_index"]) for r in got] == [(i, j) for i in range(4) for j in range(4)]
+        for r in got:  # the test reward, by hand: the completion's first character is the prompt's digit
+            digit = r["prompt"].removeprefix("digit ").rstrip(":")
+            assert r["reward"] == r["rewards"]["first_char_is_answer"] == float(r["completion"].strip()[:1] == digit)
+        # GRPO's group advantage in fp64 by hand (population std, reward.eps 1e-6); seen failing
+        # (2026-12-06) with the loop's advantages shifted by one sample.
+        for i in range(4):
+            group = [r["reward"] for r in got[4 * i:4 * i + 4]]
+            mean = sum(group) / 4
+            std = (sum((x - mean) ** 2 for x in group) / 4) ** 0.5
+            for r in got[4 * i:4 * i + 4]:
+                # the trainer's advantages are float32: 1e-6 relative covers their rounding
+                assert r["advantage"] == pytest.approx((r["reward"] - mean) / (std + 1e-6), rel=1e-6, abs=1e-6)
+
+
+def wandb_offline_history(run_dir: Path) -> tuple[list[Path], dict[int, dict]]:
+    """The history rows of every offline W&B run in run_dir/wandb, by step, read from the `.wandb` files
+    themselves (W&B's LevelDB-style log of protobuf Records: a 7-byte header, then 32 KiB blocks of
+    chunks, each with a 7-byte header: crc32, length, type full/first/middle/last)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    files = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    history: dict[int, dict] = {}
+    for path in files:
+        data = path.read_bytes()
+        assert data[:4] == b":W&B", path
+        pos, block, buf = 7, 32768, b""
+        while pos + 7 <= len(data):
+            if block - pos % block < 7:  # a block's tail too short for a header is padding
+                pos += block - pos % block
+                continue
+            _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            chunk = data[pos + 7:pos + 7 + length]
+            pos += 7 + length
+            buf = chunk if kind in (1, 2) else buf + chunk
+            if kind in (1, 4):
+                record = pb.Record()
+                record.ParseFromString(buf)
+                if record.WhichOneof("record_type") == "history":
+                    row = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                           for item in record.history.item}
+                    history.setdefault(row["_step"], {}).update(row)
+    return files, history
+
+
+@pytest.mark.slow
+def test_e2e_wandb_offline_run_holds_every_metric_at_its_step(e2e):
+    proc, run_dir = e2e
+    files, history = wandb_offline_history(run_dir)
+    run_id = (run_dir / "wandb_id.txt").read_text().strip()
+    assert [f.name for f in files] == [f"run-{run_id}.wandb"], explain(proc)
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert sorted(history) == [r["step"] for r in records]
+    for r in records:
+        w = history[r["step"]]
+        for k, v in r.items():
+            # metrics.jsonl's null is a NaN, which W&B keeps as NaN; seen failing (2026-12-06) with the
+            # sample/* strings left out of W&B.
+            if k != "step":
+                assert (v is None and w[k] != w[k]) or w[k] == v, (r["step"], k, v, w.get(k))
+    # The samples table at the steps samples.jsonl has (run.wandb.samples_every 0: run.samples_every).
+    assert [s for s in sorted(history) if "samples/nrows" in history[s]] == [2, 4]
+    assert history[2]["samples/nrows"] == 16
+
+
+@pytest.fixture(scope="module")
+def eval_cli(e2e):
+    """`megamoe-rl eval` on the e2e run's step-4 checkpoint and its exported final/: one engine, two targets."""
+    proc, run_dir = e2e
+    out = run_dir.parent / "eval"
+    out.mkdir()
+    argv = [sys.executable, "-m", "rl.cli", "eval", "--model", str(run_dir / "final"), "--run", str(run_dir),
+            "--step", "4", "--out", str(out / "report.json"), "--samples-out", str(out / "samples.jsonl")]
+    return run_cli(argv, run_dir, cwd=out), out
+
+
+@pytest.mark.slow
+def test_eval_command_on_an_export_and_a_checkpoint_gives_the_runs_own_evaluation(e2e, eval_cli):
+    proc, out = eval_cli
+    assert proc.returncode == 0, explain(proc)
+    report = json.loads((out / "report.json").read_text())
+    run_dir = e2e[1]
+    assert [(t["target"], t["step"]) for t in report["targets"]] == [(str(run_dir / "final"), 4),
+                                                                     (f"{run_dir} step 4", 4)]
+    logged = train_records(run_dir)[-1]  # the run's own evaluation after step 4, on its rollout engine
+    for t in report["targets"]:
+        # The same weights and the eval's fixed seeds: a fresh engine draws the same completions.
+        assert {k: t["metrics"][k] for k in EVAL_KEYS} == {k: logged[k] for k in EVAL_KEYS}, t
+        assert "eval/pass@1" in proc.stdout and t["target"] in proc.stdout
+    rows = read_jsonl(out / "samples.jsonl")
+    assert len(rows) == 2 * 32
+    final, ckpt = rows[:32], rows[32:]
+    # The completions, not only the metrics (all 0 for this random model): with the command's seed off
+    # by one from the run's evaluation this failed (2026-12-06) while every metric still matched.
+    in_run = [r for r in read_jsonl(run_dir / "eval_samples.jsonl") if r["step"] == 4]
+    assert [r["completion"] for r in final] == [r["completion"] for r in ckpt] == [r["completion"] for r in in_run]
+    for r in rows:
+        digit = r["prompt"].removeprefix("digit ").rstrip(":")
+        assert r["rewards"]["exact_match"] == float(r["completion"].strip().startswith(digit))
+        assert r["correct"] == (r["reward"] >= 1.0)
 
 
 @pytest.mark.parametrize("cfg_address, env_address, joins", [

@@ -99,6 +99,10 @@ PROBE = textwrap.dedent('''
         return [None if not re.search(r"[0-9]", t) else 0.0 for t in texts]
 ''')
 STEPS = 3
+# Held-out conversational problems (the task made with run.seed + 1), scored by the training rewards:
+# before step 1, after step 2 (eval.every) and after the last step.
+EVAL = ["eval.every=2", "eval.data.task=math", "eval.data.task_size=4", "eval.data.task_kwargs={conversational: true}",
+        "eval.prompts=2", "eval.n=2", "eval.pass_k=[1, 2]"]
 # fp32 on both sides, megamoe both sides: max |dlogp| measured in two runs of these 3 steps
 # (2026-12-05, the 2-core machine) was 9.5e-7, 4.8e-7, 4.8e-7 (each run); the bound leaves a
 # 100x margin, 10x below the 1e-3 of the older loop tests.
@@ -120,7 +124,7 @@ def math_run(tmp_path_factory):
     argv = [__import__("sys").executable, "-m", "rl.cli", "train", "--config", str(MATH), f"run.out_dir={run_dir}",
             f"run.steps={STEPS}", "run.progress=false", "run.tensorboard=false", "run.export_final=false",
             "run.plot=false", *DYNAMIC,
-            "reward.functions=[{fn: math, weight: 1.0}, {fn: 'math_probe:probe', weight: 0.0}]"]
+            "reward.functions=[{fn: math, weight: 1.0}, {fn: 'math_probe:probe', weight: 0.0}]", *EVAL]
     proc = run_cli(argv, run_dir, cwd=work)
     return proc, run_dir
 
@@ -131,7 +135,7 @@ def test_math_run_prompts_rewards_metrics_and_mismatch(math_run):
 
     proc, run_dir = math_run
     assert proc.returncode == 0, explain(proc)
-    records = read_jsonl(run_dir / "metrics.jsonl")
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] > 0]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)), explain(proc)
     cfg = C.load(run_dir / "config.yaml")
     tok = AutoTokenizer.from_pretrained(run_dir / "model")
@@ -164,3 +168,27 @@ def test_math_run_prompts_rewards_metrics_and_mismatch(math_run):
     print("math run:", json.dumps({k: [r[k] for r in records] for k in (
         "prompt/len_min", "prompt/len_max", "reward/math/mean", "reward/probe/none", "mismatch/abs_logp_diff_max",
         "time/step_s")}))
+
+
+@pytest.mark.slow
+def test_math_run_evaluates_held_out_chat_prompts_every_2_steps_and_at_the_end(math_run):
+    from transformers import AutoTokenizer
+
+    proc, run_dir = math_run
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records if "eval/pass@1" in r] == [0, 2, 3], explain(proc)
+    cfg = C.load(run_dir / "config.yaml")
+    tok = AutoTokenizer.from_pretrained(run_dir / "model")
+    held_out = make_task("math", 4, cfg.run.seed + 1, conversational=True)[:2]
+    texts = apply_chat_template(tok, [r["prompt"] for r in held_out], strings=False)
+    rows = read_jsonl(run_dir / "eval_samples.jsonl")
+    assert [r["step"] for r in rows] == [0] * 4 + [2] * 4 + [3] * 4
+    for r in rows:
+        assert r["prompt"] == texts[r["prompt_index"]]  # the chat template applied, as in training
+        gold = held_out[r["prompt_index"]]["answer"]
+        assert r["rewards"]["math"] == R.math_reward(None, [r["completion"]], [gold])[0]
+    for r in records:
+        if "eval/pass@1" in r:
+            assert (r["eval/prompts"], r["eval/samples"]) == (2, 4)
+            assert r["eval/reward/math/mean"] == r["eval/reward_mean"]  # the probe's weight is 0
+            assert 1 <= r["eval/len_mean"] <= cfg.rollout.max_tokens
