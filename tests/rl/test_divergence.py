@@ -3,10 +3,12 @@
 The comparison logic on synthetic captures (equal captures part nowhere; a perturbed op is the
 first to part and what follows inherits it; an attention input that differs only in an earlier
 row of the causal context counts); the trainer-side replay reproduces the trainer's own forward bit
-for bit (else "own" would measure the replay, not the kernels); and one tiny vLLM CPU engine
-(module-scoped, ~40 s of the file's time on 2 cores): megamoe's router and MoE layers are bitwise
-equal to the trainer's on the same inputs in both views, and the captures line up with vLLM's own
-reported logprobs.
+for bit (else "own" would measure the replay, not the kernels); and four tiny vLLM CPU engines, one
+at a time (module-scoped fixtures, ~30 s each on 2 cores): with fast numerics, megamoe's router and
+MoE layers are bitwise equal to the trainer's on the same inputs in both views, and the captures line
+up with vLLM's own reported logprobs; with run.numerics=bitwise (Qwen3-MoE, OLMoE, Mixtral) every op
+is, and OLMoE's and Mixtral's sampled logprobs are the trainer's (tests/rl/test_rl_bitwise.py's
+families check, on the same engines), and the fast engine started after them runs fast.
 
     .venv/bin/python -m pytest -q tests/rl/test_divergence.py
 """
@@ -126,11 +128,57 @@ def test_replay_reproduces_the_trainer_forward(trainer_model, trainer_caps):
 LOGPROBS_MAX_ABS = 1e-5
 
 
+BITWISE_ARCHS = ("qwen3_moe", "olmoe", "mixtral")
+SAMPLE_AND_SCORE_ARCHS = ("olmoe", "mixtral")  # Qwen3-MoE's: tests/rl/test_rl_bitwise.py's consistency run
+TEMPERATURE = 0.8  # the bitwise runs' (not 1: the sampler divides by a temperature tensor, the trainer by a float)
+
+
 @pytest.fixture(scope="module")
-def report(model_dir):
-    return D.measure(model_dir, prompts=D.DEFAULT_PROMPTS[:2], max_tokens=3)
+def bitwise_runs(model_dir, tmp_path_factory):
+    """Per family one run.numerics=bitwise engine (eager, as `measure` needs), used twice: a batch of 10
+    prompts x 4 samples (12 tokens each, generated together; OLMoE and Mixtral) and `measure`'s two views. One engine start
+    per family serves both this module's op-by-op check and the sample-and-score check that was
+    tests/rl/test_rl_bitwise.py's (each started its own engine: two starts fewer)."""
+    from rl.make_model import make_model
+    from rollout.worker import RolloutWorker
+
+    tmp = tmp_path_factory.mktemp("div_bitwise")
+    runs = {}
+    for arch in BITWISE_ARCHS:
+        model = model_dir if arch == "qwen3_moe" else make_model(tmp / arch, arch=arch)
+        w = RolloutWorker(model, "megamoe", dtype="float32", seed=0, max_model_len=128,
+                          kv_cache_memory_bytes=32 << 20, numerics="bitwise", enforce_eager=True)
+        try:
+            samples = None if arch not in SAMPLE_AND_SCORE_ARCHS else w.generate(
+                [f"digit {i}:" for i in range(8)] + ["the red bird is", "1 + 2 ="], 4,
+                {"temperature": TEMPERATURE, "max_tokens": 12, "seed": 3})
+            rep = D.measure(model, engine=w, prompts=D.DEFAULT_PROMPTS[:2], max_tokens=3, temperature=TEMPERATURE,
+                            numerics="bitwise")
+        finally:
+            w.close()
+        runs[arch] = {"model": model, "samples": samples, "report": rep}
+    return runs
 
 
+@pytest.fixture(scope="module")
+def report(model_dir, bitwise_runs):
+    """The fast-numerics report (the control of the bitwise one), from a fast engine started in this
+    process after the bitwise ones above (hence the fixture dependency): its census, which
+    RolloutWorker checks against its numerics, is returned too."""
+    from rollout.worker import RolloutWorker
+
+    w = RolloutWorker(model_dir, "megamoe", dtype="float32", seed=0, max_model_len=128,
+                      kv_cache_memory_bytes=32 << 20, enforce_eager=True)
+    try:
+        dense_ops = w.status()[0]["dense_ops"]
+        rep = D.measure(model_dir, engine=w, prompts=D.DEFAULT_PROMPTS[:2], max_tokens=3)
+    finally:
+        w.close()
+    rep["dense_ops"] = dense_ops
+    return rep
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("view", ["prefill", "decode"])
 def test_megamoe_layers_bitwise_on_the_same_inputs(report, view):
     print(D.format_report(report))
@@ -142,6 +190,7 @@ def test_megamoe_layers_bitwise_on_the_same_inputs(report, view):
     assert rows["embed"]["bitwise"]
 
 
+@pytest.mark.slow
 def test_vllm_logprobs_land_on_their_rows(report):
     """vLLM's reported logprobs sit at the rows of their logits: the trainer's log-softmax of the
     sampler's own logits reproduces them (to rounding), in both views."""
@@ -181,22 +230,49 @@ def test_cli_refuses_bad_arguments_before_any_work(args, message, tmp_path, caps
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe", "mixtral"])
-def test_bitwise_numerics_part_nowhere(arch, model_dir, report, tmp_path):
+@pytest.mark.parametrize("arch", BITWISE_ARCHS)
+def test_bitwise_numerics_part_nowhere(arch, report, bitwise_runs):
     """run.numerics=bitwise on both sides: every op of every layer, in both views, bitwise equal (and so
     the first parting is none); against the control, the module's fast-numerics report on the same
     prompts (`report`), where the dense ops part (at L0.q_rope, 2026-12-05) so the comparison can see a
     parting. OLMoE's q/k norms span the whole projection; vLLM's Mixtral keeps its MoE block as
     `block_sparse_moe`: the tool reads both."""
-    from rl.make_model import make_model
-
     for view in ("prefill", "decode"):
         control = report["views"][view]
         assert control["first_parting"] is not None and not all(r["bitwise"] for r in control["ops"]), view
 
-    model = model_dir if arch == "qwen3_moe" else make_model(tmp_path / arch, arch=arch)
-    report = D.measure(model, prompts=D.DEFAULT_PROMPTS[:2], max_tokens=3, temperature=0.8, numerics="bitwise")
-    assert report["meta"]["numerics"] == "bitwise"
+    rep = bitwise_runs[arch]["report"]
+    assert rep["meta"]["numerics"] == "bitwise"
     for view in ("prefill", "decode"):
-        v = report["views"][view]
+        v = rep["views"][view]
         assert v["first_parting"] is None and all(r["bitwise"] for r in v["ops"]), (view, v["ops"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", SAMPLE_AND_SCORE_ARCHS)
+def test_families_sample_and_score_bitwise(arch, bitwise_runs):
+    """OLMoE (q/k norms over the whole projection, no renormalisation) and Mixtral (no q/k
+    norms): the bitwise engine's batch of 10 prompts x 4 samples, scored by the trainer in micro-batches
+    of 5 (other padding, other batch neighbours than the engine's), bit for bit; numerics=fast differs."""
+    from trainer.model import load_model
+    from trainer.probe import score
+
+    run = bitwise_runs[arch]
+    samples = [s for s in run["samples"] if s["completion_ids"]]
+    assert sum(len(s["completion_ids"]) for s in samples) >= 40 * 6
+    args = ([s["prompt_ids"] for s in samples], [s["completion_ids"] for s in samples])
+    sampler = [s["logprobs"] for s in samples]
+    got, _ = score(load_model(run["model"], "megamoe", numerics="bitwise").eval(), *args, temperature=TEMPERATURE,
+                   micro_batch_size=5)
+    assert got == sampler
+    got, _ = score(load_model(run["model"], "megamoe").eval(), *args, temperature=TEMPERATURE, micro_batch_size=5)
+    assert max(abs(a - b) for g, s in zip(got, sampler) for a, b in zip(g, s)) > 0.0
+
+
+@pytest.mark.slow
+def test_a_fast_engine_after_bitwise_ones_in_the_same_process_runs_fast(report):
+    """This process ran the plugin for the bitwise engines (`bitwise_runs`, which `report` depends on); the
+    fast engine started from it afterwards serves vLLM's own dense kernels (its census).
+    tests/rollout/test_rollout_plugin.py checks the registrations' removal itself."""
+    ops = report["dense_ops"]
+    assert ops["bitwise_linears"] == 0 and ops["bitwise_attention"] == 0 and ops["other_attention"], ops

@@ -6,6 +6,8 @@ What makes the zeros non-vacuous: the same tokens scored by the trainer in numer
 GEMMs) differ from the sampler's; the sampler's engine only starts when every linear and attention layer
 of its model runs the batch-invariant kernels (RolloutWorker's census); and the unit tests of the kernels
 (tests/megamoe/test_invariant.py, tests/trainer/test_trainer_bitwise.py) check their values against fp64.
+OLMoE and Mixtral sampled and scored bitwise, and a fast engine started after bitwise ones in one process:
+tests/rl/test_divergence.py, on the engines of its bitwise op-by-op runs.
 
     .venv/bin/python -m pytest -q tests/rl/test_rl_bitwise.py
 """
@@ -81,22 +83,6 @@ def test_trainer_scores_the_same_bits_in_any_batch_and_fast_numerics_do_not(repo
     assert diff > 0.0
 
 
-def test_a_fast_engine_after_bitwise_ones_in_the_same_process_runs_fast(report):
-    """This process ran the plugin for the bitwise engines above; a fast engine started from it afterwards
-    serves vLLM's own dense kernels (its census, which RolloutWorker checks against its numerics).
-    tests/rollout/test_rollout_plugin.py checks the registrations' removal itself."""
-    from rollout.worker import RolloutWorker
-
-    rep, _, _ = report
-    w = RolloutWorker(rep["meta"]["model_dir"], "megamoe", dtype="float32", seed=0, max_model_len=64,
-                      kv_cache_memory_bytes=32 << 20)
-    try:
-        ops = w.status()[0]["dense_ops"]
-    finally:
-        w.close()
-    assert ops["bitwise_linears"] == 0 and ops["bitwise_attention"] == 0 and ops["other_attention"], ops
-
-
 def test_train_steps_bitwise_after_weight_pushes(tmp_path):
     from test_rl_loop import explain
 
@@ -113,31 +99,3 @@ def test_train_steps_bitwise_after_weight_pushes(tmp_path):
               f"k3 {r['mismatch/k3_kl']}, weight sync {r.get('time/weight_sync_s')}")
         assert r["train/optimizer_steps"] == r["step"] and r["train/grad_norm"] > 0, r
         assert r["mismatch/abs_logp_diff_max"] == 0.0 and r["mismatch/k3_kl"] == 0.0, r
-
-
-@pytest.mark.parametrize("arch", ["olmoe", "mixtral"])
-def test_other_families_sample_and_score_bitwise(arch, tmp_path):
-    """OLMoE (q/k norms over the whole projection, no renormalisation) and Mixtral (no q/k norms): one
-    engine's batch of 10 prompts x 4 samples, scored by the trainer in micro-batches of 5; fast differs."""
-    from rl.make_model import make_model
-    from rollout.worker import RolloutWorker
-    from trainer.model import load_model
-    from trainer.probe import score
-
-    model_dir = make_model(tmp_path / arch, arch=arch)
-    w = RolloutWorker(model_dir, "megamoe", dtype="float32", seed=0, max_model_len=64, kv_cache_memory_bytes=32 << 20,
-                      numerics="bitwise")
-    try:
-        samples = w.generate([f"digit {i}:" for i in range(8)] + ["the red bird is", "1 + 2 ="], 4,
-                             {"temperature": TEMPERATURE, "max_tokens": 12, "seed": 3})
-    finally:
-        w.close()
-    samples = [s for s in samples if s["completion_ids"]]
-    assert sum(len(s["completion_ids"]) for s in samples) >= 40 * 6
-    args = ([s["prompt_ids"] for s in samples], [s["completion_ids"] for s in samples])
-    sampler = [s["logprobs"] for s in samples]
-    got, _ = score(load_model(model_dir, "megamoe", numerics="bitwise").eval(), *args, temperature=TEMPERATURE,
-                   micro_batch_size=5)
-    assert got == sampler
-    got, _ = score(load_model(model_dir, "megamoe").eval(), *args, temperature=TEMPERATURE, micro_batch_size=5)
-    assert max(abs(a - b) for g, s in zip(got, sampler) for a, b in zip(g, s)) > 0.0

@@ -12,9 +12,6 @@ A file of its own: see tests/rollout/test_rollout_archs_olmoe.py.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -39,19 +36,25 @@ DSV3_SYNCED_LOGPROB_TOL_FP32 = 5e-2
 
 @pytest.fixture(scope="module")
 def dsv3_run(tmp_path_factory):
-    """Two GRPO steps of configs/tiny_deepseek_v3.yaml (as olmoe_run), then `megamoe-rl consistency` on the
-    model that run made, megamoe on both sides (one engine)."""
-    from test_rl_loop import RUN_TIMEOUT_S
+    """Two GRPO steps of configs/tiny_deepseek_v3.yaml (a subprocess, as olmoe_run), then `megamoe-rl
+    consistency` in this process (as test_rollout_archs_gpt_oss.py's; a subprocess of its own imported
+    torch, transformers and vLLM again) on the model that run made, megamoe on both sides (one engine)."""
+    import contextlib
+    import io
+
+    from rl.cli import main
 
     root = tmp_path_factory.mktemp("dsv3")
     run_dir = root / "run"
     train = train_tiny(TINY_DSV3, run_dir)
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    cons = subprocess.run([sys.executable, "-m", "rl.cli", "consistency", "--config", str(TINY_DSV3),
-                           f"model.path={run_dir / 'model'}", "model.make=null", "--impls", "megamoe",
-                           "--prompts", "4", "--n", "2", "--out", str(root / "cons")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S, start_new_session=True)
-    return train, run_dir, cons, root / "cons"
+    if not (run_dir / "model" / "config.json").is_file():  # the run failed before it made the model
+        return train, run_dir, None, "no model folder: the training run failed before it made one"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(["consistency", "--config", str(TINY_DSV3), f"model.path={run_dir / 'model'}", "model.make=null",
+                     "--impls", "megamoe", "--prompts", "4", "--n", "2", "--out", str(root / "cons")])
+    report = json.loads((root / "cons" / "consistency.json").read_text()) if code == 0 else None
+    return train, run_dir, report, buf.getvalue()
 
 
 def test_deepseek_v3_trains_grpo_steps_with_megamoe_on_both_sides(dsv3_run):
@@ -73,14 +76,13 @@ def test_deepseek_v3_trains_grpo_steps_with_megamoe_on_both_sides(dsv3_run):
 def test_deepseek_v3_consistency_every_moe_layer_bitwise(dsv3_run):
     """`megamoe-rl consistency`, megamoe on both sides: both MoE layers (shared experts included) bitwise
     equal on the same hidden states, the same experts for every token."""
-    _, _, proc, out = dsv3_run
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads((out / "consistency.json").read_text())
+    _, _, report, stdout = dsv3_run
+    assert report is not None, stdout[-3000:]
     (pair,) = report["pairs"]
     assert len(pair["layers"]) == 2 == report["meta"]["moe_layers"]  # 3 layers, layer 0 dense
     for i, layer in enumerate(pair["layers"]):
         assert layer["moe/out_bitwise_equal"] and layer["moe/routing_agreement"] == 1.0, (i, layer)
         assert layer["moe/router_logits_max_abs_diff"] == 0.0, (i, layer)
-    print(proc.stdout)
+    print(stdout)
     assert pair["metrics"]["mismatch/abs_logp_diff_max"] <= DSV3_LOGPROB_TOL_FP32
 
