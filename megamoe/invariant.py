@@ -55,7 +55,8 @@ _GPU_KERNELS: list = []
 
 def register_gpu_kernels(kernels) -> None:
     """Make `kernels` (see GPU_KERNELS_GROUP) this process's CUDA batch-invariant kernels."""
-    missing = [n for n in ("linear", "rms_norm", "log_softmax", "paged_attention") if not callable(getattr(kernels, n, None))]
+    ops = ("linear", "rms_norm", "log_softmax", "paged_attention")
+    missing = [n for n in ops if not callable(getattr(kernels, n, None))]
     if missing:
         raise TypeError(f"register_gpu_kernels: {kernels!r} lacks {missing} (expected linear, rms_norm, log_softmax, "
                         "paged_attention)")

@@ -85,7 +85,8 @@ def main():
     same_all = True
     for dtype, tname in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
         cfg = fused.default_config(dtype, torch.device("cuda"))
-        builds = [("persistent " + name, "_moe_persistent_kernel", types, consts, ("H", "I", "E"), cfg.num_warps, stages)
+        builds = [("persistent " + name, "_moe_persistent_kernel", types, consts, ("H", "I", "E"), cfg.num_warps,
+                   stages)
                   for name, types, consts, stages in persistent_builds(cfg, dtype, tname, E)]
         for tma in ((True, False) if cfg.dw_tma else (False,)):
             builds.append(("weight gradients" + (" tma" if tma else ""), "_moe_bwd_dw_kernel",
