@@ -37,7 +37,7 @@ each slot's dx row and d(topk_weights) come back by all_to_all; the token's rank
 in slot order in fp32, as the single-GPU op does (across 2 CPU processes every gradient is that
 op's bits, tests/megamoe/test_ep_fused_multiproc.py; not yet compared on GPUs).
 
-Status (2026-12-01). Workspaces: `linked_workspaces` (W ranks in one process; forward only),
+Status. Workspaces: `linked_workspaces` (W ranks in one process; forward only),
 `ep_workspace` (a process group: /dev/shm files on CPU, `torch.distributed._symmetric_memory` on
 CUDA). Tested under the Triton interpreter on CPU, in one process (tests/megamoe/test_ep_fused.py) and
 across 2 gloo processes sharing the /dev/shm workspaces (tests/megamoe/test_ep_fused_multiproc.py: y and every
@@ -46,9 +46,8 @@ calls bitwise equal, bad input or differing requires_grad on one rank raised on 
 never arrives reported by the other as a time-out naming it), and compiled for sm_90
 (benchmarks/device/compile_check.py, no stack). On one H200 (bf16) the single-process tests pass,
 CUDA-graph capture and replay, the time-out path, and two ranks of one process running at the same
-time on two streams included (benchmarks/RESULTS.md). Across two GPUs: the first run (2026-12-01,
-before the timed waits and the exchanged time-out records) failed, a rank aborting, cause not
-established; not re-run since. The CUDA workspace path and the system-scope ordering between
+time on two streams included (benchmarks/RESULTS.md). Across two GPUs it has not run successfully
+(the one run, without the timed waits, failed: benchmarks/RESULTS.md). The CUDA workspace path and the system-scope ordering between
 devices are unverified. Not built: separate
 communication and compute programs (every program takes dispatch, compute and combine tickets in
 order), per-source readiness (the overlap), a one-launch backward. `megamoe.ep.ep_fused_moe`
@@ -154,7 +153,7 @@ def ep_workspace(max_tokens: int, k: int, H: int, dtype: torch.dtype, device: to
     same sizes, which it exchanges first: a bad or differing one raises the same ValueError on every
     rank; allocate once, outside CUDA-graph capture, and reuse for every call and layer).
     CUDA: one `torch.distributed._symmetric_memory` allocation per rank, peers' addresses from the
-    rendezvous handle (its first two-GPU run failed, 2026-12-01: benchmarks/RESULTS.md). CPU: one
+    rendezvous handle (not yet run across two GPUs successfully: benchmarks/RESULTS.md). CPU: one
     file per rank in /dev/shm, mapped by every rank and unlinked once all have mapped it (the Triton
     interpreter then runs the same protocol across processes)."""
     import torch.distributed as dist

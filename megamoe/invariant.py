@@ -1,7 +1,9 @@
 """Batch-invariant dense ops both sides of an RL run call in `numerics="bitwise"`: the linear layers
 (attention projections, dense MLPs, the LM head), causal attention, RMSNorm, the rotary tables and the
-log-softmax. On CPU (fp32) the kernels below; on CUDA `linear`, `rms_norm` and `log_softmax` run vLLM's
-batch-invariant kernels (megamoe.invariant_gpu, which also holds the CUDA attention).
+log-softmax. On CPU (fp32) the kernels below; on CUDA `linear`, `rms_norm` and `log_softmax` run the
+batch-invariant kernels registered with `register_gpu_kernels` (or named by the GPU_KERNELS_GROUP entry
+point: the project's are vLLM's, which a bitwise engine runs, rollout/invariant_kernels.py; they also
+hold the CUDA attention). megamoe imports no vLLM: the kernels reach it through this registration.
 
 Each op fixes its reduction order by construction, so an output row's bits depend only on that row's
 inputs, never on how many other rows (tokens, requests, padding) share the call:
@@ -44,6 +46,37 @@ KEY_BLOCK = 32
 QUERY_TILE = 16
 """Query rows per GEMM tile of `causal_attention` (one sequence's; a short tile repeats its first row)."""
 
+GPU_KERNELS_GROUP = "megamoe.invariant_kernels"
+"""Entry-point group naming the CUDA batch-invariant kernels when none was registered in the process:
+an object (a module) with linear(x_MK, w_NK, b_N), rms_norm(x, w, eps), log_softmax(x) and
+paged_attention(q_BThD, k_BLgD, v_BLgD, scale) (pyproject.toml: rollout.invariant_kernels)."""
+_GPU_KERNELS: list = []
+
+
+def register_gpu_kernels(kernels) -> None:
+    """Make `kernels` (see GPU_KERNELS_GROUP) this process's CUDA batch-invariant kernels."""
+    ops = ("linear", "rms_norm", "log_softmax", "paged_attention")
+    missing = [n for n in ops if not callable(getattr(kernels, n, None))]
+    if missing:
+        raise TypeError(f"register_gpu_kernels: {kernels!r} lacks {missing} (expected linear, rms_norm, log_softmax, "
+                        "paged_attention)")
+    _GPU_KERNELS[:] = [kernels]
+
+
+def gpu_kernels():
+    """This process's CUDA batch-invariant kernels: the registered ones, else the one entry point of
+    GPU_KERNELS_GROUP (loaded and registered); ImportError when there is none or more than one."""
+    if not _GPU_KERNELS:
+        from importlib.metadata import entry_points
+
+        found = list(entry_points(group=GPU_KERNELS_GROUP))
+        if len(found) != 1:
+            raise ImportError(f"numerics='bitwise' on CUDA: expected one entry point in group {GPU_KERNELS_GROUP!r} "
+                              f"naming the batch-invariant kernels (pyproject.toml; reinstall the project), got "
+                              f"{[e.value for e in found]}; or call megamoe.invariant.register_gpu_kernels")
+        register_gpu_kernels(found[0].load())
+    return _GPU_KERNELS[0]
+
 
 def linear(x: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None = None) -> torch.Tensor:
     """x[..., K] @ w[N, K]^T (+ b[N]) in x's dtype, batch invariant (module docstring)."""
@@ -55,9 +88,7 @@ def linear(x: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None = None)
     x_MK = x.reshape(-1, K)
     M = x_MK.shape[0]
     if x.is_cuda:
-        from megamoe import invariant_gpu
-
-        return invariant_gpu.linear(x_MK, w_NK, b_N).reshape(*lead, N)
+        return gpu_kernels().linear(x_MK, w_NK, b_N).reshape(*lead, N)
     if M == 0:
         out = x_MK.new_zeros(0, N)
     else:
@@ -86,9 +117,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tenso
     if w is not None and tuple(w.shape) != (x.shape[-1],):
         raise ValueError(f"w: expected a [{x.shape[-1]}] weight, got {tuple(w.shape)}")
     if x.is_cuda:
-        from megamoe import invariant_gpu
-
-        return invariant_gpu.rms_norm(x, w, eps)
+        return gpu_kernels().rms_norm(x, w, eps)
     x32 = x.float()
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     if w is not None:
@@ -97,11 +126,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tenso
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
-    """log_softmax over the last dim, batch invariant (on CUDA vLLM's kernel, the sampler's in this mode)."""
+    """log_softmax over the last dim, batch invariant (on CUDA the registered kernel: vLLM's, the sampler's in this mode)."""
     if x.is_cuda:
-        from megamoe import invariant_gpu
-
-        return invariant_gpu.log_softmax(x)
+        return gpu_kernels().log_softmax(x)
     return torch.log_softmax(x, dim=-1)
 
 

@@ -242,9 +242,9 @@ def _limitations(pkgs: dict, devices: dict) -> list[dict]:
                "Qwen3-MoE/OLMoE/Mixtral (docs/BITWISE.md); ")
     if cuda:
         try:
-            from megamoe import invariant_gpu
+            from rollout import invariant_kernels
 
-            invariant_gpu.require()
+            invariant_kernels.require()
             add(bitwise + f"on CUDA bf16 through this vLLM's batch-invariant kernels, measured with vLLM "
                 f"{', '.join(stack.CUDA_VLLM_RUN)} only", "run.numerics=fast for anything else")
         except ImportError as e:

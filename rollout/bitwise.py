@@ -23,8 +23,9 @@ vLLM CPU (0.32, fp32):
 vLLM CUDA (0.26, bf16): vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1, set by RolloutWorker before
 the engine starts) computes the linears, the LM head (its Triton persistent matmul), the attention (the
 TRITON_ATTN backend's unified attention, one key tile size) and the sampler's log-softmax; the trainer
-calls the same kernels (megamoe.invariant_gpu). The engine runs without torch.compile (Inductor would fuse
-the rotary's and the residual's bf16 steps into one rounding), decode batches in full CUDA graphs.
+calls the same kernels (rollout/invariant_kernels.py, through megamoe.invariant). The engine runs without
+torch.compile (Inductor would fuse the rotary's and the residual's bf16 steps into one rounding), decode
+batches in full CUDA graphs.
 The MoE (router logits, routing, experts) is megamoe's already (rollout/adapter.py).
 """
 
@@ -261,9 +262,10 @@ def apply(enabled: bool) -> None:
     if enabled and current_platform.is_cuda():
         import vllm.envs as envs
 
-        from megamoe import invariant_gpu
+        from rollout import invariant_kernels
 
-        invariant_gpu.require()
+        invariant_kernels.require()
+        invariant.register_gpu_kernels(invariant_kernels)  # the norm layers' megamoe.invariant.rms_norm
         if not envs.VLLM_BATCH_INVARIANT:
             raise RuntimeError(f"numerics=bitwise on CUDA: {ENV_BATCH_INVARIANT}=1 must be set before vLLM starts "
                                "(RolloutWorker sets it): the linears, attention and log-softmax are vLLM's "

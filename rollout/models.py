@@ -1,23 +1,16 @@
-"""Out-of-tree vLLM model classes: vLLM's own MoE models whose gates compute megamoe's router logits.
+"""Out-of-tree vLLM model classes, registered with vLLM's `ModelRegistry` under vLLM's own names
+(adapter.register_moe_method). The MoE gates reach megamoe's router through adapter.MegaMoEGate (and,
+for the plain gates of the GPU machine's vLLM, through rollout/vllm026.py's classes).
 
-vLLM >= 0.32 builds every MoE gate as a pluggable `GateLinear`, which the hook replaces with
-`adapter.MegaMoEGate`. vLLM 0.26 (the H200 machine's) builds the gates of Qwen3-MoE, Mixtral and
-OLMoE as plain `ReplicatedLinear` layers, whose bf16 logits flipped 1.5–2.7% of the top-k decisions
-against the trainer's fp32 router there (docs/CONSISTENCY.md). For those, the classes below are
-registered with vLLM's `ModelRegistry` under the same architecture names: each is vLLM's class, and
-after building it gives every MoE block's plain `ReplicatedLinear` gate `MegaMoERouterMethod`, which
-computes `megamoe.router.router_logits` (fp32, batch invariant): the trainer's Fp32Router function.
-Gates that are already `MegaMoEGate` are left as they are, so on vLLM >= 0.32 these classes change
-nothing for Qwen3-MoE, Mixtral and OLMoE.
-
-DeepSeek-V2/V3 (vLLM's DeepseekV2ForCausalLM / DeepseekV3ForCausalLM): besides the gates, each MoE
-block's shared experts (vLLM's DeepseekV2MLP) become `MegaMoESharedMLP`: the same module with its
-parameters, weight loaders and names, computing `moe_method.shared_experts` (megamoe.fused_moe with one
-expert, the trainer's function for them) instead of vLLM's dense GEMMs, whose rounding differs from
-the trainer's. vLLM's MoE runner holds the shared-experts module object itself and calls it, and the
-module is built inside vLLM's DeepseekV2MoE, so there is no layer registry to reach it through: the
-instance gets the subclass (`__class__`), the one narrow step where no registry exists. Its linears
-keep their weights unpacked (`KeepWeightLinearMethod`), which megamoe reads.
+DeepSeek-V2/V3 (vLLM's DeepseekV2ForCausalLM / DeepseekV3ForCausalLM, whose gates are GateLinear in
+every vLLM rl.stack supports): each MoE block's shared experts (vLLM's DeepseekV2MLP) become
+`MegaMoESharedMLP`: the same module with its parameters, weight loaders and names, computing
+`moe_method.shared_experts` (megamoe.fused_moe with one expert, the trainer's function for them)
+instead of vLLM's dense GEMMs, whose rounding differs from the trainer's. vLLM's MoE runner holds the
+shared-experts module object itself and calls it, and the module is built inside vLLM's DeepseekV2MoE,
+so there is no layer registry to reach it through: the instance gets the subclass (`__class__`), the
+one narrow step where no registry exists. Its linears keep their weights unpacked
+(`KeepWeightLinearMethod`), which megamoe reads.
 
 gpt-oss (vLLM's GptOssForCausalLM), registered for every moe_impl: its gate is a GateLinear (with the
 router bias: `MegaMoEGate` under megamoe / reference), so the class exists for its weights. vLLM 0.32's
@@ -40,27 +33,12 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-from vllm.model_executor.layers.linear import ReplicatedLinear, UnquantizedLinearMethod
+from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-from vllm.model_executor.models import deepseek_v2, gpt_oss, mixtral, olmoe, qwen3_moe
+from vllm.model_executor.models import deepseek_v2, gpt_oss
 
 from rollout import archs, moe_method
-from rollout.adapter import _REGISTERED, KeepWeightLinearMethod, MegaMoERouterMethod
-
-
-def use_megamoe_router(model: torch.nn.Module) -> int:
-    """Give each MoE block's plain ReplicatedLinear gate MegaMoERouterMethod; returns how many."""
-    n = 0
-    for name, module in model.named_modules():
-        gate = getattr(module, "gate", None)
-        if type(gate) is not ReplicatedLinear or not hasattr(module, "experts"):
-            continue  # GateLinear (MegaMoEGate) subclasses ReplicatedLinear and needs nothing here
-        if type(gate.quant_method) is not UnquantizedLinearMethod or gate.bias is not None:
-            raise NotImplementedError(f"megamoe rollout hook: gate {name}.gate is quantized or has a bias; "
-                                      "megamoe.router computes unquantized, bias-free gates (use moe_impl='stock')")
-        gate.quant_method = MegaMoERouterMethod()
-        n += 1
-    return n
+from rollout.adapter import _REGISTERED, KeepWeightLinearMethod
 
 
 class MegaMoESharedMLP(deepseek_v2.DeepseekV2MLP):
@@ -93,23 +71,23 @@ def use_megamoe_shared_experts(model: torch.nn.Module) -> int:
     return n
 
 
-def _with_megamoe_router(base: type, shared_experts: bool = False) -> type:
+def built_then(base: type, module: str, after_init) -> type:
+    """vLLM's model class `base`, under its name in `module`, calling after_init(model) once built."""
     # vLLM builds model classes as cls(vllm_config=..., prefix=...) and checks the signature.
     def __init__(self, *, vllm_config, prefix: str = ""):
         base.__init__(self, vllm_config=vllm_config, prefix=prefix)
-        self.megamoe_router_gates = use_megamoe_router(self)
-        self.megamoe_shared_experts = use_megamoe_shared_experts(self) if shared_experts else 0
+        after_init(self)
 
     # Same name as vLLM's class: vLLM reports and checks model classes by name.
-    return type(base.__name__, (base,), {"__init__": __init__, "__module__": __name__,
-                                         "__qualname__": base.__qualname__})
+    return type(base.__name__, (base,), {"__init__": __init__, "__module__": module, "__qualname__": base.__qualname__})
 
 
-Qwen3MoeForCausalLM = _with_megamoe_router(qwen3_moe.Qwen3MoeForCausalLM)
-MixtralForCausalLM = _with_megamoe_router(mixtral.MixtralForCausalLM)
-OlmoeForCausalLM = _with_megamoe_router(olmoe.OlmoeForCausalLM)
-DeepseekV2ForCausalLM = _with_megamoe_router(deepseek_v2.DeepseekV2ForCausalLM, shared_experts=True)
-DeepseekV3ForCausalLM = _with_megamoe_router(deepseek_v2.DeepseekV3ForCausalLM, shared_experts=True)
+def _shared_experts_after_init(model) -> None:
+    model.megamoe_shared_experts = use_megamoe_shared_experts(model)
+
+
+DeepseekV2ForCausalLM = built_then(deepseek_v2.DeepseekV2ForCausalLM, __name__, _shared_experts_after_init)
+DeepseekV3ForCausalLM = built_then(deepseek_v2.DeepseekV3ForCausalLM, __name__, _shared_experts_after_init)
 
 
 # gpt-oss's fused expert tensors (transformers' names), each split into vLLM's per-expert names

@@ -92,13 +92,14 @@ def register() -> None:
             raise ValueError(f"{NUMERICS_ENV_VAR}={numerics}: expected {ENV_VAR} set too (the bitwise numerics "
                              "need megamoe's MoE on both sides)")
         return
-    from rollout import adapter, bitwise  # heavy imports (vLLM internals, megamoe) happen here, loudly
+    from rollout import adapter, bitwise, vllm026  # heavy imports (vLLM internals, megamoe) happen here, loudly
 
     # Every call: a process that registered for another numerics (or was forked from one) holds them.
     bitwise.apply(numerics == BITWISE)
     if STATE["registered"]:
         return
     adapter.register_moe_method(impl)
+    vllm026.register(impl)
     STATE["registered"] = True
     logger.info("megamoe plugin: vLLM MoE layers use moe_impl=%s, numerics=%s in process %d", impl, numerics,
                 os.getpid())

@@ -59,12 +59,8 @@ def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
 
 
 def gpu_engine_kwargs() -> dict:
-    """Engine arguments the GPU tests add on this machine's vLLM: the offline vLLM 0.26 bundle
-    (../shared/device/vllm-gpu) carries no FlashAttention, so its engines use Triton attention; the
+    """Engine arguments the GPU tests add on this machine's vLLM (rollout.vllm026.gpu_engine_kwargs); the
     trainer may share the GPU, so the engine takes 30% of its memory rather than vLLM's 90%."""
-    import vllm
+    from rollout import vllm026
 
-    kwargs = {"gpu_memory_utilization": 0.3}
-    if vllm.__version__.startswith("0.26"):
-        kwargs["attention_config"] = {"backend": "TRITON_ATTN"}
-    return kwargs
+    return {"gpu_memory_utilization": 0.3, **vllm026.gpu_engine_kwargs()}

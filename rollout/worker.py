@@ -67,10 +67,10 @@ def _check_numerics(numerics: object, moe_impl: str, architecture: str, tensor_p
         missing.append(f"moe_impl='megamoe' (got {moe_impl!r}: the MoE must be the trainer's kernel too)")
     cuda = torch.cuda.is_available()
     if cuda:
-        from megamoe import invariant_gpu
+        from rollout import invariant_kernels
 
         try:
-            invariant_gpu.require()
+            invariant_kernels.require()
         except ImportError as e:
             missing.append(str(e))
     if tensor_parallel_size != 1:

@@ -84,3 +84,21 @@ def test_no_import_circle_among_the_projects_modules():
     mods = _modules()
     graph = {name: _imports(name, path, mods) for name, path in mods.items()}
     assert _cycles(graph) == []
+
+
+def test_megamoe_imports_neither_vllm_ray_nor_the_layers_above_it():
+    """megamoe/ is the bottom layer, usable without vLLM or Ray (CONVENTIONS.md 1): no module of it
+    imports them or rollout/, trainer/, rl/, even inside a function (vLLM's kernels reach it through
+    megamoe.invariant.register_gpu_kernels)."""
+    banned = {"vllm", "ray", "rollout", "trainer", "rl"}
+    found = []
+    for path in sorted((ROOT / "megamoe").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            found += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names if n.split(".")[0] in banned]
+    assert found == []

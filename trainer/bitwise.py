@@ -8,7 +8,7 @@ megamoe.invariant's batch-invariant kernels, the functions vLLM's side calls (ro
   unchanged); its forward is `megamoe.invariant.linear`, its backward plain matmuls.
 - attention is the function registered in transformers' attention registry as ATTENTION
   (`megamoe.invariant.batched_causal_attention` on CPU, vLLM's unified attention over pages on CUDA:
-  megamoe.invariant_gpu; the backward is the gradient of the same softmax attention recomputed by
+  rollout/invariant_kernels.py, reached through megamoe.invariant.gpu_kernels; the backward is the gradient of the same softmax attention recomputed by
   autograd: torch's fused causal attention for whole sequences, plain fp32 attention otherwise). The
   trainer's batches are right-padded (trainer/batch.py): a real token's queries only reach real keys, so
   the padding needs no mask; a left-padded or packed mask is refused.
@@ -110,9 +110,7 @@ class _AttentionFn(torch.autograd.Function):
         ctx.save_for_backward(q, k, v)
         ctx.scale = scale
         if q.is_cuda:
-            from megamoe import invariant_gpu
-
-            return invariant_gpu.paged_attention(q, k, v, scale)
+            return invariant.gpu_kernels().paged_attention(q, k, v, scale)
         B, T = q.shape[:2]
         seq = torch.arange(B, device=q.device).repeat_interleave(T)
         pos = _positions(q, k).repeat(B)

@@ -143,6 +143,26 @@ def _row(kernel: str, tname: str, k) -> dict:
                 **_resources(k.asm["cubin"]), **_local_ops(k.asm["cubin"]))
 
 
+def persistent_builds(cfg, dtype, tname: str, E: int) -> list[tuple[str, dict, dict, int]]:
+    """(name, argument types, constexprs, pipeline stages) of every persistent-kernel variant the
+    config compiles (persistent_variants), as its launch compiles it (ptx_diff.py compiles the same list)."""
+    from megamoe import ep_fused, fused
+
+    out = []
+    for is_bwd, gu, ep, tma, small_t, gpt_oss in persistent_variants(cfg):
+        consts = fused.persistent_constexprs(cfg, is_bwd, dtype, E, gu=gu, ep=ep, tma_w=tma,
+                                             poll_ns=ep_fused.POLL_NS["cuda"] if ep else 0)
+        if gpt_oss:  # what launch.act_args gives for biases and megamoe.contract.clamped_swiglu
+            consts.update(BIAS=True, ACT=1)
+        types = {**arg_types(tname), **weight_arg_types(tname, consts, is_bwd, gu)}
+        stages = fused.persistent_stages(cfg, is_bwd, cfg.small_tokens if small_t else None,
+                                         recompute=is_bwd and not gu)
+        name = (("bwd" if is_bwd else "fwd") + (" gu" if gu else "") + (" ep" if ep else "")
+                + (" tma" if tma else "") + (" small-T" if small_t else "") + (" gpt-oss" if gpt_oss else ""))
+        out.append((name, types, consts, stages))
+    return out
+
+
 def check(overrides: dict | None = None, E: int = 128) -> list[dict]:
     """One row per kernel variant. `overrides`: KernelConfig fields replaced in the bf16 config
     (then only bf16 is compiled). E: the expert count (the phase-0 key width KB and the expert
@@ -151,7 +171,7 @@ def check(overrides: dict | None = None, E: int = 128) -> list[dict]:
 
     import torch
 
-    from megamoe import ep_fused, fused
+    from megamoe import fused
     from megamoe.kernels import moe_kernels as mk
 
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
@@ -161,17 +181,8 @@ def check(overrides: dict | None = None, E: int = 128) -> list[dict]:
     for dtype, tname in dtypes:
         cfg = dataclasses.replace(fused.default_config(dtype, torch.device("cuda")), **(overrides or {}))
         data = arg_types(tname)
-        for is_bwd, gu, ep, tma, small_t, gpt_oss in persistent_variants(cfg):
-            consts = fused.persistent_constexprs(cfg, is_bwd, dtype, E, gu=gu, ep=ep, tma_w=tma,
-                                                 poll_ns=ep_fused.POLL_NS["cuda"] if ep else 0)
-            if gpt_oss:  # what launch.act_args gives for biases and megamoe.contract.clamped_swiglu
-                consts.update(BIAS=True, ACT=1)
-            types = {**data, **weight_arg_types(tname, consts, is_bwd, gu)}
-            stages = fused.persistent_stages(cfg, is_bwd, cfg.small_tokens if small_t else None,
-                                             recompute=is_bwd and not gu)
+        for name, types, consts, stages in persistent_builds(cfg, dtype, tname, E):
             k = _compile(mk._moe_persistent_kernel, types, consts, ("H", "I", "E"), cfg.num_warps, stages)
-            name = (("bwd" if is_bwd else "fwd") + (" gu" if gu else "") + (" ep" if ep else "")
-                    + (" tma" if tma else "") + (" small-T" if small_t else "") + (" gpt-oss" if gpt_oss else ""))
             rows.append(dict(kernel="persistent " + name, dtype=tname, stages=stages,
                              shared=k.metadata.shared, async_copies=k.asm["ttgir"].count("async_copy_global_to_local"),
                              tma_loads=k.asm["ttgir"].count("async_tma_copy_global_to_local"),

@@ -32,13 +32,14 @@ from vllm.forward_context import set_forward_context  # noqa: E402
 
 import megamoe  # noqa: E402
 from megamoe.router import router_logits  # noqa: E402
-from rollout import adapter  # noqa: E402
+from rollout import adapter, vllm026  # noqa: E402
 
 
 def main(model_dir: str) -> int:
     import vllm
 
     adapter.register_moe_method("megamoe")
+    vllm026.register("megamoe")
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]

@@ -95,8 +95,7 @@ class KernelConfig:
 #   Triton 3.7.1, 4 stages: 229,472 B shared, 255 registers, 48 B stack, 30 local ops, 3 in innermost loops
 #   Triton 3.7.1, 3 stages: 172,120 B shared, 255 registers, 48 B stack, 18 local ops, 0 in innermost loops
 # (5 stages: 286,856 B, over the limit.) So from 3.7 on that backward takes 3 stages. Every other kernel
-# passes the check on 3.7.1 with 3.6.0's config, so it keeps it; with 3.6.0 every kernel compiles to the
-# same SASS as before this setting (all of them compared, benchmarks/RESULTS.md 2026-12-05).
+# passes the check on 3.7.1 with 3.6.0's config, so it keeps it.
 TRITON_VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2])
 
 

