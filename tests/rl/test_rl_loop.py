@@ -344,7 +344,11 @@ def test_e2e_samples_jsonl_every_2_steps_with_rewards_and_advantages(e2e):
         assert [(r["prompt_index"], r["sample_index"]) for r in got] == [(i, j) for i in range(4) for j in range(4)]
         for r in got:  # the test reward, by hand: the completion's first character is the prompt's digit
             digit = r["prompt"].removeprefix("digit ").rstrip(":")
-            assert r["reward"] == r["rewards"]["first_char_is_answer"] == float(r["completion"].strip()[:1] == digit)
+            assert r["rewards"]["first_char_is_answer"] == float(r["completion"].strip()[:1] == digit)
+            # OBJECTIVE's overlong shaping (rollout.max_tokens 4, buffer 2, penalty 0.5): 0 up to 2 tokens,
+            # then -0.25 per token; the sample's reward is the sum
+            assert r["rewards"]["overlong"] in (0.0, -0.25, -0.5), r
+            assert r["reward"] == r["rewards"]["first_char_is_answer"] + r["rewards"]["overlong"], r
         # GRPO's group advantage in fp64 by hand (population std, reward.eps 1e-6); seen failing
         # (2026-12-06) with the loop's advantages shifted by one sample.
         for i in range(4):
