@@ -96,6 +96,7 @@ def test_stock_reload_of_changed_weights_gives_the_new_model(worker, hf):
 def test_stock_returns_routed_experts(worker, hf):
     """moe_impl stock reports vLLM's own routing (the ids vLLM hands the MoE method): one row per prompt and
     completion token, every MoE layer, ids in [0, E), the same top-k set as transformers' router (fp32)."""
+    worker.update_weights(hf[0].state_dict())  # the module's engine holds model B after the reload tests
     samples = worker.generate(PROMPTS, 1, {"max_tokens": 4, "seed": 0})
     routed = worker.routed_experts([s["prompt_ids"] for s in samples], [s["completion_ids"] for s in samples])
     cfg = hf[0].config

@@ -23,7 +23,10 @@ def test_the_trainer_worker_has_every_member_the_protocol_names():
     for name, want in methods.items():
         have = getattr(TrainerWorker, name, None)
         assert callable(have), name
-        assert list(inspect.signature(have).parameters) == list(inspect.signature(want).parameters), name
+        # Ray adds `_ray_trace_ctx` to the methods of a class once any process-local ray.remote wrapped it
+        # (another test file in the same pytest worker); it is Ray's, not the protocol's.
+        params = [p for p in inspect.signature(have).parameters if p != "_ray_trace_ctx"]
+        assert params == list(inspect.signature(want).parameters), name
     assert set(TrainerWeights.__annotations__) == {"rank"}
     assert "self.rank" in inspect.getsource(TrainerWorker.__init__)
 
