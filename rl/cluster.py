@@ -63,6 +63,12 @@ class TrainerHost(WorkerHost):
         """[an ObjectRef to rank 0's exported weights] (call_put's form; other ranks: [a ref to None])."""
         return self.call_put("export_weights", dtype)
 
+    def publish_weights(self, sender, engines, version: int) -> dict | None:
+        """`sender.publish` on this rank (rollout.sync_interface.Publication, for the engines to take
+        later); rank 0's Publication as a dict, None on the others."""
+        pub = sender.publish(self.worker, engines, version)
+        return None if pub is None else pub.to_wire()
+
     def send_weights(self, sender, engines) -> dict:
         """One weight sync from this rank: `sender` (a rollout.sync_interface.Sender, built by the
         driver) runs here on this rank's weights, rank 0 driving `engines` (rl.weight_sync.RayClient);
@@ -85,6 +91,16 @@ class RolloutHost(WorkerHost):
         return self.worker.update_weights(named)
 
     # The engine's endpoint of the weight sync (rollout.sync_interface.EngineEndpoint), method for method.
+    def take_weights(self, publication: dict) -> dict:
+        """RolloutWorker.take_weights, the publication's payload fetched from Ray's object store first
+        (Ray resolves only top-level ObjectRef arguments)."""
+        import ray
+
+        payload = publication["payload"]
+        if isinstance(payload, ray.ObjectRef):
+            payload = ray.get(payload)
+        return self.worker.take_weights({**publication, "payload": payload})
+
     def plan_weight_update(self, metas: list, start: bool = False) -> dict:
         return self.worker.plan_weight_update(metas, start)
 

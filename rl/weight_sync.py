@@ -7,7 +7,8 @@ Every mode (files, ipc, nccl) is one call into every trainer rank's actor
 (`TrainerHost.send_weights(sender, engines)`), which runs the mode's rollout.sync.sender there: its
 GPU tensors cannot leave the process as tensors, and every rank takes part in the gathers. Rank 0
 drives the engines through `RayClient`, whose calls are the engines' typed endpoint
-(rollout.sync_interface.EngineEndpoint, forwarded by rl.cluster.RolloutHost).
+(rollout.sync_interface.EngineEndpoint, forwarded by rl.cluster.RolloutHost). `publish` makes a
+version once for the engines to take later (RolloutHost.take_weights; the pull model, files only).
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ class RayEndpoint:
 
     def update_weights(self, named_tensors):
         return self.host.update_weights.remote(named_tensors)
+
+    def take_weights(self, publication: dict):
+        return self.host.take_weights.remote(publication)
 
 
 class RayCalls:
@@ -83,3 +87,15 @@ def push(mode: str, trainers: list, rollouts: list, *, dtype: str | None, model_
     sender = sync.sender(mode, model_dir=model_dir, dtype=dtype, bucket_bytes=bucket_bytes)
     engines = RayClient(rollouts)
     return ray.get([t.send_weights.remote(sender, engines) for t in trainers])[0]
+
+
+def publish(mode: str, trainers: list, rollouts: list, version: int, *, dtype: str | None, model_dir: str,
+            bucket_bytes: int) -> dict:
+    """Version `version` published once for the engines to take later (rollout.sync_interface.Publication's
+    wire, rank 0's): hand it to each RolloutHost.take_weights when its queue reaches it. files only
+    (rollout.sync_interface.Sender.publish)."""
+    import ray
+
+    sender = sync.sender(mode, model_dir=model_dir, dtype=dtype, bucket_bytes=bucket_bytes)
+    return ray.get([t.publish_weights.remote(sender, RayClient(rollouts), version) for t in trainers])[0]
+

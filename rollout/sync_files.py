@@ -9,6 +9,9 @@ tensors go into the object store once and every engine reads that one copy). Eac
 rollout/sync_engine.py), writes it as safetensors buckets in /dev/shm and loads them in place in
 vLLM's worker process, all or nothing per engine. Nothing of vLLM is imported on this side.
 
+`publish(weights, engines, version)` makes the same export once as a Publication that each engine
+takes later with RolloutWorker.take_weights (the pull model: docs/WEIGHT_SYNC.md).
+
 Not streamed: no plan-and-start round trip, no chunks. An engine that fails while applying refuses
 to sample until a later update lands (rollout/sync_engine.py `discarded`); one that refuses the update
 (ValueError) keeps its weights. Engines are independent here: one refusing does not stop the others,
@@ -17,7 +20,7 @@ and the first failure is raised once every engine has answered.
 
 from __future__ import annotations
 
-from rollout.sync_interface import Engines, Sender, SyncReport, TrainerWeights
+from rollout.sync_interface import Engines, Publication, Sender, SyncReport, TrainerWeights
 from rollout.sync_stream import Clock
 
 # What one engine's update_weights reports, as its seconds per phase (the engine's own, engine_*).
@@ -47,3 +50,13 @@ class FilesSender(Sender):
         return SyncReport(seconds={**clock.laps, **engine, "total": clock.total()}, bytes=nbytes,
                           sent_bytes=nbytes * len(answers), chunks=int(first.get("buckets", 0)),
                           format="checkpoint", why={})
+
+    def publish(self, weights: TrainerWeights, engines: Engines | None, version: int) -> Publication | None:
+        """Version `version` for the engines to take later (RolloutWorker.take_weights, queued behind
+        their generations): rank 0's export, shared once (`engines.share`: Ray's object store). The
+        trainer keeps nothing; the caller holds the Publication until every engine took it."""
+        named = weights.export_weights(weights.sync_dtype(self.dtype))  # every rank gathers
+        if weights.rank != 0:
+            return None
+        return Publication(version=version, mode=self.mode, payload=engines.share(named))
+

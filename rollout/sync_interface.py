@@ -84,6 +84,9 @@ class EngineEndpoint(Protocol):
     def update_weights(self, named_tensors) -> dict:
         """A whole update of (name, CPU tensor) through files (rollout/weights.py), all or nothing."""
 
+    def take_weights(self, publication: dict) -> dict:
+        """Take a published version (Publication's wire), all or nothing; the engine's report."""
+
 
 class Engines(Protocol):
     """What a transport asks of the engines it syncs (all of them at once); EngineClient is the one
@@ -111,6 +114,9 @@ class Engines(Protocol):
 
     def load_whole(self, named_tensors: list) -> list[dict]:
         """update_weights(named_tensors) on every engine, the tensors shared rather than copied per engine."""
+
+    def share(self, obj) -> Any:
+        """`obj` made readable by every engine, once (a Publication's payload)."""
 
 
 class Calls(Protocol):
@@ -171,6 +177,9 @@ class EngineClient:
     def load_whole(self, named_tensors: list) -> list[dict]:
         shared = self.calls.share(named_tensors)
         return self._each(lambda e: e.update_weights(shared))
+
+    def share(self, obj):
+        return self.calls.share(obj)
 
 
 class LocalCalls:
@@ -289,6 +298,22 @@ class SyncReport:
         return dataclasses.asdict(self)
 
 
+@dataclasses.dataclass(frozen=True)
+class Publication:
+    """Version `version` of the trainer's weights, published once (`Sender.publish`) for every engine
+    to take later, between two of its generate calls (`EngineEndpoint.take_weights`): the pull model
+    of run.max_async_steps (docs/WEIGHT_SYNC.md). `payload` is what an engine needs to take it
+    without the trainer: for files, the shared export (an object every engine reads; over Ray an
+    ObjectRef, which rl.cluster.RolloutHost resolves)."""
+
+    version: int
+    mode: str
+    payload: Any
+
+    def to_wire(self) -> dict:
+        return {"version": self.version, "mode": self.mode, "payload": self.payload}
+
+
 class Sender(abc.ABC):
     """One transport of the weight sync, trainer side (rollout.sync.sender picks it by mode). A
     sender is a small picklable object: the driver builds it and hands it to every trainer rank's
@@ -305,3 +330,12 @@ class Sender(abc.ABC):
         invariants); run on every trainer rank, rank 0 driving `engines` (None on the others).
         ValueError: refused before anything was applied; any other error after the engines started
         leaves them refusing to sample until a later sync completes."""
+
+    def publish(self, weights: TrainerWeights, engines: Engines | None, version: int) -> Publication | None:
+        """Version `version` of the trainer's weights, made once for every engine to take later
+        (Publication); run on every trainer rank, rank 0 returning it (None on the others). Only
+        files publishes today: NotImplementedError for the others (what each needs is in
+        docs/WEIGHT_SYNC.md, the pull model)."""
+        raise NotImplementedError(f"rollout.weight_sync={self.mode!r}: publishing a version for the engines to take "
+                                  "later is not built for this transport (docs/WEIGHT_SYNC.md, 'Taking a version "
+                                  "later'); it syncs with send()")

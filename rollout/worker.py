@@ -465,6 +465,16 @@ class RolloutWorker:
                 "send_s": t_stage - t_pack, "commit_s": t_end - t_stage,
                 **{k: v for k, v in results[0].items() if k.startswith("worker_")}}
 
+    def take_weights(self, publication: dict) -> dict:
+        """Take a published version of the trainer's weights (rollout.sync_interface.Publication's
+        wire), all or nothing, between two generate calls: files, its shared export through
+        update_weights. Returns update_weights' report with the version taken."""
+        mode, version = publication.get("mode"), publication.get("version")
+        if mode != "files":
+            raise ValueError(f"publication: mode {mode!r} cannot be taken by an engine (only 'files' publishes; "
+                             "docs/WEIGHT_SYNC.md)")
+        return {"version": version, **self.update_weights(publication["payload"])}
+
     # -- streamed updates (weight_sync ipc / nccl; rollout/sync.py): plan and start, chunks -------
     # An update ends by itself when its last planned tensor arrives (the chunk call returns what
     # finish_weight_update would); abort_weight_update ends one that will not be completed.

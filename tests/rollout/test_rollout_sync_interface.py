@@ -115,6 +115,36 @@ def test_the_files_sender_hands_rank_0s_export_to_every_engine_once():
     assert refusing[0].got == [["model.norm.weight"]]  # engines are independent: the other one took it
 
 
+def test_a_published_version_is_taken_later_by_each_engine_whole():
+    """The pull model's files transport: rank 0's export made once (shared), each engine taking it
+    through update_weights when it chooses; the streamed transports refuse to publish, naming why."""
+    from rollout.sync import sender
+    from rollout.sync_interface import LocalClient, Publication
+    from rollout.worker import RolloutWorker
+
+    shared = []
+
+    class Client(LocalClient):
+        def share(self, obj):
+            shared.append(obj)
+            return ("shared", len(shared))
+
+    trainer = _FilesTrainer(0)
+    pub = sender("files", model_dir="m", dtype="bfloat16").publish(trainer, Client(_FilesEngine()), version=3)
+    assert pub == Publication(version=3, mode="files", payload=("shared", 1)) and trainer.asked == ["bfloat16"]
+    assert [n for n, _ in shared[0]] == ["model.norm.weight"]
+    assert sender("files", model_dir="m", dtype=None).publish(_FilesTrainer(1), None, version=3) is None
+
+    w = object.__new__(RolloutWorker)
+    w.update_weights = lambda named: {"tensors": 1, "got": named}
+    assert w.take_weights(pub.to_wire()) == {"version": 3, "tensors": 1, "got": ("shared", 1)}
+    with pytest.raises(ValueError, match="mode 'ipc' cannot be taken"):
+        w.take_weights({**pub.to_wire(), "mode": "ipc"})
+    for mode in ("ipc", "nccl"):
+        with pytest.raises(NotImplementedError, match=f"rollout.weight_sync='{mode}': publishing a version"):
+            sender(mode, model_dir="m", dtype=None).publish(trainer, None, version=3)
+
+
 # The trainer's side of the sync: what a trainer process imports to run a sender (rl.cluster.TrainerHost
 # unpickles the sender there). vLLM's wire format is built on the engine's side (rollout/adapter.py).
 TRAINER_SIDE = ("rollout.sync", "rollout.sync_interface", "rollout.sync_stream", "rollout.sync_files",
