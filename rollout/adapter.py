@@ -562,8 +562,8 @@ def load_weights_in_place(worker, named_tensors: list[tuple[str, torch.Tensor]])
 
 def ipc_init_info() -> dict | None:
     """vLLM's init info for the engine's IPC backend, made once before its first update session:
-    the packed flag where this vLLM takes it at init (0.32), None where it reads it from each update
-    (0.26: the engine then makes no handshake)."""
+    the packed flag where this vLLM takes it at init (0.32), else None (0.26 reads it from each
+    update: the engine then makes no handshake)."""
     if not VLLM.ipc_engine:
         raise VLLM.missing("ipc_engine", "no CUDA IPC weight-transfer engine (vllm.distributed.weight_transfer)")
     return {"packed": True} if VLLM.ipc_packed_at_init else None
@@ -579,11 +579,11 @@ def vllm_update_info(chunk: dict) -> dict:
         if not VLLM.ipc_engine:
             raise VLLM.missing("ipc_engine", "no CUDA IPC weight-transfer engine (vllm.distributed.weight_transfer)")
         info = {**meta, "tensor_sizes": chunk["tensor_sizes"], "ipc_handles": chunk["ipc_handles"]}
-        return info if VLLM.ipc_packed_at_init else {**info, "packed": True}
+        return {**info, "packed": True} if VLLM.ipc_packed_in_update else info
     if transport == "nccl":
         if not VLLM.nccl_engine:
             raise VLLM.missing("nccl_engine", "no NCCL weight-transfer engine (vllm.distributed.weight_transfer)")
-        return meta if VLLM.nccl_packed_at_init else {**meta, **_packed_wire(chunk)}
+        return {**meta, **_packed_wire(chunk)} if VLLM.nccl_packed_in_update else meta
     raise ValueError(f"weight update chunk: 'transport' expected 'ipc' or 'nccl', got {transport!r}")
 
 

