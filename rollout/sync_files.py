@@ -14,8 +14,10 @@ takes later with RolloutWorker.take_weights (the pull model: docs/WEIGHT_SYNC.md
 
 Not streamed: no plan-and-start round trip, no chunks. An engine that fails while applying refuses
 to sample until a later update lands (rollout/sync_engine.py `discarded`); one that refuses the update
-(ValueError) keeps its weights. Engines are independent here: one refusing does not stop the others,
-and the first failure is raised once every engine has answered.
+(ValueError) keeps its weights. Engines are independent here: every engine is called and one refusing
+does not stop the others; the first failure is raised (over Ray as soon as it comes back, the other
+engines finishing their own update). A dead engine is the caller's to restart and give the weights
+(rl/loop.py's push_weights).
 """
 
 from __future__ import annotations
