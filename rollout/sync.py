@@ -47,7 +47,7 @@ __all__ = ["AUTO", "DEFAULT_IPC_BUCKET_BYTES", "FORMATS", "MODES", "STREAMED", "
            "LocalClient", "checked_and_started", "ipc_buffer", "push_ipc_local", "resolve", "send_ipc", "sender"]
 
 MODES = ("files", "ipc", "nccl")
-STREAMED = ("ipc", "nccl")  # the transports of the streamed protocol (plan and start, chunks): a Sender each
+STREAMED = ("ipc", "nccl")  # the transports of the streamed protocol (plan and start, chunks); files is a Sender too
 AUTO = "auto"
 
 
