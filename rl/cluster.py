@@ -43,15 +43,6 @@ class WorkerHost:
 
         return [ray.put(getattr(self.worker, method)(*args, **kwargs))]
 
-    def run(self, fn: str, *args, **kwargs):
-        """`module:function(worker, *args, **kwargs)` in this actor's process: code of a layer above
-        the worker that needs the worker's objects where they live (rl.weight_sync's IPC sender
-        reads the trainer's GPU tensors, which cannot leave the process as tensors)."""
-        import importlib
-
-        module, _, name = fn.partition(":")
-        return getattr(importlib.import_module(module), name)(self.worker, *args, **kwargs)
-
     def pid(self) -> int:
         return os.getpid()
 
@@ -72,6 +63,18 @@ class TrainerHost(WorkerHost):
         """[an ObjectRef to rank 0's exported weights] (call_put's form; other ranks: [a ref to None])."""
         return self.call_put("export_weights", dtype)
 
+    def publish_weights(self, sender, engines, version: int) -> dict | None:
+        """`sender.publish` on this rank (rollout.sync_interface.Publication, for the engines to take
+        later); rank 0's Publication as a dict, None on the others."""
+        pub = sender.publish(self.worker, engines, version)
+        return None if pub is None else pub.to_wire()
+
+    def send_weights(self, sender, engines) -> dict:
+        """One weight sync from this rank: `sender` (a rollout.sync_interface.Sender, built by the
+        driver) runs here on this rank's weights, rank 0 driving `engines` (rl.weight_sync.RayClient);
+        its SyncReport as a dict."""
+        return sender.send(self.worker, engines).to_wire()
+
 
 class RolloutHost(WorkerHost):
     """The actor of one rollout worker: the calls the loop makes, by name (rollout/worker.py's interface)."""
@@ -86,6 +89,32 @@ class RolloutHost(WorkerHost):
 
     def update_weights(self, named) -> dict:
         return self.worker.update_weights(named)
+
+    # The engine's endpoint of the weight sync (rollout.sync_interface.EngineEndpoint), method for method.
+    def take_weights(self, publication: dict) -> dict:
+        """RolloutWorker.take_weights, the publication's payload fetched from Ray's object store first
+        (Ray resolves only top-level ObjectRef arguments)."""
+        import ray
+
+        payload = publication["payload"]
+        if isinstance(payload, ray.ObjectRef):
+            payload = ray.get(payload)
+        return self.worker.take_weights({**publication, "payload": payload})
+
+    def plan_weight_update(self, metas: list, start: bool = False) -> dict:
+        return self.worker.plan_weight_update(metas, start)
+
+    def update_weight_chunk(self, chunk: dict) -> dict | None:
+        return self.worker.update_weight_chunk(chunk)
+
+    def finish_weight_update(self) -> dict:
+        return self.worker.finish_weight_update()
+
+    def abort_weight_update(self, why: str) -> None:
+        return self.worker.abort_weight_update(why)
+
+    def init_weight_transfer_engine(self, join: dict) -> None:
+        return self.worker.init_weight_transfer_engine(join)
 
     def sleep(self, level: int):
         return self.worker.sleep(level)

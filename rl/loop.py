@@ -81,7 +81,6 @@ from rl.failures import ANSI, ActorError, RolloutFailed, TrainerDied, died, fail
 from rl.records import Sample, TrainBatch
 from rl.run_dir import (checkpoints_dir, holds_run, latest_checkpoint, log_config_changes, prepare_run_dir,
                         resume_checkpoint, write_atomic)
-from rollout.sync import STREAMED
 
 log = logging.getLogger("megamoe.rl")
 
@@ -277,44 +276,25 @@ class Loop:
         t0 = time.perf_counter()
         targets = list(range(len(self.rollouts))) if indices is None else list(indices)
         times: dict[str, float] = {}
-        if self.weight_sync in STREAMED:
-            what = f"the weight sync ({self.weight_sync})"
-            try:
-                info = weight_sync.push_streamed(self.weight_sync, self.trainers, [self.rollouts[i] for i in targets],
-                                                 dtype=self._export_dtype(), model_dir=str(self.model_dir),
-                                                 bucket_bytes=self.cfg.rollout.ipc_bucket_bytes)
-            except ray.exceptions.RayActorError as e:
-                dead = self._dead_rollout(targets)
-                if dead is None:
-                    raise TrainerDied(self._actor_of(e, "a TrainerWorker"), what, self.where, e) from e
-                self.restart_rollout(dead, e, what)  # the new worker gets the weights there
-                rest = [i for i in targets if i != dead]
-                return self.push_weights(rest) if rest else {"total": time.perf_counter() - t0}
-            except ray.exceptions.RayError as e:
-                raise ActorError(self._actor_of(e, "an actor"), what, self.where, e) from e
-            if info.get("format") != self._sync_format:  # the layout the engines load (rollout.sync.FORMATS), once
-                self._sync_format = info.get("format")
-                why = "; ".join(f"not {k}: {v}" for k, v in (info.get("why") or {}).items())
-                log.info("weight sync %s: format %s%s", self.weight_sync, self._sync_format, f" ({why})" if why else "")
-            times.update({k: v for k, v in info["seconds"].items() if k != "total"})  # rollout.sync.send_ipc's / send_nccl's phases
-            times["total"] = time.perf_counter() - t0
-            return times
-        # A reference to rank 0's weights in the object store: the driver never holds them (fetching
-        # them here and putting them back cost two more host copies of the whole model).
-        named = self._on_trainers("export_weights", self._export_dtype())[0]
-        times["export"] = time.perf_counter() - t0
-        for i in targets:
-            try:
-                info = ray.get(self.rollouts[i].update_weights.remote(named))
-            except ray.exceptions.RayActorError as e:
-                if e.actor_init_failed:
-                    raise ActorError(f"RolloutWorker {i}", "__init__", self.where, e) from e
-                self.restart_rollout(i, e, "update_weights")  # the new worker gets these weights
-                continue
-            except ray.exceptions.RayError as e:
-                raise ActorError(f"RolloutWorker {i}", "update_weights", self.where, e) from e
-            if i == targets[0] and isinstance(info, dict):
-                times.update({k[:-2]: v for k, v in info.items() if k.endswith("_s")})
+        what = f"the weight sync ({self.weight_sync})"
+        try:
+            info = weight_sync.push(self.weight_sync, self.trainers, [self.rollouts[i] for i in targets],
+                                    dtype=self._export_dtype(), model_dir=str(self.model_dir),
+                                    bucket_bytes=self.cfg.rollout.ipc_bucket_bytes)
+        except ray.exceptions.RayActorError as e:
+            dead = self._dead_rollout(targets)
+            if dead is None:
+                raise TrainerDied(self._actor_of(e, "a TrainerWorker"), what, self.where, e) from e
+            self.restart_rollout(dead, e, what)  # the new worker gets the weights there
+            rest = [i for i in targets if i != dead]
+            return self.push_weights(rest) if rest else {"total": time.perf_counter() - t0}
+        except ray.exceptions.RayError as e:
+            raise ActorError(self._actor_of(e, "an actor"), what, self.where, e) from e
+        if info.get("format") != self._sync_format:  # the layout the engines load (rollout.sync.FORMATS), once
+            self._sync_format = info.get("format")
+            why = "; ".join(f"not {k}: {v}" for k, v in (info.get("why") or {}).items())
+            log.info("weight sync %s: format %s%s", self.weight_sync, self._sync_format, f" ({why})" if why else "")
+        times.update({k: v for k, v in info["seconds"].items() if k != "total"})  # the sender's phases
         times["total"] = time.perf_counter() - t0
         return times
 

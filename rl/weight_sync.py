@@ -1,14 +1,14 @@
-"""The trainer -> rollout weight sync over Ray actors (the transports are in rollout/sync.py; the
+"""The trainer -> rollout weight sync over Ray actors (the transports are in rollout/sync*.py; the
 whole is described in docs/WEIGHT_SYNC.md).
 
-    push_streamed("ipc", trainers, rollouts, dtype="bfloat16", model_dir=..., bucket_bytes=1 << 30)
+    push("ipc", trainers, rollouts, dtype="bfloat16", model_dir=..., bucket_bytes=1 << 30)
 
-ipc / nccl: one call into every trainer rank's actor, which runs the mode's rollout.sync.sender
-there (its GPU tensors cannot leave the process as tensors): the NaN/Inf check on every rank's GPU,
-the engines' plan of the whole update, then the stream through the rank's CUDA IPC buffer (or rank
-0's NCCL broadcast) into vLLM's weight-transfer engine, rank 0 driving the engines through
-`RayClient`. Nothing is applied before both checks passed for the whole update.
-files: rank 0's weights through Ray's object store into RolloutWorker.update_weights (rl/loop.py).
+Every mode (files, ipc, nccl) is one call into every trainer rank's actor
+(`TrainerHost.send_weights(sender, engines)`), which runs the mode's rollout.sync.sender there: its
+GPU tensors cannot leave the process as tensors, and every rank takes part in the gathers. Rank 0
+drives the engines through `RayClient`, whose calls are the engines' typed endpoint
+(rollout.sync_interface.EngineEndpoint, forwarded by rl.cluster.RolloutHost). `publish` makes a
+version once for the engines to take later (RolloutHost.take_weights; the pull model, files only).
 """
 
 from __future__ import annotations
@@ -17,53 +17,85 @@ from rollout import sync
 from rollout.sync_interface import EngineClient
 
 
+class RayEndpoint:
+    """rollout.sync_interface.EngineEndpoint over one RolloutHost actor: each method starts the call
+    and returns its ObjectRef (RayCalls.wait gets them)."""
+
+    def __init__(self, host):
+        self.host = host
+
+    def plan_weight_update(self, metas: list, start: bool = False):
+        return self.host.plan_weight_update.remote(metas, start)
+
+    def update_weight_chunk(self, chunk: dict):
+        return self.host.update_weight_chunk.remote(chunk)
+
+    def finish_weight_update(self):
+        return self.host.finish_weight_update.remote()
+
+    def abort_weight_update(self, why: str):
+        return self.host.abort_weight_update.remote(why)
+
+    def init_weight_transfer_engine(self, join: dict):
+        return self.host.init_weight_transfer_engine.remote(join)
+
+    def update_weights(self, named_tensors):
+        return self.host.update_weights.remote(named_tensors)
+
+    def take_weights(self, publication: dict):
+        return self.host.take_weights.remote(publication)
+
+
 class RayCalls:
-    """rollout.sync_interface.Calls over RolloutWorker actors (WorkerHost's `call`). `each` calls
-    every engine at once and returns when all of them are done (a chunk's buffer is reused for the
-    next chunk only after that). An actor runs one caller's calls in order, so an abort sent after
-    a failed wait comes after every engine's plan-and-start call."""
+    """rollout.sync_interface.Calls over RolloutHost actors. An actor runs one caller's calls in
+    order, so an abort sent after a failed wait comes after every engine's plan-and-start call;
+    `share` puts an object into Ray's object store once, for every engine to read."""
 
     def __init__(self, hosts: list):
         self.hosts = list(hosts)
         self.count = len(self.hosts)
 
-    def begin(self, method: str, args: list[tuple]) -> list:
-        return [h.call.remote(method, *a) for h, a in zip(self.hosts, args, strict=True)]
+    def begin(self, ops: list) -> list:
+        return [op(RayEndpoint(h)) for h, op in zip(self.hosts, ops, strict=True)]
 
     def wait(self, pending: list) -> list:
         import ray
 
         return ray.get(pending)
 
-    def each(self, method: str, *args) -> list:
-        return self.wait(self.begin(method, [args] * self.count))
+    def share(self, obj):
+        import ray
+
+        return ray.put(obj)
 
 
 class RayClient(EngineClient):
-    """The engine client (rollout.sync_interface.EngineClient) over RolloutWorker actors."""
+    """The engine client (rollout.sync_interface.EngineClient) over RolloutHost actors."""
 
     def __init__(self, hosts: list):
         super().__init__(RayCalls(hosts))
 
 
-def send_from_trainer(trainer, mode: str, rollout_hosts: list, model_dir: str, dtype: str | None,
-                      bucket_bytes: int) -> dict:
-    """Runs in a TrainerWorker's actor (WorkerHost.run): the mode's sender on this rank (nccl: the
-    engines reach rank 0 at this node's address); its report as a dict."""
-    import ray
-
-    sender = sync.sender(mode, model_dir=model_dir, dtype=dtype, bucket_bytes=bucket_bytes,
-                         address=ray.util.get_node_ip_address())
-    return sender.send(trainer, RayClient(rollout_hosts)).to_wire()
-
-
-def push_streamed(mode: str, trainers: list, rollouts: list, *, dtype: str | None, model_dir: str,
-                  bucket_bytes: int) -> dict:
-    """One streamed sync (`mode` ipc or nccl) into `rollouts`: rank 0's report (SyncReport's wire
+def push(mode: str, trainers: list, rollouts: list, *, dtype: str | None, model_dir: str,
+         bucket_bytes: int) -> dict:
+    """One sync (`mode` in rollout.sync.MODES) into `rollouts`: rank 0's report (SyncReport's wire
     form: {"seconds": {phase: s}, "bytes", "sent_bytes", "chunks", "format", "why"}). Raises
     ValueError before anything is applied when a weight is non-finite or the update does not fit
     the checkpoint."""
     import ray
 
-    return ray.get([t.run.remote("rl.weight_sync:send_from_trainer", mode, rollouts, model_dir, dtype,
-                                 bucket_bytes) for t in trainers])[0]
+    sender = sync.sender(mode, model_dir=model_dir, dtype=dtype, bucket_bytes=bucket_bytes)
+    engines = RayClient(rollouts)
+    return ray.get([t.send_weights.remote(sender, engines) for t in trainers])[0]
+
+
+def publish(mode: str, trainers: list, rollouts: list, version: int, *, dtype: str | None, model_dir: str,
+            bucket_bytes: int) -> dict:
+    """Version `version` published once for the engines to take later (rollout.sync_interface.Publication's
+    wire, rank 0's): hand it to each RolloutHost.take_weights when its queue reaches it. files only
+    (rollout.sync_interface.Sender.publish)."""
+    import ray
+
+    sender = sync.sender(mode, model_dir=model_dir, dtype=dtype, bucket_bytes=bucket_bytes)
+    return ray.get([t.publish_weights.remote(sender, RayClient(rollouts), version) for t in trainers])[0]
+

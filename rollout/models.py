@@ -39,6 +39,7 @@ from vllm.model_executor.models import deepseek_v2, gpt_oss
 
 from rollout import archs, moe_method
 from rollout.adapter import _REGISTERED, KeepWeightLinearMethod
+from rollout.vllm_surface import VLLM
 
 
 class MegaMoESharedMLP(deepseek_v2.DeepseekV2MLP):
@@ -103,14 +104,13 @@ class GptOssForCausalLM(gpt_oss.GptOssForCausalLM):
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         archs.check_model_config(vllm_config.model_config.hf_config, where="vLLM model (megamoe plugin)")
-        if not hasattr(gpt_oss.GptOssModel, "_try_load_streamed_expert"):
-            import vllm
-
-            raise NotImplementedError(f"vLLM {vllm.__version__}: gpt_oss.GptOssModel has no per-expert weight loading "
-                                      "(_try_load_streamed_expert), which the megamoe hook loads gpt-oss's experts "
-                                      "through so that weight syncs reach them (rollout/models.py, written against "
-                                      "vLLM 0.32); this version's FusedMoE weight loader takes no unquantized expert "
-                                      "biases, and its gpt-oss router (`router`, with a bias) is not megamoe.router")
+        if not VLLM.gpt_oss_streamed_experts:
+            raise VLLM.missing("gpt_oss_streamed_experts",
+                               "gpt_oss.GptOssModel has no per-expert weight loading (_try_load_streamed_expert), which "
+                               "the megamoe hook loads gpt-oss's experts through so that weight syncs reach them "
+                               "(rollout/models.py, written against vLLM 0.32); this version's FusedMoE weight loader "
+                               "takes no unquantized expert biases, and its gpt-oss router (`router`, with a bias) is "
+                               "not megamoe.router")
         super().__init__(vllm_config=vllm_config, prefix=prefix)
 
     def _sinks(self, name: str, loaded: torch.Tensor) -> str:

@@ -22,8 +22,8 @@ Transports (`rollout.weight_sync`; `sender` is the one place a mode becomes an i
 - `nccl` (`NcclSender`, rollout/sync_nccl.py): trainer and sampler on different GPUs, through
   vLLM's NCCL weight-transfer engine. Not yet run on two GPUs: opt in with rollout.weight_sync=nccl
   (`auto` keeps files for separate GPUs until it has been).
-- `files`: safetensors buckets in /dev/shm (rollout/weights.py, RolloutWorker.update_weights),
-  driven from rl/loop.py with rank 0's weights: the CPU transport.
+- `files` (`FilesSender`, rollout/sync_files.py): rank 0's weights, shared once, into every engine's
+  RolloutWorker.update_weights (safetensors buckets in /dev/shm, rollout/weights.py): the CPU transport.
 
 Every update is checked whole before any byte is applied, on both sides, and ends applied whole,
 aborted with nothing applied, or broken (the engine refuses to sample until a complete update):
@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from rollout.sync_interface import FORMATS, EngineAnswer, Engines, LocalClient, PackedChunk, Sender, SyncReport, \
-    TrainerWeights
+    TrainerWeights, ipc_chunk
 from rollout.sync_stream import (DEFAULT_IPC_BUCKET_BYTES, Clock, StreamDecision, abort_on_failure, agreed_format,
                                  checked_and_started, checkpoint_spec, finished_report, plan_buffer_bytes)
 
@@ -47,7 +47,7 @@ __all__ = ["AUTO", "DEFAULT_IPC_BUCKET_BYTES", "FORMATS", "MODES", "STREAMED", "
            "LocalClient", "checked_and_started", "ipc_buffer", "push_ipc_local", "resolve", "send_ipc", "sender"]
 
 MODES = ("files", "ipc", "nccl")
-STREAMED = ("ipc", "nccl")  # the transports of the streamed protocol (plan and start, chunks): a Sender each
+STREAMED = ("ipc", "nccl")  # the transports of the streamed protocol (plan and start, chunks); files is a Sender too
 AUTO = "auto"
 
 
@@ -82,16 +82,21 @@ def resolve(mode: str, *, colocated: bool, on_gpu: bool, same_gpu: bool = True, 
 
 
 def sender(mode: str, *, model_dir: str, dtype: str | None, bucket_bytes: int = DEFAULT_IPC_BUCKET_BYTES,
-           address: str = "127.0.0.1") -> Sender:
-    """The trainer's sender for a streamed `mode` (STREAMED): the one place a mode string becomes a
-    transport. address: trainer rank 0's address the engines reach (nccl's rendezvous)."""
+           address: str | None = None) -> Sender:
+    """The trainer's sender for `mode` (MODES): the one place a mode string becomes a transport.
+    address: trainer rank 0's address the engines reach (nccl's rendezvous; None: the node's
+    address as Ray sees it, found in the trainer's process)."""
     if mode == "ipc":
         return IpcSender(model_dir=model_dir, dtype=dtype, bucket_bytes=bucket_bytes)
     if mode == "nccl":
         from rollout.sync_nccl import NcclSender  # here, not at the top: sync_nccl needs nothing of this module
 
         return NcclSender(model_dir=model_dir, dtype=dtype, bucket_bytes=bucket_bytes, address=address)
-    raise ValueError(f"mode: expected one of {STREAMED} (files is driven by rl/loop.py), got {mode!r}")
+    if mode == "files":
+        from rollout.sync_files import FilesSender
+
+        return FilesSender(model_dir=model_dir, dtype=dtype, bucket_bytes=bucket_bytes)
+    raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
 
 
 class IPCBuffer:
@@ -259,7 +264,7 @@ class IpcSender(Sender):
     def send(self, weights: TrainerWeights, engines: Engines | None) -> SyncReport:
         import torch
 
-        from rollout import adapter, weights as wts
+        from rollout import weights as wts
 
         rank = weights.rank
         clock = Clock()
@@ -286,8 +291,7 @@ class IpcSender(Sender):
                 while (chunk := buf.agreed(lambda: next(chunks, None), "packing a chunk")) is not None:
                     clock.lap("pack")
                     # the engines are done with the chunk once this returns: the buffer may be overwritten
-                    done = buf.agreed(lambda: engines.update_weights(adapter.ipc_update_info(chunk.to_wire(),
-                                                                                             buf.handle))
+                    done = buf.agreed(lambda: engines.update_weights(ipc_chunk(chunk, buf.handle))
                                       if rank == 0 else None, "handing a chunk to the engines")
                     clock.lap("send")
                     sent_bytes += chunk.nbytes

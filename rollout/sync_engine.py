@@ -213,7 +213,7 @@ class EngineUpdate:
         self.require_streaming("fail")
         was_open = self.session_open
         self.broken = broken_message(why)
-        self.state, self.plan, self.session_open = State.BROKEN, None, False
+        self.state, self.plan, self.received, self.session_open = State.BROKEN, None, set(), False
         return was_open
 
     def aborted(self, why: str) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from rollout.sync_stream import (DEFAULT_IPC_BUCKET_BYTES, Clock, StreamDecision, abort_on_failure, agreed_format,
                                  checked_and_started, checkpoint_spec, finished_report, plan_buffer_bytes,
                                  rank0_decides)
-from rollout.sync_interface import EngineAnswer, Engines, Sender, SyncReport, TrainerWeights
+from rollout.sync_interface import EngineAnswer, Engines, Sender, SyncReport, TrainerWeights, nccl_chunk, nccl_join
 
 # vLLM's packed broadcast keeps this many buffers in flight on each side (its default).
 NCCL_NUM_BUFFERS = 2
@@ -58,20 +58,58 @@ def _nccl_group(client: Engines, decision: StreamDecision, address: str):
     engine reports its token (address:port) and the size and buffer are unchanged; else a new one
     on a fresh port (a new or restarted engine, another set of engines), every engine joining while
     rank 0 opens its end (a rendezvous)."""
-    from rollout import adapter
-
     key = (decision.world_size, decision.buffer_bytes)
     if _NCCL.get("key") == key and all(g == _NCCL["token"] for g in decision.groups):
         return _NCCL["group"]
     _NCCL.clear()
     port = _free_port(address)
-    infos = [(adapter.nccl_init_info(address, port, off, decision.world_size, decision.buffer_bytes,
-                                     NCCL_NUM_BUFFERS),) for off in decision.offsets]
-    pending = client.begin("init_weight_transfer_engine", infos)
-    group = adapter.nccl_trainer_group(address, port, decision.world_size)
+    pending = client.join([nccl_join(address, port, off, decision.world_size, decision.buffer_bytes, NCCL_NUM_BUFFERS)
+                           for off in decision.offsets])
+    group = trainer_group(address, port, decision.world_size)
     client.wait(pending)
     _NCCL.update(key=key, token=f"{address}:{port}", group=group)
     return group
+
+
+# The trainer's end of vLLM's NCCL weight-transfer protocol. vLLM defines that protocol (its stateless
+# process group's rendezvous and its packed broadcast, which the engine's consumer must mirror), so
+# trainer rank 0 speaks it with vLLM's own producer: the one place a trainer process imports vLLM,
+# only for rollout.weight_sync=nccl, inside these two functions (ipc and files import none of it).
+
+def trainer_group(address: str, port: int, world_size: int):
+    """The trainer's end (rank 0) of the NCCL group with the engines (vLLM's stateless group and
+    PyNccl communicator on the current CUDA device); returns once every engine worker joined."""
+    from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+    return trainer_init({"master_address": address, "master_port": port, "world_size": world_size})
+
+
+def broadcast(group, named_tensors, dtype, buffer_bytes: int, num_buffers: int) -> None:
+    """Broadcast (name, CUDA tensor) pairs from rank 0 with vLLM's packed producer, each cast to
+    `dtype` (None: as it is). The producer packs on its own streams: each cast first waits for the
+    stream that made the tensor (the gather of a sharded parameter)."""
+    import torch
+    from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+    made_on = torch.cuda.current_stream()
+
+    def cast(item):
+        torch.cuda.current_stream().wait_stream(made_on)
+        t = item[1]
+        return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+    packed_nccl_broadcast_producer(iterator=iter(named_tensors), group=group, src=0, post_iter_func=cast,
+                                   buffer_size_bytes=buffer_bytes, num_buffers=num_buffers)
+
+
+def node_address() -> str:
+    """This process's node address as Ray sees it (what the engines reach), 127.0.0.1 outside Ray."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    except ImportError:
+        return "127.0.0.1"
 
 
 class NcclSender(Sender):
@@ -90,14 +128,14 @@ class NcclSender(Sender):
     mode = "nccl"
 
     def __init__(self, *, model_dir: str, dtype: str | None, bucket_bytes: int = DEFAULT_IPC_BUCKET_BYTES,
-                 address: str = "127.0.0.1"):
+                 address: str | None = None):
         super().__init__(model_dir=model_dir, dtype=dtype, bucket_bytes=bucket_bytes)
         self.address = address
 
     def send(self, weights: TrainerWeights, engines: Engines | None) -> SyncReport:
         import torch
 
-        from rollout import adapter, weights as wts
+        from rollout import weights as wts
 
         rank = weights.rank
         clock = Clock()
@@ -123,16 +161,15 @@ class NcclSender(Sender):
 
         def join(client):
             with abort_on_failure(client, "the trainer could not join the engines' NCCL group"):
-                joined["group"] = _nccl_group(client, decision, self.address)
+                joined["group"] = _nccl_group(client, decision, self.address or node_address())
             return {}
 
         rank0_decides(rank, join, engines)  # a failure to join raises on every rank, before their gathers
         clock.lap("join")
         stream = wts.to_checkpoint_names(spec, weights.iter_device_weights(), kernel_experts=False)
         if rank == 0:
-            info = adapter.nccl_update_info(stream_metas, decision.buffer_bytes, NCCL_NUM_BUFFERS)
-            pending = engines.begin("update_weight_chunk", [(info,)] * len(decision.offsets))
-            adapter.nccl_send(joined["group"], stream, out_dtype, decision.buffer_bytes, NCCL_NUM_BUFFERS)
+            pending = engines.receive(nccl_chunk(stream_metas, decision.buffer_bytes, NCCL_NUM_BUFFERS))
+            broadcast(joined["group"], stream, out_dtype, decision.buffer_bytes, NCCL_NUM_BUFFERS)
             torch.cuda.synchronize()  # the broadcasts read live parameters: done before the next step
             done = engines.wait(pending)
         else:
@@ -145,7 +182,7 @@ class NcclSender(Sender):
 
 
 def send_nccl(trainer, client, *, model_dir: str, dtype: str | None,
-              bucket_bytes: int = DEFAULT_IPC_BUCKET_BYTES, address: str = "127.0.0.1") -> dict:
+              bucket_bytes: int = DEFAULT_IPC_BUCKET_BYTES, address: str | None = "127.0.0.1") -> dict:
     """NcclSender's sync, its report as a dict (SyncReport's wire form)."""
     return NcclSender(model_dir=model_dir, dtype=dtype, bucket_bytes=bucket_bytes,
                       address=address).send(trainer, client).to_wire()

@@ -97,7 +97,7 @@ def checked_and_started(trainer: TrainerWeights, client: Engines | None, dtype: 
     rank, with the engines' update aborted."""
     rank = trainer.rank
     metas = trainer.weight_metadata(dtype)
-    planning = client.begin("plan_weight_update", [(metas, True)] * client.engines) if rank == 0 else None
+    planning = client.plan(metas) if rank == 0 else None
     bad = trainer.nonfinite_weights(dtype)  # on every rank's GPU while the engines plan
     clock.lap("check")
 

@@ -2,7 +2,8 @@
 
 When that bundle moves to a vLLM >= 0.32, delete this module, its test
 (tests/rollout/test_rollout_vllm026.py) and its call sites (`grep -rn vllm026 rollout/ rl/`); with a
-vLLM >= 0.32 nothing here has any effect.
+vLLM >= 0.32 nothing here has any effect. Which vLLM runs is decided once, in
+rollout/vllm_surface.py (`VLLM.trainer_routing`, `VLLM.triton_attention`); nothing here probes it.
 
 - Plain gates: vLLM 0.26 has the pluggable `GateLinear` (which adapter.MegaMoEGate replaces) but builds
   the gates of Qwen3-MoE, Mixtral and OLMoE as plain `ReplicatedLinear` layers, whose bf16 logits
@@ -19,12 +20,12 @@ vLLM >= 0.32 nothing here has any effect.
 from __future__ import annotations
 
 import torch
-import vllm
 from vllm.model_executor.layers.linear import ReplicatedLinear, UnquantizedLinearMethod
 from vllm.model_executor.models import mixtral, olmoe, qwen3_moe
 
-from rollout.adapter import MegaMoERouterMethod, trainer_routing
+from rollout.adapter import MegaMoERouterMethod
 from rollout.models import built_then
+from rollout.vllm_surface import VLLM
 
 PLAIN_GATE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM")
 """The architectures whose gates vLLM 0.26 builds as plain ReplicatedLinear layers (classes below)."""
@@ -33,7 +34,7 @@ PLAIN_GATE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeF
 def register(impl: str) -> None:
     """Register the plain-gate model classes with vLLM's ModelRegistry (this process), where the hook
     routes with the trainer's router (moe_impl megamoe / reference on a vLLM with a pluggable gate)."""
-    if impl == "stock" or not trainer_routing():
+    if impl == "stock" or not VLLM.trainer_routing:
         return
     from vllm import ModelRegistry
 
@@ -43,7 +44,7 @@ def register(impl: str) -> None:
 
 def gpu_engine_kwargs() -> dict:
     """Engine arguments a GPU engine needs on this vLLM: the 0.26 bundle has no FlashAttention."""
-    return {"attention_config": {"backend": "TRITON_ATTN"}} if vllm.__version__.startswith("0.26") else {}
+    return {"attention_config": {"backend": "TRITON_ATTN"}} if VLLM.triton_attention else {}
 
 
 def use_megamoe_router(model: torch.nn.Module) -> int:

@@ -465,6 +465,16 @@ class RolloutWorker:
                 "send_s": t_stage - t_pack, "commit_s": t_end - t_stage,
                 **{k: v for k, v in results[0].items() if k.startswith("worker_")}}
 
+    def take_weights(self, publication: dict) -> dict:
+        """Take a published version of the trainer's weights (rollout.sync_interface.Publication's
+        wire), all or nothing, between two generate calls: files, its shared export through
+        update_weights. Returns update_weights' report with the version taken."""
+        mode, version = publication.get("mode"), publication.get("version")
+        if mode != "files":
+            raise ValueError(f"publication: mode {mode!r} cannot be taken by an engine (only 'files' publishes; "
+                             "docs/WEIGHT_SYNC.md)")
+        return {"version": version, **self.update_weights(publication["payload"])}
+
     # -- streamed updates (weight_sync ipc / nccl; rollout/sync.py): plan and start, chunks -------
     # An update ends by itself when its last planned tensor arrives (the chunk call returns what
     # finish_weight_update would); abort_weight_update ends one that will not be completed.
@@ -474,17 +484,19 @@ class RolloutWorker:
             raise RuntimeError(f"{what}: this RolloutWorker was built with weight_sync={self.weight_sync!r}; "
                                f"the streamed protocol needs weight_sync in {STREAMED}")
 
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        """vLLM's init handshake of the weight-transfer engine: the NCCL backend's rendezvous (returns
-        once this engine's workers joined the trainer's group), or the IPC backend's wire flags (an
-        ipc engine makes that handshake itself before its first update session)."""
-        self._need_ipc("init_weight_transfer_engine")
+    def init_weight_transfer_engine(self, join: dict) -> None:
+        """Join the trainer's NCCL group (rollout.sync_interface.nccl_join), through vLLM's NCCL
+        weight-transfer engine; returns once this engine's workers joined. (An ipc engine makes its
+        own init handshake before its first update session.)"""
+        from rollout import adapter
+
+        if self.weight_sync != "nccl":
+            raise RuntimeError(f"init_weight_transfer_engine: this RolloutWorker was built with "
+                               f"weight_sync={self.weight_sync!r}; joining a trainer's NCCL group needs 'nccl'")
         u = self.weight_update
         u.transfer_group = None
-        self.llm.init_weight_transfer_engine({"init_info": dict(init_info)})
-        u.ipc_initialized = self.weight_sync == "ipc"
-        if self.weight_sync == "nccl":
-            u.transfer_group = f"{init_info['master_address']}:{init_info['master_port']}"
+        self.llm.init_weight_transfer_engine({"init_info": adapter.nccl_init_info(join)})
+        u.transfer_group = f"{join['address']}:{join['port']}"
 
     def plan_weight_update(self, metas: list, start: bool = False) -> dict:
         """Check a whole update, described as (name, shape, dtype name) per trainer tensor, against
@@ -618,9 +630,10 @@ class RolloutWorker:
         except Exception:  # noqa: BLE001 - vLLM may have ended it itself; the broken state stands
             pass
 
-    def update_weight_chunk(self, update_info: dict) -> dict | None:
-        """One chunk (vLLM's update info: names, shapes, dtypes, and for ipc the sizes and the
-        buffer's handle; for nccl the call receives the broadcast while the trainer sends), checked
+    def update_weight_chunk(self, chunk: dict) -> dict | None:
+        """One chunk (rollout.sync_interface.ipc_chunk / nccl_chunk: names, shapes, dtypes, and for
+        ipc the sizes and the buffer's handle; for nccl the call receives the broadcast while the
+        trainer sends; vLLM's update info is built from it here, rollout.adapter.vllm_update_info), checked
         against the plan (rollout/sync_engine.py, E2), then loaded: a chunk of kernel-format tensors
         straight into the engine's parameters, a chunk in checkpoint format through vLLM's update
         session (started at the first such chunk; kernel chunks must come before it, while the MoE
@@ -635,9 +648,9 @@ class RolloutWorker:
         u = self.weight_update
         u.require_streaming("update_weight_chunk")
         try:
-            if u.receive(adapter.ipc_chunk_tensors(update_info)):
+            if u.receive(adapter.chunk_tensors(chunk)):
                 names = u.plan.kernel_names
-                info = {**update_info, "names": [names[n] for n in update_info["names"]]}
+                info = {**chunk, "names": [names[n] for n in chunk["names"]]}
                 blob = pickle.dumps(info)
                 mapped = self._timed("kernel", lambda: self.llm.collective_rpc("megamoe_receive_kernel_chunk",
                                                                               args=(blob,))[0])
@@ -647,7 +660,7 @@ class RolloutWorker:
                     self._init_ipc_engine()
                     self._timed("session_start", self.llm.start_weight_update)
                     u.session_opened()
-                blob = pickle.dumps(update_info)
+                blob = pickle.dumps(adapter.vllm_update_info(chunk))
                 self._timed("reload", lambda: self.llm.collective_rpc("megamoe_update_weights", args=(blob,)))
         except Exception as e:  # noqa: BLE001 - reported with the broken state
             self._fail_update(f"{type(e).__name__}: {e}")
@@ -659,8 +672,10 @@ class RolloutWorker:
         from rollout import adapter
 
         u = self.weight_update
-        if self.weight_sync == "ipc" and not u.ipc_initialized and adapter.ipc_needs_init():
-            self.llm.init_weight_transfer_engine({"init_info": {"packed": True}})
+        if self.weight_sync == "ipc" and not u.ipc_initialized:
+            init = adapter.ipc_init_info()
+            if init is not None:
+                self.llm.init_weight_transfer_engine({"init_info": init})
             u.ipc_initialized = True
 
     def finish_weight_update(self) -> dict:

@@ -39,14 +39,11 @@ class _Trainer:
 
 
 def _engines(ray, behaviours):
-    """One actor per (refuse, plan seconds), with WorkerHost's `call` shape, recording its events."""
+    """One actor per (refuse, plan seconds), with RolloutHost's typed endpoint, recording its events."""
 
     class Engine:
         def __init__(self, refuse, seconds):
             self.refuse, self.seconds, self.updating, self.events = refuse, seconds, False, []
-
-        def call(self, method, *args):
-            return getattr(self, method)(*args)
 
         def plan_weight_update(self, metas, start=False):
             import time

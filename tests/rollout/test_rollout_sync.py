@@ -229,7 +229,7 @@ def _engine_params(spec, below="routed_experts", blockers=BLOCKED, whole=False):
 
 
 def _chunk(names, plan):
-    return {"names": names, "shapes": [list(plan[n][0]) for n in names], "dtype_names": [plan[n][1] for n in names],
+    return {"transport": "ipc", "names": names, "shapes": [list(plan[n][0]) for n in names], "dtype_names": [plan[n][1] for n in names],
             "tensor_sizes": [0] * len(names), "ipc_handles": {}}
 
 
@@ -238,7 +238,7 @@ def test_streamed_update_sends_kernel_experts_first_to_the_engines_own_parameter
 
     _, spec, state, _ = ckpt
     w = _protocol_worker(spec, _engine_params(spec))
-    init = ["init"] if adapter.ipc_needs_init() else []  # vLLM 0.32's IPC handshake, once per engine
+    init = ["init"] if adapter.ipc_init_info() is not None else []  # vLLM 0.32's IPC handshake, once per engine
     for sync in range(2):
         info = w.plan_weight_update(_metas(state), start=True)  # plan and start: one call
         assert info["format"] == "experts" and info["tensors"] == len(w._plan) and w._updating
@@ -628,16 +628,14 @@ def test_ipc_sync_failing_mid_stream_aborts_the_engines_update(ckpt, kernel_engi
 
 @pytest.fixture
 def nccl_wire(monkeypatch):
-    """rollout.adapter's NCCL calls replaced by recorders: the group rank 0 opens, what it broadcasts."""
-    from rollout import adapter, sync_nccl
+    """The trainer's end of vLLM's NCCL protocol (rollout.sync_nccl's trainer_group and broadcast)
+    replaced by recorders: the group rank 0 opens, what it broadcasts. The engine's side is the real
+    RolloutWorker building vLLM's init and update info (rollout.adapter) over a fake LLM."""
+    from rollout import sync_nccl
 
     sent, groups = [], []
-    monkeypatch.setattr(adapter, "nccl_init_info", lambda a, p, off, ws, b, n: {
-        "master_address": a, "master_port": p, "rank_offset": off, "world_size": ws})
-    monkeypatch.setattr(adapter, "nccl_update_info", lambda metas, b, n: {
-        "names": [m[0] for m in metas], "shapes": [m[1] for m in metas], "dtype_names": [m[2] for m in metas]})
-    monkeypatch.setattr(adapter, "nccl_trainer_group", lambda a, p, ws: groups.append((p, ws)) or f"group{len(groups)}")
-    monkeypatch.setattr(adapter, "nccl_send", lambda g, stream, dt, b, n: sent.append(
+    monkeypatch.setattr(sync_nccl, "trainer_group", lambda a, p, ws: groups.append((p, ws)) or f"group{len(groups)}")
+    monkeypatch.setattr(sync_nccl, "broadcast", lambda g, stream, dt, b, n: sent.append(
         (g, [(name, t.to(dt) if dt else t) for name, t in stream])))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(sync_nccl, "_NCCL", {})
@@ -703,3 +701,104 @@ def test_nccl_sync_refuses_before_any_group_or_update(ckpt, nccl_wire, case, mat
                   bucket_bytes=1024 if case == "bucket" else 1 << 30)
     assert not groups and not sent and not w._updating and w._weights_broken is None
     assert not [c for c in w.llm.calls if c not in ("megamoe_engine_params", "reset")]
+
+
+# -- vLLM's wire, built on the engine's side for the vLLM that runs (rollout/vllm_surface.py) --------
+
+def _release(**fields):
+    """rollout.vllm_surface.VLLM as another release would decide it (0.26: the packed flags in each update)."""
+    import dataclasses
+
+    from rollout.vllm_surface import VLLM
+
+    return dataclasses.replace(VLLM, **fields)
+
+
+def test_the_engine_builds_vllms_update_info_from_the_trainers_chunk_for_each_release(monkeypatch):
+    import dataclasses
+
+    from rollout import adapter
+    from rollout.sync_interface import PackedChunk, ipc_chunk, nccl_chunk, nccl_join
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo
+
+    chunk = PackedChunk(names=["a.weight"], shapes=[[2, 3]], dtype_names=["bfloat16"], tensor_sizes=[12])
+    ipc = ipc_chunk(chunk, {"gpu-uuid": ("rebuild", "args")})
+    metas = [("a.weight", [2, 3], "bfloat16"), ("b.weight", [3], "bfloat16")]
+    nccl, join = nccl_chunk(metas, 1 << 20, 2), nccl_join("10.0.0.1", 5000, 1, 3, 1 << 20, 2)
+    packed = {"packed": True, "packed_buffer_size_bytes": 1 << 20, "packed_num_buffers": 2}
+    meta = {"names": ["a.weight"], "shapes": [[2, 3]], "dtype_names": ["bfloat16"]}
+    rendezvous = {"master_address": "10.0.0.1", "master_port": 5000, "rank_offset": 1, "world_size": 3}
+
+    # the installed vLLM (0.32): the packed flags at init; its own dataclasses take what is built
+    assert (adapter.VLLM.ipc_packed_at_init, adapter.VLLM.ipc_packed_in_update) == (True, False)
+    assert (adapter.VLLM.nccl_packed_at_init, adapter.VLLM.nccl_packed_in_update) == (True, False)
+    assert adapter.ipc_init_info() == {"packed": True}
+    assert adapter.vllm_update_info(ipc) == {**meta, "tensor_sizes": [12], "ipc_handles": ipc["ipc_handles"]}
+    assert adapter.vllm_update_info(nccl) == {"names": ["a.weight", "b.weight"], "shapes": [[2, 3], [3]],
+                                              "dtype_names": ["bfloat16", "bfloat16"]}
+    assert adapter.nccl_init_info(join) == {**rendezvous, **packed}
+    for cls, info in ((IPCWeightTransferUpdateInfo, adapter.vllm_update_info(ipc)),
+                      (NCCLWeightTransferUpdateInfo, adapter.vllm_update_info(nccl)),
+                      (NCCLWeightTransferInitInfo, adapter.nccl_init_info(join))):
+        assert set(info) <= {f.name for f in dataclasses.fields(cls)}, cls
+
+    # vLLM 0.26 (the GPU machine's bundle, not installed here): the flags travel in each update
+    monkeypatch.setattr(adapter, "VLLM", _release(ipc_packed_at_init=False, nccl_packed_at_init=False,
+                                                  ipc_packed_in_update=True, nccl_packed_in_update=True))
+    assert adapter.ipc_init_info() is None
+    assert adapter.vllm_update_info(ipc) == {**meta, "tensor_sizes": [12], "ipc_handles": ipc["ipc_handles"],
+                                             "packed": True}
+    assert adapter.vllm_update_info(nccl)["packed_buffer_size_bytes"] == 1 << 20
+    assert adapter.nccl_init_info(join) == rendezvous
+
+    monkeypatch.setattr(adapter, "VLLM", _release(nccl_engine=False))
+    with pytest.raises(NotImplementedError, match="no NCCL weight-transfer engine .*nccl_engine is False"):
+        adapter.vllm_update_info(nccl)
+    with pytest.raises(ValueError, match="'transport' expected 'ipc' or 'nccl', got 'shm'"):
+        adapter.vllm_update_info({**ipc, "transport": "shm"})
+
+
+def test_an_ipc_engine_on_a_release_reading_packed_per_update_makes_no_init_handshake(ckpt, monkeypatch):
+    from rollout import adapter
+
+    _, spec, state, _ = ckpt
+    monkeypatch.setattr(adapter, "VLLM", _release(ipc_packed_at_init=False, ipc_packed_in_update=True))
+    w = _protocol_worker(spec, _engine_params(spec))
+    w.plan_weight_update(_metas(state), start=True)
+    kernel = [n for n in w._plan if n.endswith(("w13_weight", "w2_weight"))]
+    sent, rpc = [], w.llm.collective_rpc
+
+    def recording_rpc(method, args=()):
+        import pickle
+
+        if method == "megamoe_update_weights":
+            sent.append(pickle.loads(args[0]))
+        return rpc(method, args)
+
+    w.llm.collective_rpc = recording_rpc
+    w.update_weight_chunk(_chunk(kernel, w._plan))
+    w.update_weight_chunk(_chunk([n for n in w._plan if n not in kernel], w._plan))
+    assert "init" not in w.llm.calls and "start" in w.llm.calls and w._weights_broken is None
+    assert [info.get("packed") for info in sent] == [True] and "transport" not in sent[0]
+
+
+def test_version_probes_live_in_one_module():
+    """No rollout module but rollout/vllm_surface.py reads vLLM's version or probes it for a feature
+    (a signature, an import that may fail); each reads the decision from rollout.vllm_surface.VLLM."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2] / "rollout"
+    found = []
+    for path in sorted(root.glob("*.py")):
+        if path.name in ("vllm_surface.py", "invariant_kernels.py"):  # the surface; a refusal, not a branch
+            continue
+        src = path.read_text()
+        found += [(path.name, w) for w in ("__version__", "inspect.signature", "dataclasses.fields(IPC",
+                                          "dataclasses.fields(NCCL", "startswith(\"0.") if w in src]
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.Try) and any(getattr(h.type, "id", None) == "ImportError" for h in node.handlers):
+                imports = [n for b in node.body for n in ast.walk(b) if isinstance(n, ast.ImportFrom)]
+                found += [(path.name, f"try: from {n.module}") for n in imports if (n.module or "").startswith("vllm")]
+    assert found == []

@@ -60,18 +60,69 @@ def _snapshot(u: EngineUpdate) -> tuple:
     return (u.state, u.plan, set(u.received), u.session_open, u.broken)
 
 
+BROKEN = "broken"  # the snapshot's `broken` holds a reason (its words are the code's)
+BOTH = {"a.w13_weight", "b.weight"}
+
+# Where each legal step lands, written from the protocol (module docstring of rollout/sync_engine.py):
+# (step, state) -> (what the step returns, (state, plan, received, session open, broken) after it).
+# A plan outlives a files update (it was not started), a broken reason outlives a new plan, and what
+# arrived is counted only while a stream runs.
+LANDS = {
+    ("plan", "idle"): (None, (State.PLANNED, PLAN, set(), False, None)),
+    ("plan", "planned"): (None, (State.PLANNED, PLAN, set(), False, None)),
+    ("plan", "done"): (None, (State.PLANNED, PLAN, set(), False, None)),
+    ("plan", "broken"): (None, (State.PLANNED, PLAN, set(), False, BROKEN)),
+    ("start", "planned"): (None, (State.STREAMING, PLAN, set(), False, None)),
+    ("receive", "streaming"): (False, (State.STREAMING, PLAN, {"b.weight"}, False, None)),
+    ("receive", "streaming, session open"): (False, (State.STREAMING, PLAN, BOTH, True, None)),
+    ("open session", "streaming"): (None, (State.STREAMING, PLAN, set(), True, None)),
+    ("finish", "streaming"): (sorted(BOTH), (State.STREAMING, PLAN, set(), False, None)),
+    ("finish", "streaming, session open"): (["b.weight"], (State.STREAMING, PLAN, {"a.w13_weight"}, True, None)),
+    ("fail", "streaming"): (False, (State.BROKEN, None, set(), False, BROKEN)),
+    ("fail", "streaming, session open"): (True, (State.BROKEN, None, set(), False, BROKEN)),
+    ("files update", "idle"): (None, (State.DONE, None, set(), False, None)),
+    ("files update", "planned"): (None, (State.PLANNED, PLAN, set(), False, None)),
+    ("files update", "done"): (None, (State.DONE, None, set(), False, None)),
+    ("files update", "broken"): (None, (State.DONE, None, set(), False, None)),
+}
+
+
+def test_the_landing_table_covers_exactly_the_legal_steps():
+    assert set(LANDS) == {(step, state) for step, (_, legal) in STEPS.items() for state in legal}
+
+
+def _landed(u: EngineUpdate) -> tuple:
+    state, plan, received, session, broken = _snapshot(u)
+    return state, plan, received, session, BROKEN if broken is not None else None
+
+
 @pytest.mark.parametrize("state", STATES)
 @pytest.mark.parametrize("step", list(STEPS))
-def test_every_step_out_of_order_is_refused_and_changes_nothing(state, step):
+def test_every_step_lands_where_the_protocol_says_or_is_refused_changing_nothing(state, step):
     do, legal = STEPS[step]
     u = _in(state)
     before = _snapshot(u)
     if state in legal:
-        do(u)  # legal: taken without complaint
+        returned, after = LANDS[step, state]
+        assert do(u) == returned
+        assert _landed(u) == after
+        # what the engine may do there: sample unless broken or mid-stream
+        assert (u.refusal("sample") is None) is (after[0] is not State.STREAMING and after[4] is None)
         return
     with pytest.raises(IllegalTransition, match=f"the engine's update is {u.state.value}"):
         do(u)
     assert _snapshot(u) == before
+
+
+def test_a_plan_made_before_a_files_update_still_streams_after_it():
+    """The sequence the landing table guards: a files update between an engine's plan and its start
+    (rl/loop.py restarting a worker with files while the trainer planned) keeps the plan, so the
+    streamed update that follows is checked against it and completes."""
+    u = _in("planned")
+    u.applied_whole()
+    u.started()
+    assert u.receive(KERNEL_CHUNK) is True and u.receive(REST_CHUNK) is False
+    assert u.complete() == {"tensors": 2, "seconds": {}} and u.state is State.DONE
 
 
 def test_complete_is_refused_until_every_planned_tensor_arrived():

@@ -74,8 +74,8 @@ class _Client:
     def __init__(self, fails_at: int | None):
         self.fails_at, self.calls, self.received = fails_at, [], []
 
-    def begin(self, method, args):
-        self.calls.append(method)
+    def plan(self, metas):
+        self.calls.append("plan_weight_update")
         total = N_TENSORS * ROWS * COLS * 4
         return [{"format": "checkpoint", "layout": None, "why": {}, "bytes": total, "workers": 1}]
 
@@ -98,7 +98,7 @@ class _Client:
 
 
 def _rank(rank: int, model_dir: str, out_dir: str) -> None:
-    from rollout import adapter, sync, sync_nccl
+    from rollout import sync, sync_nccl
 
     init = os.path.join(out_dir, "pg_init")
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD,
@@ -107,8 +107,6 @@ def _rank(rank: int, model_dir: str, out_dir: str) -> None:
     buf.__dict__.update(nbytes=BUCKET_BYTES, tensor=torch.empty(BUCKET_BYTES, dtype=torch.uint8), handle={},
                         multi_rank=True)
     sync.ipc_buffer = lambda nbytes: buf
-    adapter.ipc_update_info = lambda chunk, handle: dict(chunk)
-    adapter.nccl_update_info = lambda *a: {}
 
     def no_group(client, decision, address):
         raise RuntimeError("injected: the engines' NCCL rendezvous timed out")
