@@ -23,6 +23,7 @@ and rollout/weights.py (docs/WEIGHT_SYNC.md).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -125,6 +126,34 @@ def _batch_invariant_env(numerics: str) -> None:
 def _preflight_plugin() -> None:
     """Run the plugin here, outside vLLM, so a broken entry point raises instead of being logged."""
     plugin.entry_point().load()()
+
+
+ENV_MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+@contextlib.contextmanager
+def _engine_core_placement(kwargs: dict):
+    """Where the engine core (vLLM's scheduler) runs, set around `vllm.LLM(...)` (vLLM reads the variable
+    while it builds the engine, and its processes inherit it).
+
+    On CPU, in the calling process: vLLM CPU always runs the model in a worker process of its own (its
+    `mp` executor, for the worker's OpenMP setup), so a separate engine-core process is a third process
+    that only schedules and imports vLLM once more (about 9 s of every engine start on the 2-core test
+    machine, and its memory); CPU scheduling is synchronous anyway (vLLM turns async scheduling off on
+    CPU). The `mp` executor is then asked for explicitly, so the model still runs in its own worker
+    process. On CUDA, vLLM's default: the engine core in a process of its own, overlapping scheduling
+    with the GPU. A VLLM_ENABLE_V1_MULTIPROCESSING the user set is left as it is.
+    """
+    if torch.cuda.is_available() or ENV_MULTIPROCESSING in os.environ:
+        yield
+        return
+    if kwargs.get("distributed_executor_backend") == "uni":  # what vLLM CPU turns into "mp" itself
+        kwargs["distributed_executor_backend"] = "mp"
+    os.environ[ENV_MULTIPROCESSING] = "0"
+    try:
+        yield
+    finally:
+        os.environ.pop(ENV_MULTIPROCESSING, None)
 
 
 class RolloutWorker:
@@ -235,7 +264,8 @@ class RolloutWorker:
                              "which torch.compile traces; megamoe / reference record it inside their opaque op), got "
                              f"enforce_eager={enforce_eager!r}")
         self.return_routing = bool(return_routing)
-        self.llm = LLM(**kwargs)
+        with _engine_core_placement(kwargs):
+            self.llm = LLM(**kwargs)
         try:
             self._check_engine()
         except BaseException:

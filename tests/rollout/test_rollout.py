@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from rollout import moe_method
+from rollout import moe_method, worker as rollout_worker
 from rollout.testing import max_abs_diff, processed_logprobs, top_k_top_p_mask
 
 # fp32 vLLM CPU vs a transformers fp32 forward of the same sequences. The bound; measured
@@ -81,6 +81,13 @@ def _disk_state(model_dir):
 def test_megamoe_runs_in_the_engine_worker_process(worker):
     (status,) = worker.status()
     assert status["pid"] != os.getpid(), "the model must run in vLLM's worker process, not the driver"
+    # On CPU the engine core (the scheduler) runs in this process, the model in the worker process
+    # (rollout.worker._engine_core_placement: one vLLM process fewer to start; on CUDA vLLM's own
+    # engine-core process), and the variable that asks vLLM for it is not left set for later engines.
+    from vllm.v1.engine.core_client import InprocClient
+    core = worker.llm.llm_engine.engine_core
+    assert isinstance(core, InprocClient) != torch.cuda.is_available(), type(core)
+    assert rollout_worker.ENV_MULTIPROCESSING not in os.environ
     assert status["registered"] and status["impl"] == "megamoe"
     assert status["hooked_moe_layers"] == LAYERS and status["layer_impls"] == ["megamoe"]
     # Every layer routes itself from megamoe.router's logits (the trainer's router), gate by gate.
