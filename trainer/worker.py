@@ -38,6 +38,7 @@ from trainer.config import ConfigError, TrainerWorkerConfig
 from trainer.experts import MOE_CALLS
 from trainer.fsdp import apply_fsdp, buckets, iter_full_weights, nonfinite_weights, weight_metadata
 from trainer.loss import finish_stats, policy_loss, token_logprobs
+from trainer import lora
 from trainer.model import load_model
 from trainer.replay import finish_routing, replay_routers, routing_load, routing_replay, routing_sums
 
@@ -68,15 +69,20 @@ class TrainerWorker:
         self.device = self._pick_device(c.device)
         dtype = c.dtype if c.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" and c.fsdp else "float32")
         self.compute_dtype = _DTYPES[dtype]
-        if not c.fsdp and self.compute_dtype != torch.float32:
+        if not c.fsdp and self.compute_dtype != torch.float32 and not c.lora.enabled:
             raise ConfigError(f"dtype: expected 'float32' or 'auto' with fsdp=False (bf16 compute over fp32 "
-                              f"master weights is FSDP2's mixed precision), got {c.dtype!r}")
+                              f"master weights is FSDP2's mixed precision; or trainer.lora, whose frozen base is "
+                              f"held in the compute dtype), got {c.dtype!r}")
         torch.manual_seed(c.seed)
 
         self._owns_pg = False
         if c.fsdp:
             self._init_process_group(master_addr, master_port)
-        self.model = load_model(model_dir, moe_impl, dtype=torch.float32, device=self.device, numerics=c.numerics)
+        # LoRA without FSDP2 holds the frozen base in the compute dtype (no master copy: it never changes).
+        base_dtype = self.compute_dtype if c.lora.enabled and not c.fsdp else torch.float32
+        self.model = load_model(model_dir, moe_impl, dtype=base_dtype, device=self.device, numerics=c.numerics)
+        if c.lora.enabled:
+            lora.install(self.model, c.lora, seed=c.seed, compute_dtype=self.compute_dtype)
         self.vocab_size = self.model.config.vocab_size
         pad = self.model.config.pad_token_id
         self.pad_id = int(pad) if pad is not None and 0 <= int(pad) < self.vocab_size else 0
@@ -145,7 +151,7 @@ class TrainerWorker:
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         c = self.cfg
-        return torch.optim.AdamW(self.model.parameters(), lr=self._lr(0), betas=(c.adam_beta1, c.adam_beta2),
+        return torch.optim.AdamW(lora.trainable(self.model), lr=self._lr(0), betas=(c.adam_beta1, c.adam_beta2),
                                  eps=c.adam_eps, weight_decay=c.weight_decay)
 
     def _lr(self, update: int) -> float:
