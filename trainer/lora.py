@@ -258,16 +258,21 @@ def peft_config(cfg: LoraSettings, base_model: str, factor_names: list[str]) -> 
     modules = sorted({n.rsplit(".", 2)[0].rsplit(".", 1)[-1] for n in factor_names if n.endswith(".weight")
                       and n.rsplit(".", 2)[0].rsplit(".", 1)[-1] in LORA_ATTENTION})
     params = []
+    # PEFT wraps in this order (the first innermost, as peft_tensors names them): gate_up_proj, then down_proj.
+    for want in LORA_EXPERTS:
+        for n in factor_names:
+            mod, _kind, p = n.rsplit(".", 2)
+            suffix = f"{mod.rsplit('.', 2)[-2]}.{mod.rsplit('.', 1)[-1]}.{p}"  # e.g. mlp.experts.gate_up_proj
+            if p == want and suffix not in params:
+                params.append(suffix)
+    # transformers 5's routers are not nn.Linear: PEFT reaches their weight as a target parameter (2-D).
     for n in factor_names:
         mod, _kind, p = n.rsplit(".", 2)
-        if p in LORA_EXPERTS:
-            suffix = f"{mod.rsplit('.', 2)[-2]}.{mod.rsplit('.', 1)[-1]}.{p}"  # e.g. mlp.experts.gate_up_proj
+        leaf = mod.rsplit(".", 1)[-1]
+        if p == "weight" and leaf not in LORA_ATTENTION:
+            suffix = f"{mod.rsplit('.', 2)[-2]}.{leaf}.weight"  # e.g. mlp.gate.weight
             if suffix not in params:
                 params.append(suffix)
-    if "router" in cfg.targets:
-        routers = sorted({n.rsplit(".", 2)[0].rsplit(".", 1)[-1] for n in factor_names
-                          if n.rsplit(".", 2)[0].rsplit(".", 1)[-1] not in LORA_ATTENTION and n.endswith(".weight")})
-        modules += routers
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": cfg.rank, "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "bias": "none",
