@@ -209,3 +209,63 @@ def test_router_adapter_changes_routing_logits_and_gets_gradients(model_dir):
     names = [n for n, p in m.named_parameters() if p.requires_grad]
     assert names == [f"model.layers.{i}.mlp.gate.lora_{x}.weight" for i in range(2) for x in "AB"]
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters() if p.requires_grad)
+
+
+def test_bf16_base_without_fsdp_merges_in_bf16_and_the_sampler_weights_match(tmp_path):
+    """The one-GPU layout (trainer.fsdp false, bf16 compute): the frozen base held in bf16, fp32 factors, the
+    merged weights rounded once to bf16; a bf16 model holding the exported weights computes the trainer's logits
+    bit for bit. The model has an explicit GQA head layout from make-model (4 query heads, 1 KV head)."""
+    from rl.make_model import make_model
+
+    d = make_model(tmp_path / "gqa", arch="qwen3_moe", hidden=64, heads=4, kv_heads=1, head_dim=32, dtype="bfloat16",
+                   seed=2)
+    w = TrainerWorker(0, 1, "127.0.0.1", 0, str(d), "megamoe", {**BASE, "dtype": "bfloat16"})
+    assert w.model.model.layers[0].self_attn.k_proj.weight.shape == (32, 64)
+    assert {p.dtype for n, p in w.model.named_parameters()} == {torch.bfloat16, torch.float32}
+    assert all(p.dtype == torch.float32 for n, p in w.model.named_parameters() if lora.is_factor(n))
+    w.train_step(make_batch(8, seed=1))
+    exported = dict(w.export_weights())
+    assert {t.dtype for t in exported.values()} == {torch.bfloat16}
+    plain = load_model(d, "megamoe", dtype=torch.bfloat16)
+    plain.load_state_dict(exported, strict=True)
+    ids = torch.randint(3, 500, (2, 10), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        assert torch.equal(w.model(input_ids=ids).logits, plain(input_ids=ids).logits)
+    w.close()
+
+
+def _fsdp_rank(rank: int, port: int, model_dir: str, out: str) -> None:
+    torch.set_num_threads(1)
+    w = TrainerWorker(rank, 2, "127.0.0.1", port, model_dir, "megamoe", {**BASE, "fsdp": True})
+    m = w.train_step(make_batch(8, seed=1))
+    named = dict(w.export_weights())
+    opt = sorted(n for n, p in w.model.named_parameters() if p in w.optimizer.state)
+    if rank == 0:
+        torch.save({"metrics": m, "weights": named, "opt": opt}, out)
+    w.close()
+
+
+@pytest.mark.slow  # two processes with a gloo group (no Ray)
+def test_fsdp2_two_ranks_train_the_adapters_as_one_rank_does(model_dir, tmp_path):
+    """FSDP2 over two gloo ranks (torch.multiprocessing, fully_shard per decoder layer with frozen base weights
+    and trainable factors in one group): one step's merged export equals the unsharded worker's to fp32 rounding
+    (FP32_GRAD_TOL: the reduce-scatter sums the two ranks' gradients in another order), and only factors have
+    optimizer state."""
+    import torch.multiprocessing as mp
+
+    from trainer.testing import free_port
+
+    out = tmp_path / "rank0.pt"
+    mp.start_processes(_fsdp_rank, args=(free_port(), str(model_dir), str(out)), nprocs=2, start_method="spawn")
+    got = torch.load(out, weights_only=False)
+    w = TrainerWorker(0, 1, "127.0.0.1", 0, str(model_dir), "megamoe", BASE)
+    want_m = w.train_step(make_batch(8, seed=1))
+    want = dict(w.export_weights())
+    assert got["opt"] and all(lora.is_factor(n) for n in got["opt"])
+    assert set(got["weights"]) == set(want)
+    errs = {n: rel_err(got["weights"][n], want[n]) for n in want}
+    assert max(errs.values()) < FP32_GRAD_TOL, max(errs.items(), key=lambda kv: kv[1])
+    assert abs(got["metrics"]["loss"] - want_m["loss"]) < FP32_GRAD_TOL * abs(want_m["loss"]) + 1e-9
+    base = load_model(model_dir, "megamoe").state_dict()
+    assert all(not torch.equal(want[n], base[n]) for n in lora.adapted(w.model))
+    w.close()
