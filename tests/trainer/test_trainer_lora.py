@@ -132,7 +132,8 @@ def test_worker_steps_only_the_adapters_and_exports_the_merged_weights(model_dir
     assert m["optimizer_steps"] == 1
     state_params = {id(p) for p in w.optimizer.state}
     named = dict(w.model.named_parameters())
-    assert state_params == {id(p) for n, p in named.items() if lora.is_factor(n)}
+    factors = {id(p) for n, p in named.items() if lora.is_factor(n)}
+    assert state_params == factors and {id(p) for g in w.optimizer.param_groups for p in g["params"]} == factors
     for n, p in named.items():
         if lora.is_factor(n) and ".lora_B." in n:
             assert not torch.equal(p, before[n]), f"{n} did not move"
