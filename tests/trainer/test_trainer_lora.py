@@ -20,8 +20,9 @@ from trainer.model import load_model
 from trainer.testing import make_batch
 from trainer.worker import TrainerWorker
 
-# Relative Frobenius error of fp32 gradients against float64 ground truth on these sizes (T <= 32, H = 64):
-# measured <= 3e-7 (2026-12-07, 2-core x86); 1e-5 is the contract's fp32 tolerance.
+# Relative Frobenius error of fp32 gradients against float64 ground truth on these sizes (T <= 32, H = 64),
+# measured 2026-12-07 on the 2-core x86 machine: 3.4e-7 (the expert op), 8.6e-7 (the whole model's factors);
+# 1e-5 is the contract's fp32 tolerance (>= 11x margin).
 FP32_GRAD_TOL = 1e-5
 LORA = {"enabled": True, "rank": 4, "alpha": 8.0}
 BASE = {"fsdp": False, "lr": 1e-2, "micro_batch_size": 4, "lora": LORA}
