@@ -59,6 +59,11 @@ def add_make_model_parser(subparsers) -> None:
                    help=f"tokenizer and embedding size in [{mm.MIN_VOCAB}, {mm.MAX_VOCAB}] "
                         f"(default {mm.DEFAULT_VOCAB})")
     p.add_argument("--seed", type=int, default=0, help="weight init seed (default %(default)s)")
+    p.add_argument("--heads", type=int, default=None, help="query heads (with --kv-heads and --head-dim; "
+                                                          "default: derived from --hidden)")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads, a divisor of --heads")
+    p.add_argument("--head-dim", type=int, default=None, help=f"head size, one of {mm.HEAD_DIMS}")
+    p.add_argument("--dtype", default="float32", choices=mm.DTYPES, help="weights' dtype (default %(default)s)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an earlier make-model output in --out")
     p.set_defaults(handler=run_make_model, parser=p)
@@ -70,7 +75,8 @@ def run_make_model(args: argparse.Namespace) -> int:
     from rl import make_model as mm
 
     sizes = dict(arch=args.arch, layers=args.layers, hidden=args.hidden, experts=args.experts,
-                 topk=args.topk, intermediate=args.intermediate, vocab=args.vocab, seed=args.seed)
+                 topk=args.topk, intermediate=args.intermediate, vocab=args.vocab, seed=args.seed,
+                 heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype)
     try:
         mm.check_args(**sizes)
         mm.check_out_dir(Path(args.out).absolute(), args.overwrite)

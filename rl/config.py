@@ -41,6 +41,12 @@ class MakeModelConfig:
     intermediate: int = field(32, "expert intermediate size I")
     vocab: int | None = field(None, "vocabulary size; null = the tokenizer's own size")
     seed: int = field(0, "seed of the random initialisation")
+    heads: int | None = field(None, "query heads; with kv_heads and head_dim (all three or none: null derives "
+                                    "the layout from hidden)")
+    kv_heads: int | None = field(None, "key/value heads (grouped-query attention), a divisor of heads")
+    head_dim: int | None = field(None, "head size")
+    dtype: Literal[DTYPES] = field("float32", "the made checkpoint's dtype (bfloat16 halves the host memory "
+                                              "making it takes)")
 
 
 @dataclass

@@ -48,12 +48,30 @@ def add_doctor_parser(subparsers) -> None:
     p = subparsers.add_parser("doctor", help="print what this machine runs and whether megamoe-rl can run on it",
                               description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
+    p.add_argument("--config", default=None, help="a run config: also print its GPU memory plan (rl/memory_plan.py) "
+                                                  "against the card this machine has; exit 1 when it does not fit")
     p.set_defaults(handler=run_doctor, parser=p)
 
 
 def run_doctor(args: argparse.Namespace) -> int:
+    plan = None
+    if args.config:
+        from rl import config as C
+
+        try:
+            cfg = C.load(args.config)
+        except (C.ConfigError, OSError) as e:
+            args.parser.error(f"--config: {e}")
     report = collect()
-    print(json.dumps(report, indent=1) if args.json else render(report))
+    if args.config:
+        from rl.memory_plan import card_bytes_seen, report as plan_report
+
+        fits, text = plan_report(cfg, card_bytes_seen())
+        plan = {"fits": fits, "text": text}
+        report["memory_plan"] = plan
+        if fits is False:
+            report["ready"] = False
+    print(json.dumps(report, indent=1) if args.json else render(report) + ("\n" + plan["text"] if plan else ""))
     return 0 if report["ready"] else 1
 
 

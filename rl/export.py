@@ -10,6 +10,9 @@ What is written (into `.<out>.tmp-<pid>` beside `out`, renamed to `out` at the e
   shards of at most `shard_bytes` with transformers' `model.safetensors.index.json`;
 - every other file of the base folder (config.json with its dtype set to the export's,
   generation_config.json, the tokenizer and chat template);
+- a LoRA run (trainer.lora): the weights above are the merged ones, base + (alpha/r) B@A computed as the
+  trainer's forward computes them (trainer.lora.merge in model.dtype), and `adapter/` holds the adapter in
+  PEFT's format (adapter_model.safetensors, adapter_config.json; trainer/lora.py gives the layouts);
 - `megamoe_export.json`: where it came from (run folder, step, checkpoint, SHA-256 of the run's
   config.yaml, base model, dtype).
 
@@ -130,8 +133,10 @@ def export_policy(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: i
     from safetensors.torch import save_file
 
     from rl.make_model import MARKER_FILE  # make-model's mark: the export is not its output
+    from rl import config as C
     from rollout import weights
     from trainer.checkpoint import fsync_tree
+    from trainer.lora import is_factor
 
     run_dir, out = Path(run_dir).absolute(), Path(out).absolute()
     if dtype is not None and dtype not in DTYPES:
@@ -144,12 +149,20 @@ def export_policy(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: i
     dtype = dtype or _base_dtype(base)
     spec = weights.CheckpointSpec.from_dir(base)
     metas = checkpoint_model_metas(ckpt)
+    # LoRA (trainer/lora.py): the factors are merged into their base weights here, and written as a PEFT adapter.
+    run_cfg = C.load(run_dir / "config.yaml")
+    factor_metas = [m for m in metas if is_factor(m[0])]
+    metas = [m for m in metas if not is_factor(m[0])]
+    if factor_metas and not run_cfg.trainer.lora.enabled:
+        raise ExportError(f"checkpoint {ckpt} holds LoRA factors ({factor_metas[0][0]}, ...) but the run's "
+                          "config.yaml has trainer.lora.enabled false")
+    factors_of = _factors_of([n for n, _, _ in factor_metas])
     try:
         plan = weights.plan_metadata(spec, [(n, s, dtype) for n, s, _ in metas])
     except (ValueError, TypeError) as e:
         raise ExportError(f"checkpoint {ckpt} does not fit the base model {base}: {e}") from e
-    trainer_dtypes = {n: d for n, _, d in metas}
-    trainer_shapes = {n: s for n, s, _ in metas}
+    trainer_dtypes = {n: d for n, _, d in metas + factor_metas}
+    trainer_shapes = {n: s for n, s, _ in metas + factor_metas}
     # which trainer tensor provides each on-disk name (its fused experts provide several)
     source = {}
     for name, shape, _ in metas:
@@ -171,11 +184,14 @@ def export_policy(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: i
         weight_map, total = {}, 0
         for names, fname in zip(shards, files):
             needed = sorted({source[n] for n in names})
+            needed += [f for n in needed for f in factors_of.get(n, ())]
             state = {"model": {n: torch.empty(trainer_shapes[n], dtype=getattr(torch, trainer_dtypes[n]))
                                for n in needed}}
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
                 warnings.simplefilter("ignore", UserWarning)
                 dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+            if factors_of:
+                state["model"] = _merged(state["model"], factors_of, run_cfg)
             wanted = set(names)
             tensors = {}
             for disk, t in weights.to_checkpoint_names(spec, state["model"].items()):
@@ -188,6 +204,8 @@ def export_policy(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: i
         if len(files) > 1:
             (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                 indent=2) + "\n")
+        if factor_metas:
+            _write_adapter(tmp / ADAPTER_DIR, ckpt, factor_metas, run_cfg, str(base))
         (tmp / PROVENANCE).write_text(json.dumps({
             "run_dir": str(run_dir), "step": step, "checkpoint": str(ckpt),
             "config_sha256": hashlib.sha256((run_dir / "config.yaml").read_bytes()).hexdigest(),
@@ -201,6 +219,56 @@ def export_policy(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: i
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _factors_of(factor_names: list[str]) -> dict[str, tuple[str, str]]:
+    """LoRA: adapted base name -> (lora_A name, lora_B name), from the checkpoint's factor names."""
+    out: dict[str, list] = {}
+    for n in factor_names:
+        mod, kind, p = n.rsplit(".", 2)
+        out.setdefault(f"{mod}.{p}", [None, None])[0 if kind == "lora_A" else 1] = n
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def _merged(tensors: dict, factors_of: dict, run_cfg) -> dict:
+    """The base tensors with their factors merged in as the trainer's forward merges them (trainer.lora.merge,
+    in the run's compute dtype model.dtype), the factors dropped."""
+    import torch
+
+    from trainer.lora import merge
+
+    dtype = getattr(torch, run_cfg.model.dtype)
+    scale = run_cfg.trainer.lora.scale
+    out = {}
+    for name, t in tensors.items():
+        if name in factors_of:
+            a, b = (tensors[f] for f in factors_of[name])
+            t = merge(t.to(dtype), a.to(dtype), b.to(dtype), scale).to(t.dtype)
+        if not any(name in fs for fs in factors_of.values()):
+            out[name] = t
+    return out
+
+
+ADAPTER_DIR = "adapter"
+"""The export's subfolder with the LoRA adapter in PEFT's format (adapter_model.safetensors, adapter_config.json);
+a subfolder, because transformers takes a folder with adapter_config.json at its top for a PEFT adapter."""
+
+
+def _write_adapter(folder: Path, ckpt: Path, factor_metas: list, run_cfg, base: str) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    from trainer.lora import peft_config, peft_tensors
+
+    state = {"model": {n: torch.empty(s, dtype=getattr(torch, d)) for n, s, d in factor_metas}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    folder.mkdir()
+    save_file(peft_tensors(state["model"]), str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    cfg = peft_config(run_cfg.trainer.lora, base, sorted(state["model"]))
+    (folder / "adapter_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def _set_config_dtype(path: Path, dtype: str) -> None:

@@ -50,7 +50,9 @@ N_BYTE_TOKENS = 256
 MIN_VOCAB = len(SPECIAL_TOKENS) + N_BYTE_TOKENS
 # Large enough for any tiny experiment; beyond this the "tiny model" is no longer tiny and the
 # synthetic corpus could only pad with reserved tokens.
-MAX_VOCAB = 32768
+# (and Qwen3's 151936, for a random model at Qwen3-30B-A3B's dimensions: reserved tokens fill the rest).
+MAX_VOCAB = 151936
+DTYPES = ("float32", "bfloat16")
 DEFAULT_VOCAB = 512
 MAX_POSITIONS = 2048
 MARKER_FILE = "make_model.json"
@@ -94,8 +96,24 @@ def _positive_int(name: str, value: object) -> None:
 
 
 def check_args(*, arch: str = "qwen3_moe", layers: int = 2, hidden: int = 64, experts: int = 8,
-               topk: int = 2, intermediate: int = 32, vocab: int | None = None, seed: int = 0) -> int:
+               topk: int = 2, intermediate: int = 32, vocab: int | None = None, seed: int = 0,
+               heads: int | None = None, kv_heads: int | None = None, head_dim: int | None = None,
+               dtype: str = "float32") -> int:
     """Validate make_model's arguments (nothing heavy imported); return the resolved vocab size."""
+    if (heads, kv_heads, head_dim) != (None, None, None):
+        if None in (heads, kv_heads, head_dim):
+            raise ValueError(f"heads, kv_heads, head_dim: expected all three set or none (none: head_layout(hidden)), "
+                             f"got {heads!r}, {kv_heads!r}, {head_dim!r}")
+        for name, value in (("heads", heads), ("kv_heads", kv_heads), ("head_dim", head_dim)):
+            _positive_int(name, value)
+        if heads % kv_heads:
+            raise ValueError(f"kv_heads: expected a divisor of heads={heads}, got {kv_heads}")
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim: expected one of {HEAD_DIMS} (vLLM's attention), got {head_dim}")
+        if arch not in ("qwen3_moe", "mixtral"):
+            raise ValueError(f"heads, kv_heads, head_dim: set only for qwen3_moe or mixtral, got arch {arch!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
     if arch not in ARCHS:
         raise ValueError(f"arch: expected one of {ARCHS}, got {arch!r}")
     for name, value in (("layers", layers), ("hidden", hidden), ("experts", experts),
@@ -176,14 +194,17 @@ def build_tokenizer(vocab: int):
 
 
 def build_config(*, arch: str, layers: int, hidden: int, experts: int, topk: int,
-                 intermediate: int, vocab: int, pad_id: int, eos_id: int):
-    """The transformers config of the tiny model (fp32, no tied embeddings, no bos token)."""
-    heads, kv_heads, head_dim = head_layout(hidden)
+                 intermediate: int, vocab: int, pad_id: int, eos_id: int, heads: int | None = None,
+                 kv_heads: int | None = None, head_dim: int | None = None, dtype: str = "float32"):
+    """The transformers config of the model (no tied embeddings, no bos token); the head layout is
+    `head_layout(hidden)` unless heads, kv_heads and head_dim are given."""
+    if heads is None:
+        heads, kv_heads, head_dim = head_layout(hidden)
     common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                   num_experts_per_tok=topk, max_position_embeddings=MAX_POSITIONS,
                   tie_word_embeddings=False, bos_token_id=None, eos_token_id=eos_id,
-                  pad_token_id=pad_id, dtype="float32")
+                  pad_token_id=pad_id, dtype=dtype)
     if arch == "qwen3_moe":
         from transformers import Qwen3MoeConfig
         # Every layer sparse (decoder_sparse_step=1, no mlp_only_layers), so the dense
@@ -280,14 +301,20 @@ def _gpt_oss_config(common: dict, *, experts: int, intermediate: int):
 
 def make_model(out_dir: str | os.PathLike, *, arch: str = "qwen3_moe", layers: int = 2,
                hidden: int = 64, experts: int = 8, topk: int = 2, intermediate: int = 32,
-               vocab: int | None = None, seed: int = 0, overwrite: bool = False) -> Path:
+               vocab: int | None = None, seed: int = 0, heads: int | None = None, kv_heads: int | None = None,
+               head_dim: int | None = None, dtype: str = "float32", overwrite: bool = False) -> Path:
     """Write a random-init MoE checkpoint + tokenizer into `out_dir`; return its absolute path.
+
+    heads / kv_heads / head_dim: an explicit head layout (all three; default head_layout(hidden)). dtype:
+    the weights' dtype, in memory while building and on disk (bfloat16 halves the host memory a large
+    model needs: Qwen3-30B-A3B's dimensions are 61 GB in bf16, 122 GB in fp32).
 
     Every argument is checked before anything is written; the directory appears complete or not
     at all (built in a sibling temporary directory, then renamed).
     """
+    heads_args = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim)
     vocab = check_args(arch=arch, layers=layers, hidden=hidden, experts=experts, topk=topk,
-                       intermediate=intermediate, vocab=vocab, seed=seed)
+                       intermediate=intermediate, vocab=vocab, seed=seed, dtype=dtype, **heads_args)
     out = Path(out_dir).absolute()
     check_out_dir(out, overwrite)
 
@@ -300,10 +327,11 @@ def make_model(out_dir: str | os.PathLike, *, arch: str = "qwen3_moe", layers: i
         tokenizer = build_tokenizer(vocab)
         pad_id, eos_id = tokenizer.convert_tokens_to_ids([PAD_TOKEN, EOS_TOKEN])
         config = build_config(arch=arch, layers=layers, hidden=hidden, experts=experts, topk=topk,
-                              intermediate=intermediate, vocab=vocab, pad_id=pad_id, eos_id=eos_id)
+                              intermediate=intermediate, vocab=vocab, pad_id=pad_id, eos_id=eos_id, dtype=dtype,
+                              **heads_args)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
             if arch == "deepseek_v3":
                 with torch.no_grad():
                     for module in model.modules():
@@ -325,6 +353,7 @@ def make_model(out_dir: str | os.PathLike, *, arch: str = "qwen3_moe", layers: i
         tokenizer.save_pretrained(tmp)
         args = dict(arch=arch, layers=layers, hidden=hidden, experts=experts, topk=topk,
                     intermediate=intermediate, vocab=vocab, seed=seed)
+        args.update(heads_args, dtype=dtype)
         (tmp / MARKER_FILE).write_text(json.dumps(args, indent=2) + "\n")
         if out.exists():
             # Empty, or (checked above) an earlier make_model output that overwrite replaces.

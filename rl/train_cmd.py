@@ -76,6 +76,10 @@ def run_train(args: argparse.Namespace) -> int:
         args.parser.error(str(e))
     if args.dry_run:
         sys.stdout.write(C.to_yaml(cfg))
+        if cfg.trainer.gpus_per_rank > 0:  # a GPU config: its memory plan (rl/memory_plan.py), as YAML comments
+            from rl.memory_plan import report
+
+            sys.stdout.write("".join(f"# {line}\n" for line in report(cfg, None)[1].splitlines()))
         return 0
     if args.overwrite and args.resume:
         args.parser.error("--overwrite and --resume: choose one")

@@ -9,6 +9,9 @@
                    kernels vLLM's side shares, megamoe.invariant)
     replay.py      rollout routing replay (R3): the sampler's experts in Fp32Router, routing and load metrics
     batch.py       batch validation / truncation, rank shards, padded micro-batches
+    packing.py     packed micro-batches (trainer.packing): one row, position ids restarting per sequence
+    lora.py        LoRA (trainer.lora): factors beside the frozen weights, the merge the forward and every
+                   export share, PEFT's adapter format
     loss.py        the policy losses (grpo, gspo, cispo, dr_grpo; KL to a reference), mismatch correction
                    and metrics (pure functions; the advantages come from rl/advantages.py)
     fsdp.py        fully_shard per decoder layer + root; full weights streamed one tensor at a time

@@ -153,8 +153,8 @@ def micro_batches(local: list[Seq], n_global_max: int, micro_batch_size: int) ->
 
 @dataclass
 class MicroBatch:
-    input_ids: torch.Tensor       # [b, L] right-padded
-    attention_mask: torch.Tensor  # [b, L]
+    input_ids: torch.Tensor       # [b, L] right-padded (packed: [1, T])
+    attention_mask: torch.Tensor | None  # [b, L] (packed: None)
     targets: torch.Tensor         # [b, Lc] completion tokens, right-padded
     positions: torch.Tensor       # [b, Lc] index into the logits that predicts each target
     mask: torch.Tensor            # [b, Lc] bool, real completion tokens
@@ -163,6 +163,7 @@ class MicroBatch:
     seqs: list[Seq]               # empty for a padding micro-batch
     n_real: int
     routed: torch.Tensor | None = None  # [L, b * L_tokens, k] int64, -1 where no routing (padding included)
+    position_ids: torch.Tensor | None = None  # packed (trainer/packing.py): [1, T], restarting per sequence
 
 
 def collate(seqs: list[Seq], pad_id: int, device: torch.device) -> MicroBatch:

@@ -43,6 +43,11 @@ LR_SCHEDULES = ("constant", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
 # What a trainer's MoE layers can run: megamoe/contract.py's names (importing them costs no torch).
 MoEImpl = Literal[HOST_IMPLS]
+# What trainer.lora.targets may name (trainer/lora.py): the attention projections (nn.Linear weights [out, in]),
+# the experts' fused 3-D parameters (per-expert factors) and the MoE router's weight.
+LORA_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+LORA_EXPERTS = ("gate_up_proj", "down_proj")
+LORA_TARGETS = LORA_ATTENTION + LORA_EXPERTS + ("router",)
 
 
 class ConfigError(ValueError):
@@ -65,6 +70,33 @@ def check(ok: bool, key: str, expected: str, got: Any) -> None:
 
 def _key(at: str, name: str) -> str:
     return f"{at}.{name}" if at else name
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """trainer.lora: low-rank adapters on a frozen base (trainer/lora.py, docs/TRAINING.md#lora)."""
+    enabled: bool = field(False, "train LoRA adapters instead of the whole model: the base is frozen (no gradient, "
+                                 "no optimizer state), only the factors are trained")
+    rank: int = field(8, "r, the factors' rank")
+    alpha: float = field(16.0, "lora_alpha: the update is (alpha / rank) * B @ A (PEFT's scaling)")
+    dropout: float = field(0.0, "lora_dropout; only 0 (the merged weight the sampler receives is the whole update)")
+    targets: list[Literal[LORA_TARGETS]] = field(
+        doc="what gets adapters: q_proj, k_proj, v_proj, o_proj (attention), gate_up_proj, down_proj (every "
+            "expert's w13 / w2, per-expert factors), router (the MoE gate's weight)",
+        factory=lambda: list(LORA_ATTENTION + LORA_EXPERTS))
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def validate(self, at: str = "") -> None:
+        k = functools.partial(_key, at)
+        check(self.rank >= 1, k("rank"), "an int >= 1", self.rank)
+        check(self.alpha > 0, k("alpha"), "a float > 0", self.alpha)
+        check(self.dropout == 0.0, k("dropout"), "0 (the sampler computes with the merged weight W + scale * B @ A, "
+              "which has no dropout)", self.dropout)
+        check(len(self.targets) >= 1 and len(set(self.targets)) == len(self.targets), k("targets"),
+              f"a non-empty list of distinct names from {LORA_TARGETS}", self.targets)
 
 
 @dataclass(frozen=True)
@@ -123,6 +155,12 @@ class TrainerSettings:
     routing_metrics: bool = field(False, "the sampler returns its routing and every step logs sampler-vs-trainer "
                                          "top-k agreement and load balance per MoE layer, without replaying it "
                                          "(routing_replay logs them too)")
+    lora: LoraSettings = field(doc="LoRA adapters on a frozen base (trainer/lora.py)", factory=LoraSettings)
+    packing: bool = field(False, "pack each micro-batch's sequences into one row without padding (trainer/packing.py): "
+                                 "micro-batches by token_budget instead of micro_batch_size, position ids restart "
+                                 "per sequence and attention stays inside each sequence")
+    token_budget: int = field(4096, "packing: the most tokens (prompt + completion) in one packed micro-batch; a "
+                                    "longer sequence gets a micro-batch of its own")
 
     @property
     def clip_high(self) -> float:
@@ -162,6 +200,8 @@ class TrainerSettings:
               self.max_seq_len)
         check(self.num_threads is None or self.num_threads >= 1, k("num_threads"), "null or an int >= 1",
               self.num_threads)
+        self.lora.validate(k("lora"))
+        check(self.token_budget >= 2, k("token_budget"), "an int >= 2", self.token_budget)
 
 
 @dataclass(frozen=True)
@@ -217,6 +257,11 @@ class TrainerWorkerConfig(TrainerSettings):
               "false with numerics 'bitwise' (the trainer routes bitwise like the sampler there: nothing to replay)",
               self.routing_replay)
         check(self.seed >= 0, _key(at, "seed"), "an int >= 0", self.seed)
+        check(not (self.packing and self.numerics == BITWISE), _key(at, "packing"),
+              "false with numerics 'bitwise' (its attention kernel takes right-padded rows, not packed ones)",
+              self.packing)
+        check(not (self.packing and (self.routing_replay or self.routing_metrics)), _key(at, "packing"),
+              "false with routing_replay / routing_metrics (their routing rows follow the padded layout)", self.packing)
         check(self.max_tokens is None or self.max_tokens >= 1, _key(at, "max_tokens"), "null or an int >= 1",
               self.max_tokens)
         check(self.aggregation != "constant" or self.max_tokens is not None, _key(at, "max_tokens"),

@@ -42,11 +42,23 @@ def apply_fsdp(model: nn.Module, mesh, compute_dtype: torch.dtype = torch.float3
     return model
 
 
-def _unique_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """state_dict entries in order, tied parameters once (under the first name)."""
+def _lora_mergers(model: nn.Module) -> dict:
+    """LoRA (trainer/lora.py): base name -> its merge, in the dtype the forward computes in."""
+    from trainer import lora
+
+    if getattr(model, "lora_settings", None) is None:
+        return {}
+    return lora.mergers(model, _full_tensor, model.lora_compute_dtype)
+
+
+def _unique_state(model: nn.Module, factors: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """state_dict entries in order, tied parameters once (under the first name); LoRA's factors are left out
+    (what leaves the trainer is the merged weight, under the base's name)."""
+    from trainer.lora import is_factor
+
     seen: set[int] = set()
     for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) in seen:
+        if id(t) in seen or (is_factor(name) and not factors):
             continue
         seen.add(id(t))
         yield name, t
@@ -70,6 +82,7 @@ def iter_full_weights(model: nn.Module, *, dtype: torch.dtype | None = None, to_
     into its buffer at once), so a tensor that is the live parameter itself is not cloned.
     """
     state = _unique_state(model)
+    merged = _lora_mergers(model)
     if names is not None:
         held = dict(state)
         missing = [n for n in names if n not in held]
@@ -80,6 +93,8 @@ def iter_full_weights(model: nn.Module, *, dtype: torch.dtype | None = None, to_
         if select is not None and not select(name):
             continue
         full = _full_tensor(t)
+        if name in merged:  # LoRA: the merged weight the forward computes with (trainer/lora.py)
+            full = merged[name](full)
         if dst is not None and rank != dst:
             del full
             continue
@@ -131,7 +146,7 @@ def nonfinite_weights(model: nn.Module, dtype: torch.dtype | None = None) -> lis
     import torch.distributed as dist
 
     names, locals_ = [], []
-    for name, t in _unique_state(model):
+    for name, t in _unique_state(model, factors=True):  # a non-finite LoRA factor makes its merged weight so
         names.append(name)
         locals_.append((t.to_local() if isinstance(t, DTensor) else t).detach())
     if not names:

@@ -38,6 +38,7 @@ from trainer.config import ConfigError, TrainerWorkerConfig
 from trainer.experts import MOE_CALLS
 from trainer.fsdp import apply_fsdp, buckets, iter_full_weights, nonfinite_weights, weight_metadata
 from trainer.loss import finish_stats, policy_loss, token_logprobs
+from trainer import lora, packing
 from trainer.model import load_model
 from trainer.replay import finish_routing, replay_routers, routing_load, routing_replay, routing_sums
 
@@ -68,15 +69,20 @@ class TrainerWorker:
         self.device = self._pick_device(c.device)
         dtype = c.dtype if c.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" and c.fsdp else "float32")
         self.compute_dtype = _DTYPES[dtype]
-        if not c.fsdp and self.compute_dtype != torch.float32:
+        if not c.fsdp and self.compute_dtype != torch.float32 and not c.lora.enabled:
             raise ConfigError(f"dtype: expected 'float32' or 'auto' with fsdp=False (bf16 compute over fp32 "
-                              f"master weights is FSDP2's mixed precision), got {c.dtype!r}")
+                              f"master weights is FSDP2's mixed precision; or trainer.lora, whose frozen base is "
+                              f"held in the compute dtype), got {c.dtype!r}")
         torch.manual_seed(c.seed)
 
         self._owns_pg = False
         if c.fsdp:
             self._init_process_group(master_addr, master_port)
-        self.model = load_model(model_dir, moe_impl, dtype=torch.float32, device=self.device, numerics=c.numerics)
+        # LoRA without FSDP2 holds the frozen base in the compute dtype (no master copy: it never changes).
+        base_dtype = self.compute_dtype if c.lora.enabled and not c.fsdp else torch.float32
+        self.model = load_model(model_dir, moe_impl, dtype=base_dtype, device=self.device, numerics=c.numerics)
+        if c.lora.enabled:
+            lora.install(self.model, c.lora, seed=c.seed, compute_dtype=self.compute_dtype)
         self.vocab_size = self.model.config.vocab_size
         pad = self.model.config.pad_token_id
         self.pad_id = int(pad) if pad is not None and 0 <= int(pad) < self.vocab_size else 0
@@ -145,7 +151,7 @@ class TrainerWorker:
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         c = self.cfg
-        return torch.optim.AdamW(self.model.parameters(), lr=self._lr(0), betas=(c.adam_beta1, c.adam_beta2),
+        return torch.optim.AdamW(lora.trainable(self.model), lr=self._lr(0), betas=(c.adam_beta1, c.adam_beta2),
                                  eps=c.adam_eps, weight_decay=c.weight_decay)
 
     def _lr(self, update: int) -> float:
@@ -183,8 +189,11 @@ class TrainerWorker:
     # -- forward ---------------------------------------------------------------------------------
     def _completion_logprobs(self, mb, model: torch.nn.Module | None = None) -> torch.Tensor:
         """Per-token logprobs of the micro-batch's completions under `model` (the policy by default)."""
-        out = (model or self.model)(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+        out = (model or self.model)(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                                    position_ids=mb.position_ids, use_cache=False)
         logits = out.logits
+        if mb.position_ids is not None:  # packed: one row, viewed once per sequence (trainer/packing.py)
+            logits = logits.expand(mb.targets.shape[0], -1, -1)
         V = logits.shape[-1]
         picked = torch.gather(logits, 1, mb.positions.unsqueeze(-1).expand(-1, -1, V))
         return token_logprobs(picked, mb.targets, self.cfg.temperature, self.cfg.numerics)
@@ -210,6 +219,18 @@ class TrainerWorker:
         start, end = shard_bounds(len(seqs), self.world_size, self.rank)
         return seqs[start:end], math.ceil(len(seqs) / self.world_size)
 
+    def _micro_batches(self, seqs: list) -> Iterator:
+        """This rank's micro-batches of `seqs` (a minibatch every rank holds): right-padded, micro_batch_size
+        sequences each, or packed by trainer.token_budget (trainer/packing.py)."""
+        c = self.cfg
+        if c.packing:
+            for group in packing.packed_groups(seqs, self.world_size, self.rank, c.token_budget):
+                yield packing.collate_packed(group, self.pad_id, self.device)
+            return
+        local, nmax = self._local(seqs)
+        for mb_seqs in micro_batches(local, nmax, c.micro_batch_size):
+            yield collate(mb_seqs, self.pad_id, self.device)
+
     # -- public interface ------------------------------------------------------------------------
     def train_step(self, batch: dict) -> dict:
         """One optimizer update per minibatch of `batch`; returns metrics (identical on every rank)."""
@@ -227,9 +248,7 @@ class TrainerWorker:
             old_logp = {}
             with torch.no_grad():
                 for mini in minis:
-                    local, nmax = self._local(mini)
-                    for mb_seqs in micro_batches(local, nmax, c.micro_batch_size):
-                        mb = collate(mb_seqs, self.pad_id, self.device)
+                    for mb in self._micro_batches(mini):
                         with self._routing(mb):
                             lp = self._completion_logprobs(mb)
                         for r, s in enumerate(mb.seqs):
@@ -239,12 +258,10 @@ class TrainerWorker:
         losses, norms, skipped = [], [], 0
         for mini in minis:
             total_tokens = float(sum(len(s.completion) for s in mini))
-            local, nmax = self._local(mini)
             self.optimizer.zero_grad(set_to_none=True)
             loss_local = torch.zeros((), dtype=torch.float64)
             stats_local: dict[str, torch.Tensor] = {}
-            for mb_seqs in micro_batches(local, nmax, c.micro_batch_size):
-                mb = collate(mb_seqs, self.pad_id, self.device)
+            for mb in self._micro_batches(mini):
                 # routing replay: the sampler's experts stay on the routers through the backward (activation
                 # checkpointing recomputes the forward there); the frozen reference routes with its own router.
                 with self._routing(mb) as routing_states:
@@ -338,11 +355,9 @@ class TrainerWorker:
         c = self.cfg
         seqs, _ = validate_batch(batch, vocab_size=self.vocab_size, max_seq_len=c.max_seq_len,
                                  truncate=c.truncate, need_training_fields=False)
-        local, nmax = self._local(seqs)
         out: dict[int, list[float]] = {}
         with torch.no_grad():
-            for mb_seqs in micro_batches(local, nmax, c.micro_batch_size):
-                mb = collate(mb_seqs, self.pad_id, self.device)
+            for mb in self._micro_batches(seqs):
                 with self._routing(mb):
                     lp = self._completion_logprobs(mb).cpu()
                 for r, s in enumerate(mb.seqs):

@@ -143,3 +143,63 @@ def test_the_limitations_of_a_two_gpu_machine_with_this_vllm():
     assert "tuned and measured on sm_90 (H200) only" in found and "the nccl weight sync" in found, found
     assert "no 8-GPU config (configs/*_8gpu.yaml) has run yet" in found, found
     assert "no CUDA GPU" not in found, found
+
+
+# -- the GPU memory plan of a config (rl/memory_plan.py) -------------------------------------------------------
+def test_memory_plan_arithmetic_by_hand():
+    """A small model's plan, every term computed here by hand from the formulas of rl/memory_plan.py's docstring."""
+    from rl import config as C
+    from rl.memory_plan import CUDA_CONTEXT, ENGINE_OVERHEAD, GiB, KiB, Dims, memory_plan
+
+    cfg = C.load(ROOT / "configs" / "qwen3_30b_a3b_1gpu.yaml", ["trainer.lora.rank=2", "trainer.token_budget=100",
+                                                                "rollout.kv_cache_bytes=1000"])
+    d = Dims(layers=2, hidden=2048, experts=4, topk=2, intermediate=8, vocab=10, heads=2, kv_heads=1, head_dim=128)
+    # per layer: q 2048x256, k/v 2048x128 each, o 256x2048, q/k norms 2x128; experts 4x3x8x2048; router 4x2048; 2 norms
+    layer = 2048 * 256 * 2 + 2048 * 128 * 2 + 256 + 4 * 3 * 8 * 2048 + 4 * 2048 + 2 * 2048
+    params = 2 * layer + 2 * 10 * 2048 + 2048
+    assert d.params == params
+    # LoRA rank 2: q (2048+256), k, v (2048+128), o (256+2048), w13 4x(16+2048), w2 4x(2048+8), per layer
+    n_lora = 2 * 2 * ((2048 + 256) * 2 + (2048 + 128) * 2 + 4 * (16 + 2048) + 4 * (2048 + 8))
+    plan = memory_plan(cfg, d)
+    assert plan.phases["rollout"] == {"base (frozen)": params * 2, "adapters + AdamW": n_lora * 12,
+                                      "engine weights": params * 2, "KV cache": 1000, "engine overhead": ENGINE_OVERHEAD,
+                                      "CUDA contexts": 2 * CUDA_CONTEXT}
+    train = plan.phases["train"]
+    moe, attn = 24 * KiB, 2 * (3 * 2048 + 3 * 256 + 4 * 128)
+    assert train["activations"] == 100 * (2 * 2048 * 2 + moe + attn)      # checkpointed: layer inputs + one layer
+    assert train["logits"] == 100 * 10 * (2 + 12)
+    # W_eff and its gradient (bf16) + 3 fp32 temporaries of the largest adapted tensor: q_proj 256x2048 here
+    assert train["layer transients"] == 2 * layer * 2 + 3 * 4 * max(4 * 16 * 2048, 256 * 2048)
+    assert train["engine weights"] == train["KV cache"] == 0              # sleep level 1
+    assert plan.fits(plan.peak) and not plan.fits(plan.peak - 1)
+    assert plan.peak == max(sum(p.values()) for p in plan.phases.values()) == sum(plan.phases["sync"].values())
+    assert plan.phases["sync"]["IPC bucket"] == GiB and plan.phases["sync"]["engine weights"] == params * 2
+
+
+def test_the_30b_config_fits_an_h200_and_not_an_h100_with_the_layer_counts():
+    """configs/qwen3_30b_a3b_1gpu.yaml at Qwen3-30B-A3B's dimensions, against injected card sizes: the numbers its
+    header states (30.53 B parameters; 48 layers fit 139 GiB, at most 25 fit 78 GiB)."""
+    from rl import config as C
+    from rl.memory_plan import GiB, dims_of, max_layers, memory_plan, report
+
+    cfg = C.load(ROOT / "configs" / "qwen3_30b_a3b_1gpu.yaml")
+    d = dims_of(cfg)
+    assert (d.layers, d.hidden, d.experts, d.topk, d.intermediate, d.vocab, d.heads, d.kv_heads, d.head_dim) == \
+        (48, 2048, 128, 8, 768, 151936, 32, 4, 128)
+    assert round(d.params / 1e9, 2) == 30.53
+    plan = memory_plan(cfg)
+    assert plan.fits(139 * GiB) and not plan.fits(78 * GiB)
+    assert round(plan.peak / GiB, 1) == 134.7
+    assert max_layers(cfg, 78 * GiB) == 25 and max_layers(cfg, 139 * GiB) == 49
+    fits, text = report(cfg, ("NVIDIA H100 80GB HBM3", 78 * GiB))
+    assert fits is False and "does NOT fit NVIDIA H100" in text and "at most 25 layers" in text
+    fits, text = report(cfg, ("NVIDIA H200", 139 * GiB))
+    assert fits is True and "fits NVIDIA H200" in text
+
+
+def test_dry_run_prints_the_plan_of_a_gpu_config():
+    proc = subprocess.run([sys.executable, "-m", "rl.cli", "train", "--config", "configs/qwen3_30b_a3b_1gpu.yaml",
+                           "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert "# memory plan: 48 layers" in proc.stdout and "#   H200 (139 GiB): fits" in proc.stdout, proc.stdout

@@ -83,19 +83,21 @@ def test_trainer_scores_the_same_bits_in_any_batch_and_fast_numerics_do_not(repo
     assert diff > 0.0
 
 
-def test_train_steps_bitwise_after_weight_pushes(tmp_path):
+def test_train_steps_bitwise_after_weight_pushes_with_lora(tmp_path):
     from test_rl_loop import explain
 
     from rl.metrics import read_jsonl
 
     run_dir = tmp_path / "run"
+    # With LoRA on attention and experts (trainer/lora.py): the trainer computes with W + scale * B@A, the
+    # engine with the merged weights the sync pushed after step 1, bitwise the same tensors.
     proc = train_tiny(ROOT / "configs" / "tiny.yaml", run_dir, "run.numerics=bitwise",
-                      f"rollout.temperature={TEMPERATURE}")
+                      f"rollout.temperature={TEMPERATURE}", "trainer.lora.enabled=true", "trainer.lr=0.01")
     assert proc.returncode == 0, explain(proc)
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2], explain(proc)
     for r in records:
-        print(f"[bitwise grpo] step {r['step']}: max |dlogp| {r['mismatch/abs_logp_diff_max']}, "
+        print(f"[bitwise grpo, LoRA] step {r['step']}: max |dlogp| {r['mismatch/abs_logp_diff_max']}, "
               f"k3 {r['mismatch/k3_kl']}, weight sync {r.get('time/weight_sync_s')}")
         assert r["train/optimizer_steps"] == r["step"] and r["train/grad_norm"] > 0, r
         assert r["mismatch/abs_logp_diff_max"] == 0.0 and r["mismatch/k3_kl"] == 0.0, r

@@ -32,6 +32,10 @@ ROOT = Path(__file__).resolve().parents[2]
 FP32_LOGPROB_TOL = 1e-6
 
 
+# The Mixtral run trains LoRA adapters (attention and experts): its export is the merged weights plus adapter/.
+LORA_RUNS = {"mixtral": {"enabled": True, "rank": 4, "alpha": 8.0}}
+
+
 def _make_run(root: Path, arch: str) -> dict:
     from rl.make_model import make_model
     from trainer.testing import free_port, make_batch
@@ -41,8 +45,14 @@ def _make_run(root: Path, arch: str) -> dict:
     base = make_model(run / "model", arch=arch, seed=3)
     cfg = C.load(ROOT / "configs" / "tiny.yaml", [f"run.out_dir={run}", f"model.make.arch={arch}"])
     (run / "config.yaml").write_text(C.to_yaml(cfg))
+    lora = LORA_RUNS.get(arch)
+    if lora:
+        cfg = C.load(ROOT / "configs" / "tiny.yaml", [f"run.out_dir={run}", f"model.make.arch={arch}",
+                                                      *(f"trainer.lora.{k}={str(v).lower()}" for k, v in lora.items())])
+        (run / "config.yaml").write_text(C.to_yaml(cfg))
     trainer = TrainerWorker(0, 1, "127.0.0.1", free_port(), str(base), "megamoe",
-                            {"dtype": "float32", "device": "cpu", "lr": 1e-2})
+                            {"dtype": "float32", "device": "cpu", "lr": 1e-2,
+                             **({"lora": lora} if lora else {})})
     for seed in (1, 2):
         trainer.train_step(make_batch(8, seed=seed))
     (run / "checkpoints").mkdir()
@@ -79,7 +89,7 @@ def exported(request, runs):
 @pytest.fixture(params=["mixtral"])
 def served(request, runs):
     """The architectures whose export a fast-numerics vLLM engine serves here (an engine start is ~25 s on
-    2 cores): Mixtral; the Qwen3-MoE export is served by test_export_serves_bitwise_in_vllm's engine (the
+    2 cores): Mixtral, a LoRA run (LORA_RUNS: the merged weights); the Qwen3-MoE export is served by test_export_serves_bitwise_in_vllm's engine (the
     same loading, and logprobs held to the fast trainer's bound too); an OLMoE export holds the base
     layout bitwise (above), and make-model's OLMoE folders are served by vLLM in
     tests/rollout/test_rollout_archs_olmoe.py and tests/rl/test_consistency.py."""
@@ -134,6 +144,39 @@ def test_export_starts_a_new_trainer_from_the_same_weights(exported):
 
 
 @pytest.mark.slow  # a vLLM engine per architecture
+def test_lora_export_writes_a_peft_adapter_that_rebuilds_the_merged_weights(runs):
+    """The LoRA run's export: adapter/ with PEFT's adapter_config.json keys and tensor names; base weights plus
+    PEFT's deltas of those tensors (its formulas: lora.Linear B @ A, ParamWrapper's einsum) are the trainer's
+    merged weights, which the folder's model.safetensors holds (test_export_holds_the_trainers_weights...)."""
+    from trainer.model import load_model
+
+    r = runs("mixtral")
+    adapter = r["out"] / "adapter"
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    assert {"peft_type", "task_type", "r", "lora_alpha", "lora_dropout", "target_modules", "target_parameters",
+            "bias", "base_model_name_or_path"} <= set(cfg)
+    assert (cfg["peft_type"], cfg["r"], cfg["lora_alpha"], cfg["lora_dropout"]) == ("LORA", 4, 8.0, 0.0)
+    assert sorted(cfg["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert cfg["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    assert all(k.startswith("base_model.model.model.layers.") and k.endswith(("lora_A.weight", "lora_B.weight"))
+               for k in tensors)
+    base = dict(load_model(r["base"], "megamoe").state_dict())
+    merged, scale = r["trainer_weights"], 8.0 / 4
+    for i in range(2):
+        at = f"model.layers.{i}.self_attn.q_proj"
+        got = base[f"{at}.weight"] + scale * (tensors[f"base_model.model.{at}.lora_B.weight"]
+                                              @ tensors[f"base_model.model.{at}.lora_A.weight"])
+        torch.testing.assert_close(got, merged[f"{at}.weight"], rtol=0, atol=1e-6)
+        ex = f"model.layers.{i}.mlp.experts"
+        for param, prefix in (("down_proj", ""), ("gate_up_proj", "base_layer.")):
+            a, b = tensors[f"base_model.model.{ex}.{prefix}lora_A.weight"], tensors[f"base_model.model.{ex}.{prefix}lora_B.weight"]
+            E = base[f"{ex}.{param}"].shape[0]
+            delta = torch.einsum("o r e, e r i -> e i o", b.reshape(b.shape[0], -1, E), a.reshape(E, -1, a.shape[1]))
+            torch.testing.assert_close(base[f"{ex}.{param}"] + scale * delta, merged[f"{ex}.{param}"], rtol=0, atol=1e-6)
+            assert not torch.equal(base[f"{ex}.{param}"], merged[f"{ex}.{param}"])
+
+
 def test_export_serves_in_vllm(served):
     from rollout.testing import max_abs_diff
     from rollout.worker import RolloutWorker

@@ -1,0 +1,228 @@
+"""The GPU memory plan of a run config, per phase of an RL step, before anything starts.
+
+    plan = memory_plan(cfg)                  # from the config alone (model.make, or model.path's config.json)
+    plan.fits(card_bytes)  -> bool           # every phase's total within the card
+    print(plan.render(card_bytes))           # the table `megamoe-rl doctor --config` and `train --dry-run` print
+    max_layers(cfg, card_bytes)              # the most decoder layers of this model that fit
+
+The plan is arithmetic on the model's dimensions and the config, for one GPU that holds a trainer rank and
+(colocated) an engine. What is counted, in bytes:
+- trainer state: the base weights (LoRA without FSDP2: frozen, in the compute dtype, nothing else; full
+  fine-tuning: fp32 master weights, fp32 gradients, two fp32 AdamW moments, sharded over trainer.world_size),
+  LoRA's factors (fp32 weights, gradients and two AdamW moments: 16 bytes a parameter);
+- train activations per micro-batch token: with activation checkpointing each layer's input (H in the
+  compute dtype) and one layer's recomputed activations, else every layer's: the MoE's 24 KiB per token
+  per layer measured for the fused kernel (Qwen3 bf16, benchmarks/RESULTS.md; scaled by H / 2048 for other
+  widths) and the attention's estimate 2 bytes x (3H + 3 heads*head_dim + 4 kv_heads*head_dim); the logits,
+  V x 2 bytes a token plus V x 12 (fp32 copy, log-softmax, its gradient) as an upper bound for completion tokens;
+  a micro-batch is trainer.token_budget tokens packed, else micro_batch_size x max_seq_len;
+- LoRA's transient per layer: the effective weights W + scale*B@A in the compute dtype, their gradient, and
+  the merge's fp32 temporaries of the largest adapted tensor (three of its size);
+- the engine: its weights (model.dtype), its KV cache (rollout.kv_cache_bytes) and ENGINE_OVERHEAD
+  (activations, CUDA graphs, workspaces: an estimate, not measured for this model);
+- CUDA_CONTEXT per process (two processes on the card when colocated).
+Phases: rollout (the trainer's state stays resident, the engine awake), train (the engine asleep as
+rollout.sleep_level says: 0 keeps weights and KV, 1 moves weights to host and frees KV, 2 frees both),
+sync (the engine's weights back, the trainer's IPC bucket of rollout.ipc_bucket_bytes, one merged tensor).
+"""
+
+from __future__ import annotations
+
+import json
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GiB = 2**30
+KiB = 2**10
+MOE_ACT_PER_TOKEN_H2048 = 24 * KiB  # fused kernel, per token per MoE layer, Qwen3 bf16 (benchmarks/RESULTS.md)
+ENGINE_OVERHEAD = 3 * GiB           # vLLM's activations, CUDA graphs, workspaces (estimate)
+CUDA_CONTEXT = GiB // 2             # per process on the card (estimate)
+CARDS = {"H200": 139 * GiB, "H100": 78 * GiB}  # usable memory of the lent cards (torch.cuda.mem_get_info's total)
+
+
+@dataclass(frozen=True)
+class Dims:
+    layers: int
+    hidden: int
+    experts: int
+    topk: int
+    intermediate: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool = False
+
+    @property
+    def attn_params(self) -> int:
+        H, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return H * q + 2 * H * kv + q * H + 2 * self.head_dim  # q, k, v, o and Qwen3's q/k norms
+
+    @property
+    def expert_params(self) -> int:
+        return self.experts * 3 * self.intermediate * self.hidden
+
+    @property
+    def layer_params(self) -> int:
+        return self.attn_params + self.expert_params + self.experts * self.hidden + 2 * self.hidden
+
+    @property
+    def fixed_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.fixed_params
+
+
+def dims_of(cfg) -> Dims:
+    """The model's dimensions from model.make, or from model.path's config.json (no torch)."""
+    m = cfg.model.make
+    if m is not None:
+        from rl.make_model import DEFAULT_VOCAB, head_layout
+
+        heads, kv, hd = (m.heads, m.kv_heads, m.head_dim) if m.heads is not None else head_layout(m.hidden)
+        return Dims(m.layers, m.hidden, m.experts, m.topk, m.intermediate, m.vocab or DEFAULT_VOCAB, heads, kv, hd)
+    c = json.loads((Path(cfg.model.path) / "config.json").read_text())
+    heads = c["num_attention_heads"]
+    return Dims(c["num_hidden_layers"], c["hidden_size"], c.get("num_experts") or c.get("num_local_experts"),
+                c["num_experts_per_tok"], c.get("moe_intermediate_size") or c["intermediate_size"], c["vocab_size"],
+                heads, c.get("num_key_value_heads", heads), c.get("head_dim") or c["hidden_size"] // heads,
+                bool(c.get("tie_word_embeddings", False)))
+
+
+def lora_params(d: Dims, rank: int, targets: list[str]) -> int:
+    """Factor parameters of every layer (A and B of each target; trainer/lora.py's shapes)."""
+    H, q, kv, E, I = d.hidden, d.heads * d.head_dim, d.kv_heads * d.head_dim, d.experts, d.intermediate
+    per = {"q_proj": H + q, "k_proj": H + kv, "v_proj": H + kv, "o_proj": q + H,
+           "gate_up_proj": E * (2 * I + H), "down_proj": E * (H + I), "router": H + E}
+    return d.layers * rank * sum(per[t] for t in targets)
+
+
+@dataclass
+class Plan:
+    dims: Dims
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def total(self, phase: str) -> int:
+        return sum(self.phases[phase].values())
+
+    @property
+    def peak(self) -> int:
+        return max(self.total(p) for p in self.phases)
+
+    def fits(self, card_bytes: int) -> bool:
+        return self.peak <= card_bytes
+
+    def render(self, card_bytes: int | None = None, card: str = "the card") -> str:
+        d = self.dims
+        lines = [f"memory plan: {d.layers} layers, H={d.hidden}, {d.experts} experts top-{d.topk}, I={d.intermediate}, "
+                 f"{d.heads}/{d.kv_heads} heads x {d.head_dim}, vocab {d.vocab}: {d.params / 1e9:.2f} B parameters"]
+        for phase, items in self.phases.items():
+            parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in items.items() if v)
+            lines.append(f"  {phase:8s} {self.total(phase) / GiB:7.1f} GiB = {parts}")
+        lines += [f"  note: {n}" for n in self.notes]
+        if card_bytes is not None:
+            verdict = "fits" if self.fits(card_bytes) else "does NOT fit"
+            lines.append(f"  peak {self.peak / GiB:.1f} GiB {verdict} {card} ({card_bytes / GiB:.1f} GiB)")
+        return "\n".join(lines)
+
+
+def _bytes(dtype: str) -> int:
+    return 2 if dtype == "bfloat16" else 4
+
+
+def memory_plan(cfg, dims: Dims | None = None) -> Plan:
+    """The plan of `cfg` (see the module docstring); `dims` overrides the model's dimensions."""
+    d = dims or dims_of(cfg)
+    t, r = cfg.trainer, cfg.rollout
+    compute = 2 if (t.gpus_per_rank > 0 and cfg.model.dtype == "bfloat16") else 4
+    plan = Plan(d)
+    W = t.world_size if t.fsdp else 1
+    lo = t.lora
+    if lo.enabled:
+        base = d.params * (compute if not t.fsdp else 4) // (1 if not t.fsdp else W)
+        n_lora = lora_params(d, lo.rank, lo.targets)
+        trainer_state = {"base (frozen)": base, "adapters + AdamW": n_lora * 12 // W}
+        grads = n_lora * 4 // W
+        largest = max(d.experts * 2 * d.intermediate * d.hidden if {"gate_up_proj", "down_proj"} & set(lo.targets)
+                      else 0, d.heads * d.head_dim * d.hidden)
+        transient = 2 * d.layer_params * compute + 3 * 4 * largest  # W_eff and its gradient, merge temporaries
+        if not t.activation_checkpointing:
+            transient += (d.layers - 1) * d.layer_params * compute  # every layer's W_eff kept for its backward
+            plan.notes.append("trainer.activation_checkpointing false: every layer's effective weights stay "
+                              "until its backward")
+    else:
+        trainer_state = {"weights + AdamW (fp32)": d.params * 12 // W}
+        grads = d.params * 4 // W
+        transient = d.layer_params * compute * (2 if W > 1 else 0)  # FSDP2's unsharded layer (and prefetch)
+    tokens = t.token_budget if t.packing else t.micro_batch_size * t.max_seq_len
+    moe = MOE_ACT_PER_TOKEN_H2048 * d.hidden // 2048 * compute // 2
+    attn = 2 * (3 * d.hidden + 3 * d.heads * d.head_dim + 4 * d.kv_heads * d.head_dim) * compute // 2
+    if t.activation_checkpointing:
+        act = tokens * (d.layers * d.hidden * compute + moe + attn)
+    else:
+        act = tokens * d.layers * (moe + attn + 2 * d.hidden * compute)
+    logits = tokens * d.vocab * (compute + 12)
+    engine_w = d.params * _bytes(cfg.model.dtype)
+    colocated = cfg.ray.placement == "colocated"
+    engine = {"engine weights": engine_w, "KV cache": r.kv_cache_bytes, "engine overhead": ENGINE_OVERHEAD} \
+        if colocated else {}
+    ctx = CUDA_CONTEXT * (2 if colocated else 1)
+    plan.phases["rollout"] = {**trainer_state, **engine, "CUDA contexts": ctx}
+    asleep = dict(engine)
+    if colocated and r.sleep_level >= 1:
+        asleep["engine weights"] = 0  # level 1: to host memory; level 2: freed
+        asleep["KV cache"] = 0
+    plan.phases["train"] = {**trainer_state, "adapter grads" if lo.enabled else "grads (fp32)": grads,
+                            "activations": act, "logits": logits, "layer transients": transient, **asleep,
+                            "CUDA contexts": ctx}
+    sync_extra = {"IPC bucket": r.ipc_bucket_bytes if colocated else 0,
+                  "one merged tensor": d.experts * 2 * d.intermediate * d.hidden * compute if lo.enabled else 0}
+    plan.phases["sync"] = {**trainer_state, **engine, **sync_extra, "CUDA contexts": ctx}
+    if colocated and r.sleep_level == 0:
+        plan.notes.append("rollout.sleep_level 0: the engine keeps its weights and KV cache through training")
+    return plan
+
+
+def max_layers(cfg, card_bytes: int, dims: Dims | None = None) -> int:
+    """The most decoder layers of this model (other dimensions kept) whose plan fits `card_bytes` (0: none)."""
+    d = dims or dims_of(cfg)
+    best = 0
+    for n in range(1, 4 * d.layers + 1):
+        if memory_plan(cfg, Dims(**{**d.__dict__, "layers": n})).fits(card_bytes):
+            best = n
+        else:
+            break
+    return best
+
+
+def card_bytes_seen() -> tuple[str, int] | None:
+    """(name, total bytes) of CUDA device 0, or None without one (imports torch)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info(0)
+    return torch.cuda.get_device_name(0), int(total)
+
+
+def report(cfg, card: tuple[str, int] | None) -> tuple[bool | None, str]:
+    """(fits, text) for `cfg` on `card` ((name, bytes), or None: the plan and the lent cards' verdicts)."""
+    plan = memory_plan(cfg)
+    if card is None:
+        text = plan.render() + "\n" + "\n".join(
+            f"  {name} ({b / GiB:.0f} GiB): {'fits' if plan.fits(b) else 'does NOT fit'}; "
+            f"at most {max_layers(cfg, b)} layers of this model fit" for name, b in CARDS.items())
+        return None, text
+    name, b = card
+    text = plan.render(b, name)
+    if not plan.fits(b):
+        text += f"\n  at most {max_layers(cfg, b)} layers of this model fit {name} (model.make.layers)"
+    return plan.fits(b), text
+
+
+
+
