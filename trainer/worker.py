@@ -238,7 +238,7 @@ class TrainerWorker:
         totals: dict[str, float] = {}
         losses, norms, skipped = [], [], 0
         for mini in minis:
-            total_tokens = float(sum(len(s.completion) for s in mini))
+            total_tokens = float(sum(s.loss_tokens for s in mini))
             local, nmax = self._local(mini)
             self.optimizer.zero_grad(set_to_none=True)
             loss_local = torch.zeros((), dtype=torch.float64)
