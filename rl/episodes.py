@@ -20,7 +20,8 @@ assistant's turn t as parsed) and the environment's messages E,
     render(H) must be a token prefix of render(H + E, add_generation_prompt=True)
 and the tokens appended after the sampled ones are (what the template writes after the assistant's
 end-of-turn token in render(H)) + (render(H + E) minus render(H)). The assistant's own tokens are never
-rendered into the sequence: they are the sampled ones, ending with the end-of-turn token the sampler stopped on.
+rendered into the sequence: they are the sampled ones, ending with the end-of-turn token the sampler stopped on
+(a turn that stopped on a stop string, `sampling['stop']`, gets the template's end-of-turn token as context).
 """
 
 from __future__ import annotations
@@ -123,11 +124,12 @@ class ChatFormat:
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         return self.render_ids(messages, True)
 
-    def env_ids(self, history: list[dict], env_messages: list[dict]) -> list[int]:
-        """The tokens that follow an assistant turn's sampled tokens (ending on an end-of-turn token) when the
-        environment answers with `env_messages`: the template's tail of that assistant turn, then its
-        rendering of `env_messages` and the next generation prompt. TemplateError where `history` does not
-        render as a token prefix of `history + env_messages`."""
+    def env_ids(self, history: list[dict], env_messages: list[dict], closed: bool = True) -> list[int]:
+        """The tokens that follow an assistant turn's sampled tokens when the environment answers with
+        `env_messages`: the template's tail of that assistant turn, then its rendering of `env_messages` and
+        the next generation prompt. closed: the sampled turn ended on an end-of-turn token; otherwise (it
+        stopped on a stop string) the template's end-of-turn token comes first, as context. TemplateError
+        where `history` does not render as a token prefix of `history + env_messages`."""
         prev = self.render_ids(history, False)
         new = self.render_ids(history + env_messages, True)
         if new[:len(prev)] != prev:
@@ -138,15 +140,16 @@ class ChatFormat:
                 f"follow (first differing token at {at}: {self.tok.decode(prev[at:at + 8])!r} became "
                 f"{self.tok.decode(new[at:at + 8])!r}); the sampled tokens of earlier turns would no longer be what "
                 "the template gives the trainer")
-        return self.turn_tail(prev) + new[len(prev):]
+        return self.turn_tail(prev, closed) + new[len(prev):]
 
-    def turn_tail(self, rendered: list[int]) -> list[int]:
-        """What the template writes after the last end-of-turn token of `rendered` (e.g. ChatML's newline)."""
+    def turn_tail(self, rendered: list[int], closed: bool = True) -> list[int]:
+        """What the template writes after the last end-of-turn token of `rendered` (e.g. ChatML's newline);
+        closed=False: from that end-of-turn token on."""
         last = max((i for i, t in enumerate(rendered) if t in self.eos_ids), default=None)
         if last is None:
             raise TemplateError(f"{self.name} ends an assistant turn with none of the end-of-turn tokens "
                                 f"{sorted(self.eos_ids)} the sampler stops on")
-        return rendered[last + 1:]
+        return rendered[last + int(closed):]
 
     def check_prefix(self, env_role: str) -> None:
         """Refuse, before any episode, a template whose renderings do not extend one another at the turn
@@ -256,7 +259,9 @@ class EpisodeRunner:
                 ep.append(ids, list(out["logprobs"]))
                 ep.turns += 1
                 ep.finish_reason = out.get("finish_reason")
-                if not ids or ids[-1] not in self.fmt.eos_ids:  # cut by a token limit: nothing to parse reliably
+                closed = bool(ids) and ids[-1] in self.fmt.eos_ids
+                # Cut by a token limit (not an end-of-turn token, nor a stop string): the episode ends there.
+                if not ids or (not closed and out.get("finish_reason") != "stop"):
                     ep.truncated = True
                     msg, _, _ = self.fmt.parse(out["text"], c)
                     ep.messages.append(msg)
@@ -265,10 +270,10 @@ class EpisodeRunner:
                 ep.messages.append(msg)
                 history[e].append(msg)
                 ep.parse_errors += err is not None
-                answering.append((e, calls, err))
+                answering.append((e, calls, err, closed))
             replies = self._respond(sessions, history, answering)
             nxt = []
-            for (e, _, _), reply in zip(answering, replies):
+            for (e, _, _, closed), reply in zip(answering, replies):
                 ep = episodes[e]
                 ep.tool_calls += reply.tool_calls
                 ep.tool_errors += reply.tool_errors
@@ -278,7 +283,7 @@ class EpisodeRunner:
                 if turn + 1 == self.max_turns:
                     ep.truncated = True  # the environment answered, but no assistant turn is left
                     continue
-                env_ids = self.fmt.env_ids(history[e], reply.messages)
+                env_ids = self.fmt.env_ids(history[e], reply.messages, closed)
                 if len(ep.prompt_ids) + len(ep.completion_ids) + len(env_ids) + 1 > self.total:
                     ep.truncated = True
                     continue
@@ -298,7 +303,7 @@ class EpisodeRunner:
         if not answering:
             return []
         with ThreadPoolExecutor(max_workers=min(32, len(answering)), thread_name_prefix="env") as pool:
-            futures = [pool.submit(sessions[e].respond, list(history[e]), calls, err) for e, calls, err in answering]
+            futures = [pool.submit(sessions[e].respond, list(history[e]), calls, err) for e, calls, err, _ in answering]
             return [f.result() for f in futures]
 
 

@@ -139,7 +139,8 @@ class Scripted:
     tokens (or as the byte tokens of it, a tokenisation the tokenizer would never give) plus the end-of-turn
     token, with seeded random logprobs; records what it returned and every call."""
 
-    def __init__(self, tok, script, byte_split=False, stop=True):
+    def __init__(self, tok, script, byte_split=False, stop=True, stop_string=False):
+        self.stop_string = stop_string
         self.tok, self.script, self.byte_split, self.stop = tok, script, byte_split, stop
         self.rng = random.Random(0)
         self.calls, self.returned = [], []
@@ -155,12 +156,13 @@ class Scripted:
         for k, c in enumerate(ctx):
             text = self.script(c, turn, k)
             ids = self.ids(text)[: budgets[k]]
-            if self.stop and len(ids) < budgets[k]:
+            if self.stop and not self.stop_string and len(ids) < budgets[k]:
                 ids = ids + [self.tok.convert_tokens_to_ids(EOS)]
             lps = [-self.rng.uniform(0.01, 5.0) for _ in ids]
             self.returned.append((turn, k, ids, lps))
             outs.append({"completion_ids": ids, "logprobs": lps, "text": self.tok.decode(ids, skip_special_tokens=True),
-                         "finish_reason": "stop" if ids[-1] == self.tok.convert_tokens_to_ids(EOS) else "length"})
+                         "finish_reason": "stop" if (ids[-1] == self.tok.convert_tokens_to_ids(EOS) or self.stop_string)
+                         else "length"})
         return outs
 
 
@@ -203,6 +205,25 @@ def test_two_turn_episode_is_the_sampled_tokens_plus_the_templates_tokens(tok):
     assert ep.sampler_logprobs == lp0 + [0.0] * n_env + lp1
     # The second turn was generated from exactly the episode's sequence so far (one call per turn).
     assert [c[0] for c in gen.calls] == [1, 1]
+
+
+def test_a_turn_stopped_by_a_stop_string_gets_the_end_of_turn_token_as_context(tok):
+    """sampling['stop'] ends a turn without the end-of-turn token: the template's one follows as an
+    environment token (mask 0), so the sequence is still the template's rendering."""
+    env, fmt, runner = tools_runner(tok)
+    prompt = [{"role": "user", "content": "What is 37 * 12?"}]
+    gen = Scripted(tok, lambda c, turn, k: CALL if turn == 0 else "444", stop_string=True)
+    (ep,) = runner.run([{}], [prompt], 1, gen)
+    messages = prompt + [
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+            "name": "calculator", "arguments": {"expression": "37 * 12"}}}]},
+        {"role": "tool", "name": "calculator", "content": "444"},
+        {"role": "assistant", "content": "444"}]
+    want = tok.apply_chat_template(messages, tools=env.schemas, tokenize=True)["input_ids"]
+    assert ep.prompt_ids + ep.completion_ids == want[:-2]  # less the last turn's end-of-turn token and newline
+    (_, _, ids0, _), _ = gen.returned
+    assert ep.completion_ids[len(ids0)] == tok.convert_tokens_to_ids(EOS) and ep.loss_mask[len(ids0)] == 0
+    assert ep.turns == 2 and not ep.truncated
 
 
 def test_the_sampled_tokens_are_kept_not_retokenised(tok):
@@ -521,3 +542,72 @@ def test_train_batch_carries_the_loss_mask():
     assert "loss_mask" not in TrainBatch.from_samples(s[1:], [0.0]).columns()
     with pytest.raises(RecordError, match=r"TrainBatch.loss_mask\[0\]: expected 3 values"):
         TrainBatch.from_samples([Sample(0, [1], [3, 4, 5], [0.0] * 3, "t", "stop", 0, loss_mask=[1])], [0.0])
+
+
+# ---- on an engine (tests/rl/test_divergence.py's bitwise engine runs these) -----------------------------
+
+class AreYouSure:
+    """A verifiers-shape environment: asks back until the assistant has spoken three times."""
+
+    def is_completed(self, messages, state, **kwargs):
+        return state["turn"] >= 3
+
+    def env_response(self, messages, state, **kwargs):
+        return [{"role": "user", "content": "Sure?"}]
+
+
+ENGINE_PROMPTS = ["digit 3:", "the red bird is"]
+
+
+def engine_episodes(worker, model_dir, temperature: float):
+    """2 prompts x 2 episodes of up to three turns on `worker` (a RolloutWorker), each turn one generate call
+    of token-id prompts; the turns stop on the string "e" (a random model seldom samples its end-of-turn
+    token within a few tokens), 8 tokens at most, 128 in all (the engine's max_model_len)."""
+    from transformers import AutoTokenizer
+
+    from rl.config import EnvConfig
+    from rl.episode_step import eos_ids as model_eos_ids
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    env = Environment(EnvConfig(environment="test_env:AreYouSure"))
+    fmt = ChatFormat(tok, None, model_eos_ids(tok, model_dir), env_role="user")
+    runner = EpisodeRunner(env, fmt, max_turns=3, max_tokens_per_turn=8, max_total_tokens=128)
+    calls = []
+
+    def gen(ctx, budgets, turn):
+        calls.append(len(ctx))
+        return worker.generate(ctx, 1, {"temperature": temperature, "stop": ["e"], "seed": 11 + 1000 * turn},
+                               max_tokens=budgets)
+
+    return runner.run([{}] * len(ENGINE_PROMPTS), [[{"role": "user", "content": p}] for p in ENGINE_PROMPTS], 2,
+                      gen), calls
+
+
+def check_engine_episodes(model_dir, episodes, calls, temperature: float) -> dict:
+    """The trainer's logprobs of every episode's sequence: equal to the sampler's on every assistant token in
+    bitwise numerics, within the loop's fp32 bound in fast numerics; environment tokens exist and are masked."""
+    from test_rl_loop import FP32_MAX_ABS_LOGP_DIFF
+    from trainer.testing import free_port
+    from trainer.worker import TrainerWorker
+
+    assert calls[0] == 2 * len(ENGINE_PROMPTS) and len(calls) == 3, calls  # one engine call per turn, every live episode in it
+    three = [e for e in episodes if e.turns == 3]
+    assert three, [e.turns for e in episodes]
+    assert all(0 in e.loss_mask and 1 in e.loss_mask for e in three)
+    batch = {"prompt_ids": [e.prompt_ids for e in episodes], "completion_ids": [e.completion_ids for e in episodes]}
+    out = {}
+    for numerics in ("bitwise", "fast"):
+        w = TrainerWorker(0, 1, "127.0.0.1", free_port(), str(model_dir), "megamoe",
+                          {"dtype": "float32", "device": "cpu", "numerics": numerics, "temperature": temperature,
+                           "max_seq_len": 128})
+        try:
+            lps = w.logprobs(batch)
+        finally:
+            w.close()
+        diffs = [abs(t - s) for e, lp in zip(episodes, lps) for t, s, m in zip(lp, e.sampler_logprobs, e.loss_mask)
+                 if m]
+        out[numerics] = max(diffs)
+        assert len(diffs) == sum(sum(e.loss_mask) for e in episodes) > 0
+    assert out["bitwise"] == 0.0, out
+    assert 0.0 < out["fast"] < FP32_MAX_ABS_LOGP_DIFF, out  # > 0: fast numerics really differ from the sampler's
+    return out
