@@ -253,15 +253,18 @@ def test_a_turn_of_all_live_episodes_is_one_generate_call(tok):
 # ---- refusals ----------------------------------------------------------------------------------
 
 def test_a_template_that_is_not_prefix_extensible_is_refused_naming_it(tok, tmp_path):
-    """A template that writes the number of messages into its first line re-renders the conversation
-    differently once a message is added: refused before any episode, with the template named."""
+    """A template that writes the number of tool results into its first line renders the prompt and the
+    assistant turn as a prefix, but re-renders the conversation differently once a tool answers: refused
+    before any episode, with the template named and the roles of the turn."""
     from transformers import AutoTokenizer
 
     tok.save_pretrained(tmp_path / "bad")
     bad = AutoTokenizer.from_pretrained(tmp_path / "bad")
-    bad.chat_template = "{{ messages | length }} messages<|im_end|>\n" + tok.chat_template
+    bad.chat_template = ("{{ messages | selectattr('role', 'equalto', 'tool') | list | length }} results<|im_end|>\n"
+                         + tok.chat_template)
     with pytest.raises(TemplateError, match=r"the chat template of .*bad \(sha256 [0-9a-f]{12}\) cannot be extended "
-                                            r"as a prefix"):
+                                            r"as a prefix: the conversation of roles \['user', 'assistant'\] renders "
+                                            r"differently once \['tool'\] follow"):
         ChatFormat(bad, Environment(env_cfg(tools=["rl.tool_task:calculator"])).schemas, eos_ids(tok))
     ChatFormat(tok, Environment(env_cfg(tools=["rl.tool_task:calculator"])).schemas, eos_ids(tok))  # the control
 
@@ -611,3 +614,52 @@ def check_engine_episodes(model_dir, episodes, calls, temperature: float) -> dic
     assert out["bitwise"] == 0.0, out
     assert 0.0 < out["fast"] < FP32_MAX_ABS_LOGP_DIFF, out  # > 0: fast numerics really differ from the sampler's
     return out
+
+
+def test_the_loop_hook_splits_each_turn_over_the_rollout_workers(tok, tmp_path):
+    """EpisodeStep.draw (what Loop.draw hands its call to): each turn is one call per rollout worker on its
+    contiguous slice of the live episodes, with per-episode token budgets and a seed offset by the slice's
+    start (so no two episodes share a seed); the Draw holds masked Samples and the env/* metrics."""
+    from rl import config as C
+    from rl.data import Batch
+    from rl.episode_step import TURN_SEED_STRIDE, EpisodeStep
+    from rl.loop import Loop
+    from rl.rewards import RewardScorer, load_rewards
+
+    class Ref:
+        def __init__(self, value):
+            self.value = value
+
+    class Worker:
+        def __init__(self, gen):
+            self.gen, self.seen = gen, []
+            self.generate = self
+
+        def remote(self, ctx, n, sampling, max_tokens):
+            self.seen.append((len(ctx), n, sampling["seed"], list(max_tokens)))
+            return Ref((self.gen(ctx, max_tokens, 0), 0.5))
+
+    cfg = C.load("configs/tiny_tools.yaml", ["rollout.n=2", "rollout.max_model_len=2048", "trainer.max_seq_len=2048",
+                                             "env.max_tokens_per_turn=200", "rollout.num_workers=2"])
+    step = EpisodeStep(cfg, tok, tmp_path)
+    gen = Scripted(tok, lambda c, turn, k: "444" if "<tool_response>" in tok.decode(c) else CALL)
+    workers = [Worker(gen), Worker(gen)]
+
+    class FakeLoop:
+        rollouts = workers
+        step = 4
+        scorer = RewardScorer(load_rewards(cfg.reward))
+        _bounds = Loop._bounds
+
+        def _get(self, refs, names, method):
+            return [r.value for r in refs]
+
+    batch = Batch(prompts=[[{"role": "user", "content": "What is 37 * 12?"}]] * 3, columns={"answer": ["444"] * 3})
+    draw = step.draw(FakeLoop(), batch, ["p"] * 3, {"temperature": 1.0, "seed": 100})
+    assert [w.seen[0][:3] for w in workers] == [(3, 1, 100), (3, 1, 103)]
+    assert [w.seen[1][:3] for w in workers] == [(3, 1, 100 + TURN_SEED_STRIDE), (3, 1, 103 + TURN_SEED_STRIDE)]
+    assert workers[0].seen[0][3] == [200] * 3
+    assert len(draw.samples) == 6 and all(s.policy_version == 4 and 0 in s.loss_mask for s in draw.samples)
+    assert draw.rewards.total == [1.0] * 6  # a tool result and the right number
+    m = draw.rewards.metrics(2)
+    assert m["env/turns_mean"] == 2.0 and m["env/tool_calls"] == 6.0 and m["env/truncated"] == 0.0
