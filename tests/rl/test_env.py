@@ -663,3 +663,20 @@ def test_the_loop_hook_splits_each_turn_over_the_rollout_workers(tok, tmp_path):
     assert draw.rewards.total == [1.0] * 6  # a tool result and the right number
     m = draw.rewards.metrics(2)
     assert m["env/turns_mean"] == 2.0 and m["env/tool_calls"] == 6.0 and m["env/truncated"] == 0.0
+
+
+def test_the_gsm8k_shaped_variant_scores_the_last_assistant_message():
+    """configs/tiny_tools_math.yaml: the math reward on a multi-turn completion grades the final answer, not
+    the tool's output."""
+    from rl import config as C
+    from rl.rewards import RewardScorer, load_rewards
+
+    cfg = C.load("configs/tiny_tools_math.yaml")
+    assert cfg.env.tools == ["rl.tool_task:calculator"] and cfg.data.task == "math"
+    s = RewardScorer(load_rewards(cfg.reward))
+    episode = [{"role": "assistant", "content": "", "tool_calls": []}, {"role": "tool", "content": "36"},
+               {"role": "assistant", "content": "So she has #### 36"}]
+    wrong = episode[:2] + [{"role": "assistant", "content": "#### 35"}]
+    got = s([[{"role": "user", "content": "q"}]] * 2, ["-", "-"], {"answer": ["36", "36"]},
+            completion_messages=[episode, wrong])
+    assert got.total == [1.0, 0.0]
