@@ -310,6 +310,18 @@ def test_config_env_section_refusals():
             load(base, over)
 
 
+def test_megamoe_rl_eval_refuses_an_env_config():
+    import argparse
+
+    from rl.config import ConfigError
+    from rl.eval_cmd import resolve
+
+    args = argparse.Namespace(config="configs/tiny_tools.yaml", overrides=["eval.data.task=tool_arith"], run=None,
+                              step=[], latest=False, model=["/nonexistent"], moe_impl=None)
+    with pytest.raises(ConfigError, match=r"env: expected no env.tools / env.environment for `megamoe-rl eval`"):
+        resolve(args)
+
+
 # ---- parsing, tools, timeouts -------------------------------------------------------------------
 
 @pytest.mark.parametrize("text, content, calls, err", [
