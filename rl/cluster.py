@@ -79,12 +79,15 @@ class TrainerHost(WorkerHost):
 class RolloutHost(WorkerHost):
     """The actor of one rollout worker: the calls the loop makes, by name (rollout/worker.py's interface)."""
 
-    def generate(self, prompts: list, n: int, sampling: dict) -> tuple[list[dict], float]:
-        """RolloutWorker.generate's samples and the seconds this actor spent in it (its busy time)."""
+    def generate(self, prompts: list, n: int, sampling: dict,
+                 max_tokens: list[int] | None = None) -> tuple[list[dict], float]:
+        """RolloutWorker.generate's samples and the seconds this actor spent in it (its busy time); max_tokens
+        (one per prompt: multi-turn episodes) is passed only when given."""
         import time
 
         t0 = time.perf_counter()
-        out = self.worker.generate(prompts, n, sampling)
+        extra = {} if max_tokens is None else {"max_tokens": max_tokens}
+        out = self.worker.generate(prompts, n, sampling, **extra)
         return out, time.perf_counter() - t0
 
     def update_weights(self, named) -> dict:

@@ -262,6 +262,55 @@ class EvalConfig:
         return RewardConfig(functions=self.functions) if self.functions is not None else training
 
 
+@dataclass
+class EnvConfig:
+    """Multi-turn, tool-using episodes (rl/envs.py, rl/episodes.py; docs/MULTITURN.md); off while neither
+    `tools` nor `environment` is set."""
+    tools: list[str] = field(doc="tool functions as TRL's `tools=` takes them (type hints and a Google-style "
+                                 "docstring), each `module:function`; their JSON schemas reach the chat template",
+                             factory=list)
+    environment: str | None = field(None, "an environment class, `module:Class`: TRL's environment_factory shape "
+                                          "(no-arg __init__, reset(**row), each public method a tool; one instance "
+                                          "per episode) or verifiers' MultiTurnEnv shape (env_response(messages, "
+                                          "state), is_completed; one instance, built with environment_kwargs)")
+    environment_kwargs: dict[str, Any] = field(doc="keyword arguments of a verifiers-shape environment's "
+                                                   "constructor", factory=dict)
+    max_turns: int = field(4, "assistant turns per episode at most; an episode still going after them ends "
+                              "truncated")
+    max_tokens_per_turn: int | None = field(None, "tokens per assistant turn at most; null = rollout.max_tokens; "
+                                                  "a turn cut by it ends its episode truncated")
+    max_total_tokens: int | None = field(None, "tokens of a whole episode (prompt, assistant and environment "
+                                               "turns) at most; null = min(rollout.max_model_len, "
+                                               "trainer.max_seq_len); reaching it ends the episode truncated")
+    tool_timeout_s: float = field(10.0, "seconds one tool call (or one env_response) may take; a call that "
+                                        "takes longer returns its timeout as the tool message (counted)")
+    reward_weight: float = field(1.0, "weight of the environment's own reward (a verifiers state['reward'], or "
+                                      "an environment instance's `reward` attribute) added to reward.functions'")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tools) or self.environment is not None
+
+    def validate(self, at: str) -> None:
+        if self.tools and self.environment is not None:
+            raise ConfigError(f"{at}: set at most one of {at}.tools and {at}.environment (an environment class "
+                              f"brings its own tools), got tools={self.tools!r}, environment={self.environment!r}")
+        for i, spec in enumerate(self.tools):
+            check(isinstance(spec, str) and ":" in spec, f"{at}.tools.{i}", "`module:function`", spec)
+        check(self.environment is None or ":" in self.environment, f"{at}.environment", "`module:Class` or null",
+              self.environment)
+        check(not self.environment_kwargs or self.environment is not None, f"{at}.environment_kwargs",
+              f"empty unless {at}.environment is set", self.environment_kwargs)
+        check(self.max_turns >= 1, f"{at}.max_turns", "an int >= 1", self.max_turns)
+        check(self.max_tokens_per_turn is None or self.max_tokens_per_turn >= 1, f"{at}.max_tokens_per_turn",
+              "an int >= 1 or null", self.max_tokens_per_turn)
+        check(self.max_total_tokens is None or self.max_total_tokens >= 2, f"{at}.max_total_tokens",
+              "an int >= 2 or null", self.max_total_tokens)
+        check(math.isfinite(self.tool_timeout_s) and self.tool_timeout_s > 0, f"{at}.tool_timeout_s",
+              "a finite float > 0", self.tool_timeout_s)
+        check(math.isfinite(self.reward_weight), f"{at}.reward_weight", "a finite float", self.reward_weight)
+
+
 WANDB_MODES = ("disabled", "offline", "online")
 
 
@@ -338,6 +387,8 @@ class Config:
     run: RunConfig = field(doc="the run: folder, length, seed, batch", factory=RunConfig)
     eval: EvalConfig = field(doc="evaluation between steps (off by default) and `megamoe-rl eval`",
                              factory=EvalConfig)
+    env: EnvConfig = field(doc="multi-turn, tool-using episodes (off by default; docs/MULTITURN.md)",
+                           factory=EnvConfig)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,6 +419,7 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("reward.scale_by_std: expected null or false with trainer.loss='dr_grpo' (Dr. GRPO's "
                           "advantage is r - mean_G, without the std scaling), got True")
     check_async(cfg)
+    check_env(cfg)
     e = cfg.eval
     if e.max_tokens is not None and e.max_tokens >= cfg.rollout.max_model_len:
         raise ConfigError(f"eval.max_tokens: expected an int < rollout.max_model_len ({cfg.rollout.max_model_len}), "
@@ -402,6 +454,39 @@ def check_async(cfg: Config) -> None:
         raise ConfigError(f"data.dynamic_sampling: expected false with run.max_async_steps={k} (its extra generate "
                           f"calls happen when a step's batch is scored; the async pipeline generates each batch "
                           f"once, k steps ahead), got True")
+
+
+def env_limits(cfg: Config) -> tuple[int, int]:
+    """(tokens per assistant turn, tokens per episode) of multi-turn episodes, the nulls resolved."""
+    room = min(cfg.rollout.max_model_len, cfg.trainer.max_seq_len)
+    e = cfg.env
+    return (cfg.rollout.max_tokens if e.max_tokens_per_turn is None else e.max_tokens_per_turn,
+            room if e.max_total_tokens is None else e.max_total_tokens)
+
+
+def check_env(cfg: Config) -> None:
+    """Multi-turn episodes (env.tools / env.environment) and what they do not combine with yet; ConfigError
+    naming the key."""
+    e = cfg.env
+    if not e.enabled:
+        return
+    room = min(cfg.rollout.max_model_len, cfg.trainer.max_seq_len)
+    per_turn, total = env_limits(cfg)
+    check(total <= room, "env.max_total_tokens", f"an int <= min(rollout.max_model_len, trainer.max_seq_len) "
+          f"= {room} (the model length both sides hold)", e.max_total_tokens)
+    check(per_turn < total, "env.max_tokens_per_turn", f"an int < the episode's token limit ({total})", per_turn)
+    for key, value, why in (
+            ("run.max_async_steps", cfg.run.max_async_steps, "episodes are generated on-policy, turn by turn"),
+            ("eval.every", cfg.eval.every, "the evaluation generates single completions"),
+            ("trainer.routing_replay", cfg.trainer.routing_replay, "the sampler's experts are captured per "
+             "completion, not per episode"),
+            ("trainer.routing_metrics", cfg.trainer.routing_metrics, "the sampler's experts are captured per "
+             "completion, not per episode"),
+            ("reward.overlong_buffer", cfg.reward.overlong_buffer, "its length is one completion's; "
+             "env.max_total_tokens limits an episode")):
+        if value:
+            raise ConfigError(f"{key}: expected 0/false with multi-turn episodes (env.tools or env.environment "
+                              f"set: {why}; docs/MULTITURN.md), got {value!r}")
 
 
 def check_bitwise(cfg: Config) -> None:

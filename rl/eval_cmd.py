@@ -78,6 +78,10 @@ def resolve(args: argparse.Namespace):
             getattr(cfg, name).validate(name)
     else:
         cfg = C.load(config, overrides)
+    if cfg.env.enabled:  # docs/MULTITURN.md: the evaluation generates single completions
+        raise C.ConfigError("env: expected no env.tools / env.environment for `megamoe-rl eval` (it generates single "
+                            f"completions, not multi-turn episodes), got tools={cfg.env.tools!r}, "
+                            f"environment={cfg.env.environment!r}")
     if cfg.eval.data is None:
         raise C.ConfigError("eval.data: expected an eval dataset (e.g. eval.data.task=digit or eval.data.path=FILE), "
                             "got null")

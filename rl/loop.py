@@ -132,6 +132,13 @@ class Loop:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.tokenizer = tokenizer if cfg.data.chat_template or self.source.conversational else None
         self._check_prompt_lengths(tokenizer)
+        # --- multi-turn episodes (rl/episode_step.py, docs/MULTITURN.md): built and checked before any actor ---
+        self.episodes = None
+        if cfg.env.enabled:
+            from rl.episode_step import EpisodeStep
+
+            self.episodes = EpisodeStep(cfg, tokenizer, model_dir)
+        # --- end multi-turn episodes ---
         # Evaluation, samples.jsonl, W&B (docs/EVAL.md): checked here, before anything starts.
         from rl.evaluation import Evaluator
         from rl.wandb_log import check_wandb
@@ -570,6 +577,8 @@ class Loop:
         from rl.dynamic_sampling import Draw
 
         batch, prompts, sampling = self._prompts(self.step, call)
+        if self.episodes is not None:  # multi-turn episodes: the one hook (rl/episode_step.py, docs/MULTITURN.md)
+            return self.episodes.draw(self, batch, prompts, sampling)
         t0 = time.perf_counter()
         samples = self.generate(prompts, sampling)
         t_rollout = time.perf_counter() - t0

@@ -42,6 +42,7 @@ class Sample:
     policy_version: int
     reward: float | None = None
     routed_experts: Any = None
+    loss_mask: list[int] | None = None  # multi-turn episodes: 1 on sampled tokens, 0 on environment tokens
 
     @property
     def group(self) -> int:
@@ -79,7 +80,7 @@ class TrainBatch:
 
     The trainer's train_step takes `columns()`; prompt_ids / completion_ids / sampler_logprobs /
     advantages are the trainer's batch fields (trainer/batch.py), policy_versions rides along for the
-    metrics and routed_experts (optional) for routing replay.
+    metrics, routed_experts (optional) for routing replay and loss_mask (optional) for multi-turn episodes.
     """
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
@@ -87,6 +88,7 @@ class TrainBatch:
     advantages: list[float]
     policy_versions: list[int]
     routed_experts: list | None = field(default=None)
+    loss_mask: list[list[int]] | None = field(default=None)
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
@@ -96,6 +98,8 @@ class TrainBatch:
                 "advantages": self.advantages, "policy_versions": self.policy_versions}
         if self.routed_experts is not None:
             cols["routed_experts"] = self.routed_experts
+        if self.loss_mask is not None:
+            cols["loss_mask"] = self.loss_mask
         for name, col in cols.items():
             if len(col) != n:
                 raise RecordError(f"TrainBatch.{name}: expected {n} entries (as prompt_ids), got {len(col)}")
@@ -109,6 +113,9 @@ class TrainBatch:
             if len(lp) != len(c):
                 raise RecordError(f"TrainBatch.sampler_logprobs[{i}]: expected {len(c)} values (one per completion "
                                   f"token), got {len(lp)}")
+            if self.loss_mask is not None and len(self.loss_mask[i]) != len(c):
+                raise RecordError(f"TrainBatch.loss_mask[{i}]: expected {len(c)} values (one per completion token), "
+                                  f"got {len(self.loss_mask[i])}")
             a = self.advantages[i]
             if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a):
                 raise RecordError(f"TrainBatch.advantages[{i}]: expected one finite float per sequence, got {a!r}")
@@ -116,10 +123,15 @@ class TrainBatch:
     @classmethod
     def from_samples(cls, samples: list[Sample], advantages: list[float]) -> TrainBatch:
         routed = [s.routed_experts for s in samples]
+        masks = [s.loss_mask for s in samples]
+        if any(m is not None for m in masks):
+            masks = [m if m is not None else [1] * len(s.completion_ids) for m, s in zip(masks, samples)]
+        else:
+            masks = None
         return cls(prompt_ids=[s.prompt_ids for s in samples], completion_ids=[s.completion_ids for s in samples],
                    sampler_logprobs=[s.sampler_logprobs for s in samples], advantages=list(advantages),
                    policy_versions=[s.policy_version for s in samples],
-                   routed_experts=None if all(r is None for r in routed) else routed)
+                   routed_experts=None if all(r is None for r in routed) else routed, loss_mask=masks)
 
     def columns(self) -> dict[str, list]:
         """The dict of lists the trainer's train_step takes (routed_experts only where recorded)."""
@@ -128,4 +140,6 @@ class TrainBatch:
                "policy_versions": self.policy_versions}
         if self.routed_experts is not None:
             out["routed_experts"] = self.routed_experts
+        if self.loss_mask is not None:
+            out["loss_mask"] = self.loss_mask
         return out

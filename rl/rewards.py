@@ -72,8 +72,11 @@ class RewardLoadError(ValueError):
 
 
 def completion_text(c) -> str:
-    """A completion's text: the string itself, or the content of a conversational completion's last message."""
-    return c if isinstance(c, str) else c[-1]["content"]
+    """A completion's text: the string itself, or the content of a conversational completion's last assistant
+    message (a multi-turn completion ends with the assistant's answer, or with a tool message if it was cut)."""
+    if isinstance(c, str):
+        return c
+    return next((m.get("content") or "" for m in reversed(c) if m.get("role") == "assistant"), c[-1]["content"])
 
 
 def exact_match(prompts: list[str], completions: list[str], answer: list[Any], *,
@@ -217,7 +220,7 @@ def resolve(spec: str, key: str) -> Callable:
 
 _PER_SAMPLE_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
 # What a batch reward is called with besides the dataset's columns (TRL's keyword names).
-BATCH_ARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+BATCH_ARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments")
 
 
 def _build(factory: Callable, spec, key: str) -> Callable:
@@ -367,12 +370,17 @@ class RewardScorer:
         self._ids: list[list[int]] | None = None  # the current call's completion_ids
         self._state: TrainerState | None = None
         self.errors_total: dict[str, int] = {f.name: 0 for f in fns}
+        self._envs: list | None = None
 
     def __call__(self, prompts: list, completions: list[str], columns: dict[str, list],
                  completion_ids: list[list[int]] | None = None,
-                 trainer_state: TrainerState | None = None) -> RewardResult:
+                 trainer_state: TrainerState | None = None, completion_messages: list[list[dict]] | None = None,
+                 environments: list | None = None) -> RewardResult:
         """`completions` are the sampled texts; batch functions get them in the prompts' form
-        (conversational when the prompts are message lists)."""
+        (conversational when the prompts are message lists). Multi-turn episodes (rl/episode_step.py) give
+        `completion_messages`, what batch functions then get as completions (the assistant, tool and user
+        messages after the prompt, TRL's convention), and `environments` (TRL's keyword: each episode's
+        environment instance or verifiers state)."""
         n = len(completions)
         if completion_ids is not None and len(completion_ids) != n:
             raise ValueError(f"rewards: completion_ids ({len(completion_ids)}) must have one entry per sample ({n})")
@@ -381,8 +389,14 @@ class RewardScorer:
                              f"({ {k: len(v) for k, v in columns.items()} }) must have one entry per sample")
         self._ids = completion_ids
         self._state = trainer_state
+        self._envs = environments
         texts = list(completions)
-        if any(isinstance(p, list) for p in prompts):  # TRL: conversational prompts, conversational completions
+        if completion_messages is not None:
+            if len(completion_messages) != n:
+                raise ValueError(f"rewards: completion_messages ({len(completion_messages)}) must have one entry per "
+                                 f"sample ({n})")
+            completions = [list(m) for m in completion_messages]
+        elif any(isinstance(p, list) for p in prompts):  # TRL: conversational prompts, conversational completions
             completions = [[{"role": "assistant", "content": t}] for t in texts]
         total: list[float | None] = [None] * n
         per_fn, errors, logged = {}, {}, {}
@@ -453,6 +467,8 @@ class RewardScorer:
             have["completion_ids"] = [self._ids[i] for i in idx]
         if self._state is not None:
             have["trainer_state"] = self._state
+        if self._envs is not None:
+            have["environments"] = [self._envs[i] for i in idx]
         return {k: v for k, v in have.items() if k in f.accepts}
 
     def _call(self, f, prompts, completions, columns, idx, log_) -> list:

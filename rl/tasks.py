@@ -21,6 +21,8 @@ and must then be learnable in a few dozen steps:
 - `math` (rl/math_task.py): word problems with GSM8K's shape ("... #### 36"), in string or
   conversational form, graded by math-verify (the `math` reward); realistic prompt lengths for CI
   and configs/tiny_math.yaml, not something a random tiny model can learn.
+- `tool_arith` (rl/tool_task.py): arithmetic with a calculator tool, multi-turn episodes
+  (configs/tiny_tools.yaml, docs/MULTITURN.md).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import string
 from typing import Callable
 
 from rl.math_task import math_word
+from rl.tool_task import tool_arith
 
 
 def digit(n: int, rng: random.Random) -> list[dict]:
@@ -61,7 +64,7 @@ def add(n: int, rng: random.Random, max_operand: int = 9) -> list[dict]:
 
 
 TASKS: dict[str, Callable[..., list[dict]]] = {"digit": digit, "copy_letter": copy_letter, "add": add,
-                                               "math": math_word}
+                                               "math": math_word, "tool_arith": tool_arith}
 
 # The reward each task is designed for (the `reward.functions` entries of a config).
 TASK_REWARDS: dict[str, list[dict]] = {
@@ -71,6 +74,7 @@ TASK_REWARDS: dict[str, list[dict]] = {
                     {"fn": "exact_match", "weight": 0.5, "kwargs": {"match": "prefix"}}],
     "add": [{"fn": "numeric", "weight": 1.0, "kwargs": {"which": "first"}}],
     "math": [{"fn": "math", "weight": 1.0}],
+    "tool_arith": [{"fn": "rl.tool_task:tool_used", "weight": 0.5}, {"fn": "numeric", "weight": 0.5}],
 }
 
 

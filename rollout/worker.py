@@ -355,15 +355,29 @@ class RolloutWorker:
             params.append(SamplingParams(n=n, seed=seed, logprobs=0, **opts))
         return params
 
-    def generate(self, prompts: list[str], n: int = 1, sampling: Mapping | None = None) -> list[dict]:
-        """n samples per prompt, prompt-major; see the module docstring for the keys."""
+    def generate(self, prompts: list[str] | list[list[int]], n: int = 1, sampling: Mapping | None = None,
+                 max_tokens: list[int] | None = None) -> list[dict]:
+        """n samples per prompt, prompt-major; see the module docstring for the keys. Prompts are strings, or
+        token-id lists given to the engine as they are (vLLM's TokensPrompt: multi-turn episodes, whose
+        context holds the sampler's own earlier tokens, rl/episodes.py); max_tokens: one limit per prompt,
+        overriding sampling['max_tokens']."""
+        from vllm import TokensPrompt
+
         self._refuse_while_updating("sample")
         self._wake(None)
-        if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
-            raise TypeError("prompts: expected a list of str")
+        as_ids = (not isinstance(prompts, str) and len(prompts) > 0
+                  and all(isinstance(p, (list, tuple)) and p and all(type(t) is int for t in p) for p in prompts))
+        if isinstance(prompts, str) or not (as_ids or all(isinstance(p, str) for p in prompts)):
+            raise TypeError("prompts: expected a list of str or a list of non-empty token-id lists")
         params = self._sampling_params(n, sampling or {}, len(prompts))
+        if max_tokens is not None:
+            if len(max_tokens) != len(prompts) or any(type(m) is not int or m < 1 for m in max_tokens):
+                raise ValueError(f"max_tokens: expected one int >= 1 per prompt ({len(prompts)}), got {max_tokens!r}")
+            for p, m in zip(params, max_tokens):
+                p.max_tokens = m
         self._calls += 1
-        outputs = self.llm.generate(list(prompts), params, use_tqdm=False)
+        inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts] if as_ids else list(prompts)
+        outputs = self.llm.generate(inputs, params, use_tqdm=False)
         from rollout import adapter
 
         samples = []

@@ -8,6 +8,10 @@ A batch is a dict of lists, one entry per sequence (docs/CONTRIBUTING.md):
     old_logprobs      list[list[float]]  optional: the trainer policy's logprobs when the batch was
                                          sampled (e.g. `logprobs(batch)` before several train_steps
                                          on one batch, PPO epochs); default: this step's own
+    loss_mask         list[list[int]]    optional: one 0/1 per completion token, 1 where the loss (and the
+                                         mismatch metrics) count it: multi-turn episodes (rl/episodes.py)
+                                         mark their environment tokens 0 (context the sampler never sampled;
+                                         their sampler_logprobs are placeholders); default all 1
     routed_experts    list[array]        optional: per sequence the sampler's experts, int [len(prompt) +
                                          len(completion), L MoE layers, k], -1 rows for tokens without
                                          routing (trainer/replay.py; trainer.routing_replay / routing_metrics)
@@ -37,6 +41,11 @@ class Seq:
     truncated: bool = False
     old_logp: list[float] | None = None
     routed: torch.Tensor | None = None  # [len(prompt) + len(completion), L, k] int16, the sampler's experts
+    loss_mask: list[bool] | None = None  # per completion token; None: every token counts
+
+    @property
+    def loss_tokens(self) -> int:
+        return len(self.completion) if self.loss_mask is None else sum(self.loss_mask)
 
 
 def _int_list(value, field: str, i: int) -> list[int]:
@@ -98,6 +107,9 @@ def validate_batch(batch: dict, *, vocab_size: int, max_seq_len: int, truncate: 
             if len(old) != len(comp):
                 raise BatchError(f"batch['old_logprobs'][{i}]: expected {len(comp)} values (one per completion "
                                  f"token), got {len(old)}")
+        loss_mask = None
+        if batch.get("loss_mask") is not None:
+            loss_mask = _loss_mask(batch["loss_mask"], n, i, len(comp))
         # --- routing replay (docs/ROUTING_REPLAY.md) ---
         routed = None
         if batch.get("routed_experts") is not None:
@@ -116,10 +128,23 @@ def validate_batch(batch: dict, *, vocab_size: int, max_seq_len: int, truncate: 
             samp = samp[:room] if samp is not None else None
             old = old[:room] if old is not None else None
             routed = routed[:max_seq_len] if routed is not None else None
+            loss_mask = loss_mask[:room] if loss_mask is not None else None
             truncated = True
             n_trunc += 1
-        seqs.append(Seq(i, prompt, comp, samp, adv, truncated, old, routed))
+        seqs.append(Seq(i, prompt, comp, samp, adv, truncated, old, routed, loss_mask))
     return seqs, n_trunc
+
+
+def _loss_mask(column, n: int, i: int, tokens: int) -> list[bool]:
+    if len(column) != n:
+        raise BatchError(f"batch['loss_mask']: expected {n} entries (as prompt_ids), got {len(column)}")
+    m = list(column[i])
+    if len(m) != tokens or any(v not in (0, 1) or isinstance(v, float) for v in m):
+        raise BatchError(f"batch['loss_mask'][{i}]: expected {tokens} values 0 or 1 (one per completion token), got "
+                         f"{len(m)} values {sorted(set(map(repr, m)))[:4]}")
+    if not any(m):
+        raise BatchError(f"batch['loss_mask'][{i}]: expected at least one 1 (a token the loss counts), got all 0")
+    return [bool(v) for v in m]
 
 
 def _routed(column, n: int, i: int, tokens: int) -> torch.Tensor:
@@ -193,6 +218,8 @@ def collate(seqs: list[Seq], pad_id: int, device: torch.device) -> MicroBatch:
         positions[r, :c] = torch.arange(p - 1, p - 1 + c)
         positions[r, c:] = p - 1
         mask[r, :c] = real > 0
+        if s.loss_mask is not None and real:
+            mask[r, :c] = torch.tensor(s.loss_mask, dtype=torch.bool)
         if s.sampler_logp is not None:
             samp[r, :c] = torch.tensor(s.sampler_logp, dtype=torch.float32)
         adv[r] = s.advantage

@@ -74,7 +74,7 @@ def collate_packed(seqs: list[Seq], pad_id: int, device: torch.device) -> MicroB
         # the logits at row offset t predict token t + 1: completion token j sits at offset + p + j
         positions[r, :c] = torch.arange(offset + p - 1, offset + p - 1 + c)
         positions[r, c:] = offset + p - 1
-        mask[r, :c] = True
+        mask[r, :c] = True if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.bool)
         if s.sampler_logp is not None:
             samp[r, :c] = torch.tensor(s.sampler_logp, dtype=torch.float32)
         adv[r] = s.advantage

@@ -257,7 +257,7 @@ class TrainerWorker:
         totals: dict[str, float] = {}
         losses, norms, skipped = [], [], 0
         for mini in minis:
-            total_tokens = float(sum(len(s.completion) for s in mini))
+            total_tokens = float(sum(s.loss_tokens for s in mini))
             self.optimizer.zero_grad(set_to_none=True)
             loss_local = torch.zeros((), dtype=torch.float64)
             stats_local: dict[str, torch.Tensor] = {}

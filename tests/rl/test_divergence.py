@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from rl import divergence as D
+from test_env import check_engine_episodes, engine_episodes
 
 
 @pytest.fixture(scope="module")
@@ -154,10 +155,21 @@ def bitwise_runs(model_dir, tmp_path_factory):
                 {"temperature": TEMPERATURE, "max_tokens": 12, "seed": 3})
             rep = D.measure(model, engine=w, prompts=D.DEFAULT_PROMPTS[:2], max_tokens=3, temperature=TEMPERATURE,
                             numerics="bitwise")
+            # multi-turn episodes on this engine (tests/rl/test_env.py): no engine of their own
+            episodes = engine_episodes(w, model, TEMPERATURE) if arch == "qwen3_moe" else None
         finally:
             w.close()
-        runs[arch] = {"model": model, "samples": samples, "report": rep}
+        runs[arch] = {"model": model, "samples": samples, "report": rep, "episodes": episodes}
     return runs
+
+
+@pytest.mark.slow
+def test_multi_turn_episode_is_bitwise_on_the_engine(bitwise_runs):
+    """Three-turn episodes (sampled tokens + the chat template's environment tokens), generated one engine
+    call per turn from token ids: the trainer's logprobs equal the sampler's on every assistant token of
+    every turn in bitwise numerics, within the fp32 bound in fast numerics (tests/rl/test_env.py)."""
+    run = bitwise_runs["qwen3_moe"]
+    print(check_engine_episodes(run["model"], *run["episodes"], TEMPERATURE))
 
 
 @pytest.fixture(scope="module")

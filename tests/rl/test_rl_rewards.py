@@ -190,7 +190,7 @@ def test_scorer_checks_lengths():
 
 # ---- tasks -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", list(TASKS))
+@pytest.mark.parametrize("name", [t for t in TASKS if t != "tool_arith"])  # tool_arith: tests/rl/test_env.py
 def test_tasks_are_seeded_and_scored_by_their_rewards(name):
     rows = make_task(name, 64, seed=3)
     assert rows == make_task(name, 64, seed=3)

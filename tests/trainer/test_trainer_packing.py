@@ -118,3 +118,18 @@ def test_packing_refusals():
         TrainerWorkerConfig.from_dict({"packing": True, "routing_metrics": True})
     with pytest.raises(ConfigError, match="token_budget"):
         TrainerWorkerConfig.from_dict({"packing": True, "token_budget": 1})
+
+
+def test_packed_rows_keep_the_loss_mask_of_multi_turn_episodes(worker):
+    """Environment tokens of a multi-turn episode (loss_mask 0) stay out of the loss in a packed row exactly
+    as in a padded one (a packed collate that set every completion token broke this)."""
+    batch = make_batch(4, seed=5, prompt_len=(2, 6), completion_len=(4, 9))
+    g = torch.Generator().manual_seed(7)
+    batch["loss_mask"] = [[int(b) for b in (torch.rand(len(c), generator=g) < 0.6).tolist()] for c in
+                          batch["completion_ids"]]
+    seqs = _seqs(batch, worker)
+    padded = collate(seqs, worker.pad_id, worker.device)
+    packed = packing.collate_packed(seqs, worker.pad_id, worker.device)
+    assert any(0 in m for m in batch["loss_mask"]) and any(1 in m for m in batch["loss_mask"])
+    assert torch.equal(packed.mask, padded.mask[:, : packed.mask.shape[1]])
+    assert int(packed.mask.sum()) == sum(sum(m) for m in batch["loss_mask"])

@@ -1,0 +1,116 @@
+"""The RL loop's multi-turn hook (docs/MULTITURN.md): one step's generate call as episodes, and their scoring.
+
+With `env.tools` or `env.environment` set, rl/loop.py's `Loop.draw` hands its generate-and-score call to
+`EpisodeStep.draw` (the one call site, marked there). It runs rl/episodes.py's EpisodeRunner with a
+`generate` that sends every turn's token-id contexts to the rollout workers in one call each (each worker
+gets a contiguous slice, as Loop.generate splits prompts), turns the episodes into Samples (completion =
+assistant and environment tokens, loss_mask 1 on the sampled ones), and scores them: reward functions get
+the completion as a message list including the tool messages (TRL's conversational convention) and, as
+TRL's `environments` keyword, each episode's environment instance (or verifiers state); the environment's
+own reward is added with env.reward_weight (reward/env/mean). The env/* metrics ride in the reward metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from rl.envs import Environment
+from rl.episodes import ChatFormat, Episode, EpisodeRunner, episode_metrics
+from rl.records import Sample
+
+TURN_SEED_STRIDE = 1_000_003  # turn t of a step samples with the step's seed + t * this (+ the worker's slice start)
+
+
+def eos_ids(tokenizer, model_dir: str | Path) -> list[int]:
+    """The tokens vLLM stops a turn on: the tokenizer's eos and generation_config.json's eos_token_id."""
+    import json
+
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return sorted(ids)
+
+
+class EpisodeStep:
+    """Builds the environment and the chat format from the config (refusing, before any actor starts, what
+    cannot run), then serves Loop.draw."""
+
+    def __init__(self, cfg, tokenizer, model_dir: str | Path):
+        from rl.config import env_limits
+
+        self.cfg = cfg
+        self.env = Environment(cfg.env)
+        self.fmt = ChatFormat(tokenizer, self.env.schemas, eos_ids(tokenizer, model_dir),
+                              env_role="user" if self.env.kind == "verifiers" else "tool")
+        per_turn, total = env_limits(cfg)
+        self.runner = EpisodeRunner(self.env, self.fmt, max_turns=cfg.env.max_turns, max_tokens_per_turn=per_turn,
+                                    max_total_tokens=total)
+        self.episodes: list[Episode] = []  # the last draw's
+
+    def generate(self, loop, batch, sampling: dict) -> list[Episode]:
+        rows = [{"prompt": p, **{k: v[i] for k, v in batch.columns.items()}} for i, p in enumerate(batch.prompts)]
+        busy = [0.0]
+
+        def one_turn(ctx: list[list[int]], budgets: list[int], turn: int) -> list[dict]:
+            bounds = loop._bounds(len(ctx))
+            refs = []
+            for w, (a, b) in zip(loop.rollouts, bounds):
+                if a == b:
+                    refs.append(None)
+                    continue
+                s = {**sampling, "seed": sampling["seed"] + turn * TURN_SEED_STRIDE + a}
+                refs.append(w.generate.remote(ctx[a:b], 1, s, max_tokens=budgets[a:b]))
+            live = [(j, r) for j, r in enumerate(refs) if r is not None]
+            outs = loop._get([r for _, r in live], [f"RolloutWorker {j}" for j, _ in live], "generate")
+            busy[0] += max(sec for _, sec in outs)
+            return [s for out, _ in outs for s in out]
+
+        self.episodes = self.runner.run(rows, batch.prompts, self.cfg.rollout.n, one_turn)
+        self.busy_s = busy[0]
+        return self.episodes
+
+    def samples(self, episodes: list[Episode], version: int) -> list[Sample]:
+        return [Sample(prompt_index=e.prompt_index, prompt_ids=e.prompt_ids, completion_ids=e.completion_ids,
+                       sampler_logprobs=e.sampler_logprobs, text=e.text,
+                       finish_reason="truncated" if e.truncated else e.finish_reason, policy_version=version,
+                       loss_mask=e.loss_mask) for e in episodes]
+
+    def rewards(self, scorer, batch, episodes: list[Episode], trainer_state):
+        """The reward functions on message-list completions, plus the environment's reward; env/* metrics."""
+        from rl.rewards import RewardResult
+
+        idx = [e.prompt_index for e in episodes]
+        columns = {k: [v[i] for i in idx] for k, v in batch.columns.items()}
+        prompts = [batch.prompts[i] if not isinstance(batch.prompts[i], str)
+                   else [{"role": "user", "content": batch.prompts[i]}] for i in idx]
+        res = scorer(prompts, [e.text for e in episodes], columns,
+                     completion_ids=[e.completion_ids for e in episodes], trainer_state=trainer_state,
+                     completion_messages=[e.messages for e in episodes],
+                     environments=[e.handle for e in episodes])
+        env_r = [e.env_reward for e in episodes]
+        total, per_fn = list(res.total), dict(res.per_fn)
+        if any(r is not None for r in env_r):
+            w = self.cfg.env.reward_weight
+            total = [t if r is None else (t or 0.0) + w * r for t, r in zip(total, env_r)]
+            per_fn["env"] = env_r
+        errors = {**res.errors, **({"env": 0} if "env" in per_fn else {})}
+        return RewardResult(total=total, per_fn=per_fn, errors=errors,
+                            logged={**res.logged, **episode_metrics(episodes)})
+
+    def draw(self, loop, batch, prompts: list, sampling: dict):
+        """Loop.draw's generate-and-score, as episodes."""
+        from rl.dynamic_sampling import Draw
+        from rl.rewards import TrainerState
+
+        t0 = time.perf_counter()
+        episodes = self.generate(loop, batch, sampling)
+        samples = self.samples(episodes, loop.step)
+        t_rollout = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        rewards = self.rewards(loop.scorer, batch, episodes,
+                               TrainerState(global_step=loop.step, max_steps=self.cfg.run.steps))
+        return Draw(prompts, samples, [s.text for s in samples], rewards,
+                    {"rollout": t_rollout, "reward": time.perf_counter() - t0})

@@ -1,0 +1,694 @@
+"""Multi-turn episodes without an engine (rl/envs.py, rl/episodes.py, rl/episode_step.py, rl/tool_task.py):
+the token-exact trajectory, the loss mask, the template refusals, the tool-call parser, the per-call timeout,
+TRL's and verifiers' environment shapes run unchanged, the limits, the rewards and the trainer's mask.
+
+The engine half (the sampler's logprobs equal the trainer's on every assistant token of a three-turn episode,
+bitwise) runs on tests/rl/test_divergence.py's bitwise engine (test_multi_turn_episode_is_bitwise_on_the_engine).
+
+    .venv/bin/python -m pytest -q tests/rl/test_env.py
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import textwrap
+import time
+
+import pytest
+
+from rl.envs import Environment, EnvError, ToolSession, call_all
+from rl.episodes import ChatFormat, EpisodeRunner, TemplateError, parse_hermes
+from rl.tool_task import calculator, tool_arith, tool_used
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from rl.make_model import make_model
+
+    return AutoTokenizer.from_pretrained(make_model(tmp_path_factory.mktemp("env_tok") / "m", layers=1, seed=0))
+
+
+@pytest.fixture
+def envmod(tmp_path, monkeypatch):
+    """A user module of tools and environment classes, written as TRL and verifiers users write them."""
+    (tmp_path / "user_env.py").write_text(textwrap.dedent('''
+        import asyncio
+        import time
+
+        def add(a: int, b: int) -> int:
+            """Add two integers.
+
+            Args:
+                a: the first integer
+                b: the second integer
+            """
+            return a + b
+
+        def broken(x: int) -> int:
+            """Always fails.
+
+            Args:
+                x: anything
+            """
+            raise RuntimeError("the tool is broken")
+
+        def slow(x: int) -> int:
+            """Hangs.
+
+            Args:
+                x: anything
+            """
+            time.sleep(30)
+            return x
+
+        def no_doc(x):
+            return x
+
+        class Counter:  # TRL's environment_factory shape
+            def __init__(self):
+                self.total = 0
+                self.reward = None
+
+            def reset(self, **row):
+                self.total = int(row["start"])
+                return " Start at " + str(row["start"]) + "."
+
+            def increment(self, by: int) -> int:
+                """Add to the counter.
+
+                Args:
+                    by: how much to add
+                """
+                self.total += by
+                self.reward = float(self.total == 10)
+                return self.total
+
+            def fail(self) -> str:
+                """Raises.
+                """
+                raise ValueError("not allowed")
+
+        class DoubleCheck:  # verifiers' MultiTurnEnv shape: async env_response, is_completed
+            def __init__(self, rounds=2):
+                self.rounds = rounds
+
+            async def setup_state(self, state, **kwargs):
+                state["asked"] = 0
+                return state
+
+            async def is_completed(self, messages, state, **kwargs):
+                return state["asked"] >= self.rounds
+
+            async def env_response(self, messages, state, **kwargs):
+                state["asked"] += 1
+                state["reward"] = 0.25 * state["asked"]
+                await asyncio.sleep(0)
+                return [{"role": "user", "content": "Are you sure?"}]
+
+        class OldStyle:  # older verifiers: env_response returns (messages, state)
+            def is_completed(self, messages, state, **kwargs):
+                return state["turn"] > 1
+
+            def env_response(self, messages, state, **kwargs):
+                return [{"role": "user", "content": "again"}], {**state, "reward": 1.0}
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("user_env", None)
+    yield "user_env"
+    sys.modules.pop("user_env", None)
+
+
+def env_cfg(**kw):
+    from rl.config import EnvConfig
+
+    return EnvConfig(**kw)
+
+
+EOS = "<|im_end|>"
+
+
+def eos_ids(tok):
+    return [tok.convert_tokens_to_ids(EOS), tok.convert_tokens_to_ids("<|endoftext|>")]
+
+
+class Scripted:
+    """A stand-in for the rollout workers: each live episode's turn is a scripted text, sampled as its
+    tokens (or as the byte tokens of it, a tokenisation the tokenizer would never give) plus the end-of-turn
+    token, with seeded random logprobs; records what it returned and every call."""
+
+    def __init__(self, tok, script, byte_split=False, stop=True, stop_string=False):
+        self.stop_string = stop_string
+        self.tok, self.script, self.byte_split, self.stop = tok, script, byte_split, stop
+        self.rng = random.Random(0)
+        self.calls, self.returned = [], []
+
+    def ids(self, text):
+        if self.byte_split:  # one token per character: a valid spelling of the text, not the tokenizer's
+            return [t for ch in text for t in self.tok(ch, add_special_tokens=False)["input_ids"]]
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def __call__(self, ctx, budgets, turn):
+        self.calls.append((len(ctx), list(budgets), turn))
+        outs = []
+        for k, c in enumerate(ctx):
+            text = self.script(c, turn, k)
+            ids = self.ids(text)[: budgets[k]]
+            if self.stop and not self.stop_string and len(ids) < budgets[k]:
+                ids = ids + [self.tok.convert_tokens_to_ids(EOS)]
+            lps = [-self.rng.uniform(0.01, 5.0) for _ in ids]
+            self.returned.append((turn, k, ids, lps))
+            outs.append({"completion_ids": ids, "logprobs": lps, "text": self.tok.decode(ids, skip_special_tokens=True),
+                         "finish_reason": "stop" if (ids[-1] == self.tok.convert_tokens_to_ids(EOS) or self.stop_string)
+                         else "length"})
+        return outs
+
+
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37 * 12"}}\n</tool_call>'
+
+
+def tools_runner(tok, tools=("rl.tool_task:calculator",), **limits):
+    env = Environment(env_cfg(tools=list(tools)))
+    fmt = ChatFormat(tok, env.schemas, eos_ids(tok))
+    kw = dict(max_turns=4, max_tokens_per_turn=200, max_total_tokens=2048) | limits
+    return env, fmt, EpisodeRunner(env, fmt, **kw)
+
+
+# ---- token-exact trajectories ------------------------------------------------------------------
+
+def test_two_turn_episode_is_the_sampled_tokens_plus_the_templates_tokens(tok):
+    """Ground truth independent of rl/episodes.py: when the model writes exactly what the template would
+    write, the episode's sequence is the template's rendering of the whole conversation (less the newline
+    after the last end-of-turn token), token for token; the loss mask is 1 exactly on the sampled tokens."""
+    env, fmt, runner = tools_runner(tok)
+    prompt = [{"role": "user", "content": "What is 37 * 12?"}]
+    gen = Scripted(tok, lambda c, turn, k: CALL if turn == 0 else "444")
+    (ep,) = runner.run([{"answer": "444"}], [prompt], 1, gen)
+    messages = prompt + [
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+            "name": "calculator", "arguments": {"expression": "37 * 12"}}}]},
+        {"role": "tool", "name": "calculator", "content": "444"},
+        {"role": "assistant", "content": "444"}]
+    want = tok.apply_chat_template(messages, tools=env.schemas, tokenize=True)["input_ids"]
+    assert tok.decode(want[-1:]) == "\n"
+    assert ep.prompt_ids + ep.completion_ids == want[:-1]
+    assert ep.turns == 2 and ep.tool_calls == 1 and not ep.truncated and ep.tool_errors == 0
+    assert ep.messages[1] == {"role": "tool", "name": "calculator", "content": "444"}
+    # The mask: 1 on the two sampled turns, 0 on the environment's tokens between them.
+    (_, _, ids0, lp0), (_, _, ids1, lp1) = gen.returned
+    n_env = len(ep.completion_ids) - len(ids0) - len(ids1)
+    assert n_env > 5
+    assert ep.loss_mask == [1] * len(ids0) + [0] * n_env + [1] * len(ids1)
+    assert ep.completion_ids[:len(ids0)] == ids0 and ep.completion_ids[-len(ids1):] == ids1
+    assert ep.sampler_logprobs == lp0 + [0.0] * n_env + lp1
+    # The second turn was generated from exactly the episode's sequence so far (one call per turn).
+    assert [c[0] for c in gen.calls] == [1, 1]
+
+
+def test_a_turn_stopped_by_a_stop_string_gets_the_end_of_turn_token_as_context(tok):
+    """sampling['stop'] ends a turn without the end-of-turn token: the template's one follows as an
+    environment token (mask 0), so the sequence is still the template's rendering."""
+    env, fmt, runner = tools_runner(tok)
+    prompt = [{"role": "user", "content": "What is 37 * 12?"}]
+    gen = Scripted(tok, lambda c, turn, k: CALL if turn == 0 else "444", stop_string=True)
+    (ep,) = runner.run([{}], [prompt], 1, gen)
+    messages = prompt + [
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+            "name": "calculator", "arguments": {"expression": "37 * 12"}}}]},
+        {"role": "tool", "name": "calculator", "content": "444"},
+        {"role": "assistant", "content": "444"}]
+    want = tok.apply_chat_template(messages, tools=env.schemas, tokenize=True)["input_ids"]
+    assert ep.prompt_ids + ep.completion_ids == want[:-2]  # less the last turn's end-of-turn token and newline
+    (_, _, ids0, _), _ = gen.returned
+    assert ep.completion_ids[len(ids0)] == tok.convert_tokens_to_ids(EOS) and ep.loss_mask[len(ids0)] == 0
+    assert ep.turns == 2 and not ep.truncated
+
+
+def test_the_sampled_tokens_are_kept_not_retokenised(tok):
+    """A turn sampled as a spelling the tokenizer would not produce (one token per character) stays in the
+    trajectory as sampled; re-tokenising its text would give other, fewer tokens."""
+    env, fmt, runner = tools_runner(tok)
+    gen = Scripted(tok, lambda c, turn, k: CALL if turn == 0 else "444", byte_split=True)
+    (ep,) = runner.run([{}], [[{"role": "user", "content": "What is 37 * 12?"}]], 1, gen)
+    (_, _, ids0, _), (_, _, ids1, _) = gen.returned
+    assert len(ids0) > len(tok(CALL, add_special_tokens=False)["input_ids"]) + 1  # really another spelling
+    assert ep.completion_ids[:len(ids0)] == ids0 and ep.completion_ids[-len(ids1):] == ids1
+    assert ep.tool_calls == 1 and ep.messages[1]["content"] == "444"  # the text still parsed
+
+
+def test_a_turn_of_all_live_episodes_is_one_generate_call(tok):
+    """8 episodes (2 prompts x 4): those that call the tool go on, the others end; each turn is one call
+    holding every live episode."""
+    env, fmt, runner = tools_runner(tok)
+    gen = Scripted(tok, lambda c, turn, k: CALL if (turn == 0 and k % 2 == 0) else "444")
+    prompts = [[{"role": "user", "content": "What is 37 * 12?"}], [{"role": "user", "content": "And 2 + 2?"}]]
+    eps = runner.run([{}, {}], prompts, 4, gen)
+    assert [c[0] for c in gen.calls] == [8, 4]
+    assert [e.prompt_index for e in eps] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [e.turns for e in eps] == [2, 1] * 4
+
+
+# ---- refusals ----------------------------------------------------------------------------------
+
+def test_a_template_that_is_not_prefix_extensible_is_refused_naming_it(tok, tmp_path):
+    """A template that writes the number of tool results into its first line renders the prompt and the
+    assistant turn as a prefix, but re-renders the conversation differently once a tool answers: refused
+    before any episode, with the template named and the roles of the turn."""
+    from transformers import AutoTokenizer
+
+    tok.save_pretrained(tmp_path / "bad")
+    bad = AutoTokenizer.from_pretrained(tmp_path / "bad")
+    bad.chat_template = ("{{ messages | selectattr('role', 'equalto', 'tool') | list | length }} results<|im_end|>\n"
+                         + tok.chat_template)
+    with pytest.raises(TemplateError, match=r"the chat template of .*bad \(sha256 [0-9a-f]{12}\) cannot be extended "
+                                            r"as a prefix: the conversation of roles \['user', 'assistant'\] renders "
+                                            r"differently once \['tool'\] follow"):
+        ChatFormat(bad, Environment(env_cfg(tools=["rl.tool_task:calculator"])).schemas, eos_ids(tok))
+    ChatFormat(tok, Environment(env_cfg(tools=["rl.tool_task:calculator"])).schemas, eos_ids(tok))  # the control
+
+
+def test_a_template_without_a_tool_format_is_refused(tok, tmp_path):
+    from transformers import AutoTokenizer
+
+    from rl.make_model import CHAT_TEMPLATE
+
+    tok.save_pretrained(tmp_path / "plain")
+    plain = AutoTokenizer.from_pretrained(tmp_path / "plain")
+    plain.chat_template = CHAT_TEMPLATE[CHAT_TEMPLATE.index("{%- for message in messages %}"):].replace(
+        "<tool_call>", "<call>")
+    schemas = Environment(env_cfg(tools=["rl.tool_task:calculator"])).schemas
+    with pytest.raises(TemplateError, match=r"defines no tool-call format this project parses"):
+        ChatFormat(plain, schemas, eos_ids(tok))
+
+
+def test_tools_without_a_schema_and_bad_specs_are_refused(envmod):
+    with pytest.raises(EnvError, match=r"env.tools.0: tool 'no_doc' has no usable JSON schema"):
+        Environment(env_cfg(tools=[f"{envmod}:no_doc"]))
+    with pytest.raises(EnvError, match=r"env.tools.0: module 'user_env' has no attribute 'nope'"):
+        Environment(env_cfg(tools=[f"{envmod}:nope"]))
+    with pytest.raises(EnvError, match=r"env.environment: .* is a function, expected a class"):
+        Environment(env_cfg(environment=f"{envmod}:add"))
+
+
+def test_config_env_section_refusals():
+    from rl.config import ConfigError, load
+
+    base = "configs/tiny_tools.yaml"
+    cfg = load(base)
+    assert cfg.env.enabled and cfg.env.tools == ["rl.tool_task:calculator"]
+    for over, msg in [
+        (["run.max_async_steps=1"], r"run.max_async_steps: expected 0/false with multi-turn episodes"),
+        (["trainer.routing_replay=true"], r"trainer.routing_replay: expected 0/false with multi-turn"),
+        (["env.max_total_tokens=100000"], r"env.max_total_tokens: expected an int <= min\(rollout.max_model_len"),
+        (["env.environment=a:B"], r"env: set at most one of env.tools and env.environment"),
+        (["env.max_turns=0"], r"env.max_turns: expected an int >= 1"),
+        (["env.tool_timeout_s=0"], r"env.tool_timeout_s: expected a finite float > 0"),
+    ]:
+        with pytest.raises(ConfigError, match=msg):
+            load(base, over)
+
+
+def test_megamoe_rl_eval_refuses_an_env_config():
+    import argparse
+
+    from rl.config import ConfigError
+    from rl.eval_cmd import resolve
+
+    args = argparse.Namespace(config="configs/tiny_tools.yaml", overrides=["eval.data.task=tool_arith"], run=None,
+                              step=[], latest=False, model=["/nonexistent"], moe_impl=None)
+    with pytest.raises(ConfigError, match=r"env: expected no env.tools / env.environment for `megamoe-rl eval`"):
+        resolve(args)
+
+
+# ---- parsing, tools, timeouts -------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, content, calls, err", [
+    ("The answer is 5.", "The answer is 5.", [], None),
+    (f"Let me compute.\n{CALL}", "Let me compute.", [{"name": "calculator", "arguments": {"expression": "37 * 12"}}],
+     None),
+    ('<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n{"name": "b", "arguments": '
+     '"{\\"y\\": 2}"}\n</tool_call>', "", [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {"y": 2}}],
+     None),
+    ('<tool_call>\n{"name": "a", "arguments": {x: 1}}\n</tool_call>', "", [], "is not valid JSON"),
+    ('<tool_call>\n{"name": "a"', "", [], "without its closing"),
+    ('<tool_call>\n{"arguments": {}}\n</tool_call>', "", [], 'has no "name" string'),
+], ids=["no-call", "one-call", "two-calls-string-args", "bad-json", "unclosed", "no-name"])
+def test_parse_hermes(text, content, calls, err):
+    got_content, got_calls, got_err = parse_hermes(text)
+    assert got_content == content and got_calls == calls
+    assert (got_err is None) if err is None else (err in got_err)
+
+
+def test_a_raising_and_a_hanging_tool_are_counted_and_answered(envmod):
+    """One turn calling a tool that works, one that raises, one that hangs (timeout 0.3 s), one that does
+    not exist and one with bad arguments: each gets its tool message, the errors and the timeout are counted,
+    and the turn takes the timeout, not the hang."""
+    env = Environment(env_cfg(tools=[f"{envmod}:add", f"{envmod}:broken", f"{envmod}:slow"], tool_timeout_s=0.3))
+    s = env.session()
+    calls = [{"name": "add", "arguments": {"a": 2, "b": 3}}, {"name": "broken", "arguments": {"x": 1}},
+             {"name": "slow", "arguments": {"x": 1}}, {"name": "nope", "arguments": {}},
+             {"name": "add", "arguments": [1, 2]}]
+    t0 = time.monotonic()
+    r = s.respond([], calls, None)
+    assert time.monotonic() - t0 < 2.0
+    assert [m["content"] for m in r.messages] == [
+        "5", "Error: tool 'broken' raised RuntimeError: the tool is broken", "Error: tool 'slow' timed out after 0.3 s",
+        "Error: no tool named 'nope'; the tools are ['add', 'broken', 'slow']",
+        "Error: the arguments of 'add' must be a JSON object, got [1, 2]"]
+    assert (r.tool_calls, r.tool_errors, r.tool_timeouts, r.done) == (5, 3, 1, False)
+    assert s.respond([], [], None).done  # no call: the episode is over
+
+
+def nap(s: float) -> float:
+    time.sleep(s)
+    return s
+
+
+def test_calls_run_concurrently_each_with_its_deadline():
+    t0 = time.monotonic()
+    out = call_all([(nap, {"s": 0.3})] * 4 + [(nap, {"s": 5})], 0.6)
+    assert [s for s, _ in out] == ["ok"] * 4 + ["timeout"]
+    assert time.monotonic() - t0 < 1.5  # concurrent: one deadline, not five
+
+
+def test_a_malformed_call_is_fed_back_and_the_episode_goes_on(tok):
+    env, fmt, runner = tools_runner(tok)
+    gen = Scripted(tok, lambda c, turn, k: '<tool_call>\n{"name": "calculator"' if turn == 0 else "444")
+    (ep,) = runner.run([{}], [[{"role": "user", "content": "37 * 12?"}]], 1, gen)
+    assert ep.parse_errors == 1 and ep.tool_errors == 1 and ep.turns == 2 and not ep.truncated
+    assert ep.messages[1]["role"] == "tool" and "without its closing" in ep.messages[1]["content"]
+
+
+def test_calculator_tool():
+    assert calculator("37 * (12 + 5)") == "629" and calculator("-3 - 4") == "-7"
+    for bad in ("2 ** 100", "__import__('os')", "1 / 2", "10**12 * 10**12"):
+        with pytest.raises((ValueError, SyntaxError)):
+            calculator(bad)
+
+
+# ---- environment shapes ------------------------------------------------------------------------
+
+def test_trl_environment_factory_class_runs_unchanged(tok, envmod):
+    """TRL's shape: a fresh instance per episode, reset(**row) appended to the user message, public methods
+    as tools (reset excluded), an exception as the tool's answer, the instance reaching reward functions."""
+    env = Environment(env_cfg(environment=f"{envmod}:Counter"))
+    assert env.kind == "trl"
+    assert sorted(s["function"]["name"] for s in env.schemas) == ["fail", "increment"]
+    fmt = ChatFormat(tok, env.schemas, eos_ids(tok))
+    runner = EpisodeRunner(env, fmt, max_turns=4, max_tokens_per_turn=200, max_total_tokens=2048)
+    inc = '<tool_call>\n{"name": "increment", "arguments": {"by": 3}}\n</tool_call>'
+    fail = '<tool_call>\n{"name": "fail", "arguments": {}}\n</tool_call>'
+    gen = Scripted(tok, lambda c, turn, k: [inc, fail, "done"][turn] if k == 0 else "done")
+    eps = runner.run([{"start": 7}], [[{"role": "user", "content": "Count."}]], 2, gen)
+    a, b = eps
+    assert tok.decode(a.prompt_ids).count("Count. Start at 7.") == 1
+    assert a.messages[1]["content"] == "10" and a.messages[3]["content"] == "Error: tool 'fail' raised ValueError: " \
+                                                                             "not allowed"
+    assert (a.turns, a.tool_calls, a.tool_errors, a.env_reward) == (3, 2, 1, 1.0)
+    assert (b.turns, b.tool_calls, b.env_reward) == (1, 0, None)
+    assert a.handle is not b.handle and a.handle.total == 10 and b.handle.total == 7
+
+
+@pytest.mark.parametrize("cls, rounds", [("DoubleCheck", 2), ("OldStyle", 1)])
+def test_verifiers_multiturn_env_runs_unchanged(tok, envmod, cls, rounds):
+    """verifiers' shape: one instance, per-episode state (setup_state), env_response answering with user
+    messages (async, or the older (messages, state) return), is_completed ending the episode."""
+    kwargs = {"rounds": rounds} if cls == "DoubleCheck" else {}
+    env = Environment(env_cfg(environment=f"{envmod}:{cls}", environment_kwargs=kwargs))
+    assert env.kind == "verifiers" and env.schemas is None
+    fmt = ChatFormat(tok, None, eos_ids(tok), env_role="user")
+    runner = EpisodeRunner(env, fmt, max_turns=5, max_tokens_per_turn=32, max_total_tokens=512)
+    gen = Scripted(tok, lambda c, turn, k: f"answer {turn}")
+    eps = runner.run([{"answer": "x"}], [[{"role": "user", "content": "Hi"}]], 2, gen)
+    for ep in eps:
+        assert ep.turns == rounds + 1 and not ep.truncated
+        assert [m["role"] for m in ep.messages] == ["assistant", "user"] * rounds + ["assistant"]
+        assert ep.env_reward == (0.25 * rounds if cls == "DoubleCheck" else 1.0)
+        rendered = tok.apply_chat_template([{"role": "user", "content": "Hi"}] + ep.messages, tokenize=True)["input_ids"]
+        assert ep.prompt_ids + ep.completion_ids == rendered[:-1]
+    assert eps[0].handle is not eps[1].handle  # one state per episode
+
+
+# ---- limits ------------------------------------------------------------------------------------
+
+def test_limits_end_episodes_truncated(tok):
+    # max_turns: the tool answered, no assistant turn left
+    env, fmt, runner = tools_runner(tok, max_turns=1)
+    (ep,) = runner.run([{}], [[{"role": "user", "content": "q"}]], 1, Scripted(tok, lambda c, t, k: CALL))
+    assert ep.truncated and ep.turns == 1 and ep.loss_mask == [1] * len(ep.completion_ids)
+    # max_tokens_per_turn: the turn is cut before its end-of-turn token
+    env, fmt, runner = tools_runner(tok, max_tokens_per_turn=5)
+    gen = Scripted(tok, lambda c, t, k: CALL)
+    (ep,) = runner.run([{}], [[{"role": "user", "content": "q"}]], 1, gen)
+    assert ep.truncated and ep.turns == 1 and len(ep.completion_ids) == 5 and gen.calls[0][1] == [5]
+    # max_total_tokens: the second turn's budget is what is left of the episode
+    env, fmt, runner = tools_runner(tok)
+    p = fmt.prompt_ids([{"role": "user", "content": "q"}])
+    first = len(tok(CALL, add_special_tokens=False)["input_ids"]) + 1
+    env_n = len(fmt.env_ids([{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "37 * 12"}}}]}],
+        [{"role": "tool", "name": "calculator", "content": "444"}]))
+    total = len(p) + first + env_n + 3
+    env, fmt, runner = tools_runner(tok, max_total_tokens=total)
+    gen = Scripted(tok, lambda c, t, k: CALL)
+    (ep,) = runner.run([{}], [[{"role": "user", "content": "q"}]], 1, gen)
+    assert gen.calls[1][1] == [3] and ep.truncated and len(ep.prompt_ids) + len(ep.completion_ids) == total
+
+
+# ---- rewards -----------------------------------------------------------------------------------
+
+def test_rewards_get_message_lists_environments_and_the_env_reward(tok, envmod, tmp_path):
+    from rl import config as C
+    from rl.data import Batch
+    from rl.episode_step import EpisodeStep
+    from rl.rewards import RewardScorer, TrainerState, load_rewards
+
+    seen = {}
+
+    def spy(completions, environments, **kw):
+        seen["completions"], seen["environments"] = completions, environments
+        return [0.5] * len(completions)
+
+    mod = sys.modules[envmod] if envmod in sys.modules else __import__(envmod)
+    mod.spy = spy
+    cfg = C.load("configs/tiny_tools.yaml", [f"env.environment={envmod}:Counter", "env.tools=[]",
+                                             "rollout.n=2", "rollout.max_model_len=2048", "trainer.max_seq_len=2048",
+                                             "env.max_tokens_per_turn=200"])
+    step = EpisodeStep(cfg, tok, tmp_path)
+    inc = '<tool_call>\n{"name": "increment", "arguments": {"by": 3}}\n</tool_call>'
+    eps = step.runner.run([{"start": 7}], [[{"role": "user", "content": "Count."}]], 2,
+                          Scripted(tok, lambda c, t, k: inc if (t == 0 and k == 0) else "10"))
+    scorer = RewardScorer(load_rewards(C.RewardConfig(functions=[
+        C.RewardFnConfig(fn=f"{envmod}:spy"), C.RewardFnConfig(fn="numeric")])))
+    batch = Batch(prompts=[[{"role": "user", "content": "Count."}]], columns={"answer": ["10"], "start": [7]})
+    res = step.rewards(scorer, batch, eps, TrainerState(global_step=0, max_steps=1))
+    assert [m["role"] for m in seen["completions"][0]] == ["assistant", "tool", "assistant"]
+    assert seen["environments"][0].total == 10
+    assert res.per_fn["numeric"] == [1.0, 1.0]  # the last assistant message is read, not the tool's
+    assert res.per_fn["env"] == [1.0, None] and res.total == [0.5 + 1.0 + 1.0, 0.5 + 1.0]
+    m = res.metrics(2)
+    assert m["env/turns_mean"] == 1.5 and m["env/tool_calls"] == 1.0 and m["reward/env/mean"] == 1.0
+    samples = step.samples(eps, version=3)
+    assert samples[0].loss_mask == eps[0].loss_mask and samples[0].policy_version == 3
+
+
+def test_tool_arith_task_and_its_rewards():
+    from rl import config as C
+    from rl.rewards import RewardScorer, load_rewards
+    from rl.tasks import TASK_REWARDS, make_task
+
+    rows = make_task("tool_arith", 16, seed=1)
+    assert rows == tool_arith(16, random.Random("tool_arith:1")) and rows != make_task("tool_arith", 16, seed=2)
+    s = RewardScorer(load_rewards(C.RewardConfig(functions=[C.RewardFnConfig(**r) for r in TASK_REWARDS["tool_arith"]])))
+    good = [[{"role": "assistant", "content": ""}, {"role": "tool", "content": r["answer"]},
+             {"role": "assistant", "content": r["answer"]}] for r in rows]
+    no_tool = [[{"role": "assistant", "content": r["answer"]}] for r in rows]
+    bad_tool = [[{"role": "assistant", "content": ""}, {"role": "tool", "content": "Error: x"},
+                 {"role": "assistant", "content": "7"}] for r in rows]
+    answers = {"answer": [r["answer"] for r in rows]}
+    prompts = [r["prompt"] for r in rows]
+    assert s(prompts, ["-"] * 16, answers, completion_messages=good).total == [1.0] * 16
+    assert s(prompts, ["-"] * 16, answers, completion_messages=no_tool).total == [0.5] * 16
+    assert s(prompts, ["-"] * 16, answers, completion_messages=bad_tool).total == [0.0] * 16
+    assert tool_used([[{"role": "tool", "content": "5"}]]) == [1.0]
+
+
+# ---- the trainer's loss mask -------------------------------------------------------------------
+
+def test_the_trainer_masks_environment_tokens():
+    """collate's mask is the loss mask; the loss and the mismatch statistics do not depend on the sampler
+    logprobs (placeholders) or the trainer's values at environment tokens."""
+    import torch
+
+    from trainer.batch import BatchError, collate, validate_batch
+    from trainer.loss import policy_loss
+
+    g = torch.Generator().manual_seed(0)
+    batch = {"prompt_ids": [[5, 6, 7], [8, 9]], "completion_ids": [[10, 11, 12, 13, 14], [15, 16, 17]],
+             "sampler_logprobs": [[-1.0, 0.0, 0.0, -2.0, -0.5], [-0.3, -0.2, -0.1]], "advantages": [1.0, -0.5],
+             "loss_mask": [[1, 0, 0, 1, 1], [1, 1, 1]]}
+    seqs, _ = validate_batch(batch, vocab_size=100, max_seq_len=16, truncate=False)
+    mb = collate(seqs, 0, torch.device("cpu"))
+    assert mb.mask.tolist() == [[True, False, False, True, True], [True, True, True, False, False]]
+    assert [s.loss_tokens for s in seqs] == [3, 3]
+    logp = -torch.rand(2, 5, generator=g) * 3
+    base = policy_loss(logp, logp, mb.sampler_logp, mb.advantages, mb.mask)
+    logp2, samp2 = logp.clone(), mb.sampler_logp.clone()
+    logp2[0, 1:3] = -50.0
+    samp2[0, 1:3] = 7.0
+    other = policy_loss(logp2, logp2, samp2, mb.advantages, mb.mask)
+    assert float(base[0]) == float(other[0]) and base[1]["abs_logp_diff_max"] == other[1]["abs_logp_diff_max"]
+    for bad, msg in [([[1, 0, 1], [1, 1, 1]], r"loss_mask'\]\[0\]: expected 5 values 0 or 1"),
+                     ([[0, 0, 0, 0, 0], [1, 1, 1]], r"expected at least one 1"),
+                     ([[1, 0, 0, 1, 2], [1, 1, 1]], r"expected 5 values 0 or 1")]:
+        with pytest.raises(BatchError, match=msg):
+            validate_batch({**batch, "loss_mask": bad}, vocab_size=100, max_seq_len=16, truncate=False)
+
+
+def test_train_batch_carries_the_loss_mask():
+    from rl.records import RecordError, Sample, TrainBatch
+
+    s = [Sample(0, [1, 2], [3, 4, 5], [-1.0, 0.0, -1.0], "t", "stop", 0, loss_mask=[1, 0, 1]),
+         Sample(0, [1, 2], [6], [-0.5], "t", "stop", 0)]
+    cols = TrainBatch.from_samples(s, [1.0, -1.0]).columns()
+    assert cols["loss_mask"] == [[1, 0, 1], [1]]
+    assert "loss_mask" not in TrainBatch.from_samples(s[1:], [0.0]).columns()
+    with pytest.raises(RecordError, match=r"TrainBatch.loss_mask\[0\]: expected 3 values"):
+        TrainBatch.from_samples([Sample(0, [1], [3, 4, 5], [0.0] * 3, "t", "stop", 0, loss_mask=[1])], [0.0])
+
+
+# ---- on an engine (tests/rl/test_divergence.py's bitwise engine runs these) -----------------------------
+
+class AreYouSure:
+    """A verifiers-shape environment: asks back until the assistant has spoken three times."""
+
+    def is_completed(self, messages, state, **kwargs):
+        return state["turn"] >= 3
+
+    def env_response(self, messages, state, **kwargs):
+        return [{"role": "user", "content": "Sure?"}]
+
+
+ENGINE_PROMPTS = ["digit 3:", "the red bird is"]
+
+
+def engine_episodes(worker, model_dir, temperature: float):
+    """2 prompts x 2 episodes of up to three turns on `worker` (a RolloutWorker), each turn one generate call
+    of token-id prompts; the turns stop on the string "e" (a random model seldom samples its end-of-turn
+    token within a few tokens), 8 tokens at most, 128 in all (the engine's max_model_len)."""
+    from transformers import AutoTokenizer
+
+    from rl.config import EnvConfig
+    from rl.episode_step import eos_ids as model_eos_ids
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    env = Environment(EnvConfig(environment="test_env:AreYouSure"))
+    fmt = ChatFormat(tok, None, model_eos_ids(tok, model_dir), env_role="user")
+    runner = EpisodeRunner(env, fmt, max_turns=3, max_tokens_per_turn=8, max_total_tokens=128)
+    calls = []
+
+    def gen(ctx, budgets, turn):
+        calls.append(len(ctx))
+        return worker.generate(ctx, 1, {"temperature": temperature, "stop": ["e"], "seed": 11 + 1000 * turn},
+                               max_tokens=budgets)
+
+    return runner.run([{}] * len(ENGINE_PROMPTS), [[{"role": "user", "content": p}] for p in ENGINE_PROMPTS], 2,
+                      gen), calls
+
+
+def check_engine_episodes(model_dir, episodes, calls, temperature: float) -> dict:
+    """The trainer's logprobs of every episode's sequence: equal to the sampler's on every assistant token in
+    bitwise numerics, within the loop's fp32 bound in fast numerics; environment tokens exist and are masked."""
+    from test_rl_loop import FP32_MAX_ABS_LOGP_DIFF
+    from trainer.testing import free_port
+    from trainer.worker import TrainerWorker
+
+    assert calls[0] == 2 * len(ENGINE_PROMPTS) and len(calls) == 3, calls  # one engine call per turn, every live episode in it
+    three = [e for e in episodes if e.turns == 3]
+    assert three, [e.turns for e in episodes]
+    assert all(0 in e.loss_mask and 1 in e.loss_mask for e in three)
+    batch = {"prompt_ids": [e.prompt_ids for e in episodes], "completion_ids": [e.completion_ids for e in episodes]}
+    out = {}
+    for numerics in ("bitwise", "fast"):
+        w = TrainerWorker(0, 1, "127.0.0.1", free_port(), str(model_dir), "megamoe",
+                          {"dtype": "float32", "device": "cpu", "numerics": numerics, "temperature": temperature,
+                           "max_seq_len": 128})
+        try:
+            lps = w.logprobs(batch)
+        finally:
+            w.close()
+        diffs = [abs(t - s) for e, lp in zip(episodes, lps) for t, s, m in zip(lp, e.sampler_logprobs, e.loss_mask)
+                 if m]
+        out[numerics] = max(diffs)
+        assert len(diffs) == sum(sum(e.loss_mask) for e in episodes) > 0
+    assert out["bitwise"] == 0.0, out
+    assert 0.0 < out["fast"] < FP32_MAX_ABS_LOGP_DIFF, out  # > 0: fast numerics really differ from the sampler's
+    return out
+
+
+def test_the_loop_hook_splits_each_turn_over_the_rollout_workers(tok, tmp_path):
+    """EpisodeStep.draw (what Loop.draw hands its call to): each turn is one call per rollout worker on its
+    contiguous slice of the live episodes, with per-episode token budgets and a seed offset by the slice's
+    start (so no two episodes share a seed); the Draw holds masked Samples and the env/* metrics."""
+    from rl import config as C
+    from rl.data import Batch
+    from rl.episode_step import TURN_SEED_STRIDE, EpisodeStep
+    from rl.loop import Loop
+    from rl.rewards import RewardScorer, load_rewards
+
+    class Ref:
+        def __init__(self, value):
+            self.value = value
+
+    class Worker:
+        def __init__(self, gen):
+            self.gen, self.seen = gen, []
+            self.generate = self
+
+        def remote(self, ctx, n, sampling, max_tokens):
+            self.seen.append((len(ctx), n, sampling["seed"], list(max_tokens)))
+            return Ref((self.gen(ctx, max_tokens, 0), 0.5))
+
+    cfg = C.load("configs/tiny_tools.yaml", ["rollout.n=2", "rollout.max_model_len=2048", "trainer.max_seq_len=2048",
+                                             "env.max_tokens_per_turn=200", "rollout.num_workers=2"])
+    step = EpisodeStep(cfg, tok, tmp_path)
+    gen = Scripted(tok, lambda c, turn, k: "444" if "<tool_response>" in tok.decode(c) else CALL)
+    workers = [Worker(gen), Worker(gen)]
+
+    class FakeLoop:
+        rollouts = workers
+        step = 4
+        scorer = RewardScorer(load_rewards(cfg.reward))
+        _bounds = Loop._bounds
+
+        def _get(self, refs, names, method):
+            return [r.value for r in refs]
+
+    batch = Batch(prompts=[[{"role": "user", "content": "What is 37 * 12?"}]] * 3, columns={"answer": ["444"] * 3})
+    draw = step.draw(FakeLoop(), batch, ["p"] * 3, {"temperature": 1.0, "seed": 100})
+    assert [w.seen[0][:3] for w in workers] == [(3, 1, 100), (3, 1, 103)]
+    assert [w.seen[1][:3] for w in workers] == [(3, 1, 100 + TURN_SEED_STRIDE), (3, 1, 103 + TURN_SEED_STRIDE)]
+    assert workers[0].seen[0][3] == [200] * 3
+    assert len(draw.samples) == 6 and all(s.policy_version == 4 and 0 in s.loss_mask for s in draw.samples)
+    assert draw.rewards.total == [1.0] * 6  # a tool result and the right number
+    m = draw.rewards.metrics(2)
+    assert m["env/turns_mean"] == 2.0 and m["env/tool_calls"] == 6.0 and m["env/truncated"] == 0.0
+
+
+def test_the_gsm8k_shaped_variant_scores_the_last_assistant_message():
+    """configs/tiny_tools_math.yaml: the math reward on a multi-turn completion grades the final answer, not
+    the tool's output."""
+    from rl import config as C
+    from rl.rewards import RewardScorer, load_rewards
+
+    cfg = C.load("configs/tiny_tools_math.yaml")
+    assert cfg.env.tools == ["rl.tool_task:calculator"] and cfg.data.task == "math"
+    s = RewardScorer(load_rewards(cfg.reward))
+    episode = [{"role": "assistant", "content": "", "tool_calls": []}, {"role": "tool", "content": "36"},
+               {"role": "assistant", "content": "So she has #### 36"}]
+    wrong = episode[:2] + [{"role": "assistant", "content": "#### 35"}]
+    got = s([[{"role": "user", "content": "q"}]] * 2, ["-", "-"], {"answer": ["36", "36"]},
+            completion_messages=[episode, wrong])
+    assert got.total == [1.0, 0.0]
