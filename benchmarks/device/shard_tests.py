@@ -16,9 +16,12 @@ The processes share one GPU, so --shards is an upper bound: the script runs
 min(--shards, free GPU memory // --mem-per-shard-gib) processes (at least one), the free memory read
 from the first visible CUDA device (torch.cuda.mem_get_info, in a subprocess that exits before the
 shards start) or given with --gpu-free-gib. --mem-per-shard-gib is the most GPU memory one process of
-the selection holds (DEFAULT_SHARD_GIB: the op's and the trainer's GPU tests, measured); 0 turns the
-sizing off (a CPU selection). Eight processes fit the H200's 139.8 GiB; on an 80 GB H100 eight failed
-2 of 98 tests with CUDA out-of-memory (both pass alone).
+the selection holds; 0 turns the sizing off (a CPU selection). DEFAULT_SHARD_GIB is an estimate for
+the op's and the trainer's GPU tests, not a measured peak: eight processes fit the H200's 139.8 GiB
+(98 of 98 passed), and on an 80 GB H100 eight failed 2 of 98 tests with CUDA out-of-memory (both pass
+alone), so together they peaked above ~79 GiB. 16 GiB keeps eight on the H200 and gives four on the
+H100. The peak per process can be read on the GPU machine with
+`nvidia-smi --query-compute-apps=pid,used_memory --format=csv -l 1` during a run.
 
 Each shard writes its log and a JUnit XML file under --out; the outcome of a test is read from the
 XML only. The script prints one line per collected test (passed / failed / error / skipped / not
@@ -37,7 +40,7 @@ import xml.etree.ElementTree as ET
 GIB = 1 << 30
 DEFAULT_SHARD_GIB = 16.0
 """GPU memory one pytest process of `-m gpu` tests/megamoe/test_fused.py test_expert_options.py
-tests/trainer/test_trainer_gpu.py may hold at its peak, in GiB (see the module docstring)."""
+tests/trainer/test_trainer_gpu.py may hold at its peak, in GiB: an estimate (module docstring)."""
 
 
 def free_gpu_bytes() -> int:
