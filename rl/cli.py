@@ -100,9 +100,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The command's arguments, its options and KEY=VALUE positionals in any order.
+
+    A subcommand's parser reads its words with parse_intermixed_args: plain parse_args fills a
+    `nargs="*"` positional once, at the first positional word, so `train --config X --dry-run k=v`
+    would refuse `k=v` as unrecognized while `train --config X k=v --dry-run` works. The top-level
+    parser holds the subparsers (which parse_intermixed_args refuses); it takes only -h before the
+    command, so the first word names the command."""
+    if argv and not argv[0].startswith("-"):
+        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        if argv[0] in subparsers.choices:
+            args = subparsers.choices[argv[0]].parse_intermixed_args(argv[1:])
+            args.command = argv[0]
+            return args
+    return parser.parse_args(argv)  # -h, no command, or an unknown one (argparse names the choices)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse(parser, sys.argv[1:] if argv is None else argv)
     if args.command is None:
         parser.print_help()
         return 2

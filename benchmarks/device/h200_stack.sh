@@ -88,7 +88,7 @@ for stage in "$@"; do
     kernel_tests_fp32) timeout 540 $PY -m pytest -p no:cacheprovider -q -rA -m gpu tests/megamoe/test_fused.py \
         -k "not (bf16 or opcheck or graph or repeated or nan or dw_tma)" > "$LOG/kernel_tests_fp32.log" 2>&1; rc=$?
       grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$LOG/kernel_tests_fp32.log" ;;
-    gpu_tests) # every -m gpu test of the op and the trainer (bf16 + fp32), 8 concurrent pytest processes
+    gpu_tests) # every -m gpu test of the op and the trainer (bf16 + fp32), up to 8 concurrent pytest processes, as many as the GPU's free memory holds
       # (shard_tests.py: compiling is most of their time and CPU work); shard logs stay on the machine
       # (8-file limit on $OUT), concatenated into one file
       timeout 590 $PY benchmarks/device/shard_tests.py --shards 8 --timeout 560 --out "$RUNS/gpu_tests" -- \

@@ -223,3 +223,42 @@ def test_step_breakdown_reports_the_sync_share(tmp_path):
     assert (f"3 | {r['time/step_s']:.3f} | {r['time/rollout_s']:.3f} | {r['time/train_s']:.3f} | "
             f"{1e3 * r['time/weight_sync_s']:.1f} | {100 * r['time/weight_sync_s'] / r['time/step_s']:.1f} | "
             f"{250 * r['time/weight_sync_s']:.1f} {500 * r['time/weight_sync_s']:.1f}") in out, out
+
+
+def test_bench_async_dry_run_resolves_each_lags_config():
+    """bench_async.py's train commands as `megamoe-rl train --dry-run` (no Ray): every override it adds
+    is a key of the config tree today, and each lag gets its run.max_async_steps."""
+    import yaml
+
+    out = _run("benchmarks/bench_async.py", "--dry-run", "--lags", "0", "2", "--set", "rollout.n=2")
+    parts = re.split(r"^# k=(\d+)$", out, flags=re.M)[1:]
+    cfgs = {int(k): yaml.safe_load(text) for k, text in zip(parts[::2], parts[1::2])}
+    assert sorted(cfgs) == [0, 2], out
+    for k, cfg in cfgs.items():
+        assert cfg["run"]["max_async_steps"] == k and cfg["ray"]["placement"] == "disaggregated"
+        assert cfg["rollout"]["n"] == 2 and cfg["run"]["steps"] == 30
+
+
+# bench_async.py's smallest run: one lag (k=1, the async path), 2 steps of 2 prompts x 2 samples, one
+# `megamoe-rl train` (Ray, one vLLM CPU engine, one trainer rank).
+@pytest.mark.smoke
+@pytest.mark.slow
+def test_bench_async_smallest_run_prints_its_row():
+    out = _run("benchmarks/bench_async.py", "--steps", "2", "--warmup", "1", "--lags", "1", "--set", "rollout.n=2",
+               "run.prompts_per_step=2", "rollout.max_tokens=2")
+    assert "| k | steps/s | vs k=0 | trainer idle | rollout idle | reward last step | reward last 5 |" in out, out
+    assert re.search(r"^\| 1 \| [\d.]+ \| 1\.00x \| -?\d+% \| -?\d+% \| [\d.-]+ \| [\d.-]+ \|$", out, re.M), out
+
+
+# bench_replay.py's smallest run: a 1-layer model, 2 prompts x 2 samples of 2 tokens, the megamoe
+# sampler only (one vLLM CPU engine), one rep per R3 setting.
+@pytest.mark.smoke
+@pytest.mark.slow
+def test_bench_replay_smallest_run_prints_both_r3_rows():
+    out = _run("benchmarks/bench_replay.py", "--layers", "1", "--hidden", "64", "--experts", "4", "--topk", "2",
+               "--intermediate", "32", "--prompts", "2", "--n", "2", "--max-tokens", "2", "--micro-batch", "4",
+               "--reps", "1", "--samplers", "megamoe")
+    assert "| sampler | R3 | routing agreement | k3 | max abs dlogp |" in out, out
+    num = r"[\d.e+-]+"
+    for r3 in ("off", "on"):
+        assert re.search(rf"^\| megamoe \| {r3} \| {num} \| {num} \| {num} \| {num} \| {num} \| {num} \|$", out, re.M), out

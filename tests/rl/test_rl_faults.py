@@ -4,11 +4,13 @@
 
 Two runs of `megamoe-rl train` in one run folder, the faults injected by the test's reward
 function (tests/rl/test_rl_loop.py, REWARD_MODULE) at exact points:
-1. checkpoint every 2 steps; during step 3 the trainer's process is killed (SIGKILL): the run ends
-   with exit 1 and one paragraph, in train.log and on the terminal, naming the actor, the step, the
-   cause, the last checkpoint (step 2, intact) and the command that continues the run.
-2. that command (`... --resume`): continues at step 3 from that checkpoint (metrics.jsonl keeps
-   steps 1-2 and goes on); during step 4 the driver gets SIGINT (Ctrl-C): step 4 finishes, a
+1. checkpoint every 2 steps, samples.jsonl and an evaluation every step; during step 4 the
+   trainer's process is killed (SIGKILL): the run ends with exit 1 and one paragraph, in train.log
+   and on the terminal, naming the actor, the step, the cause, the last checkpoint (step 2, intact)
+   and the command that continues the run. Step 3 was done and logged but not checkpointed.
+2. that command (`... --resume`): continues at step 3 from that checkpoint (metrics.jsonl,
+   samples.jsonl and eval_samples.jsonl drop step 3's stale lines, keep steps 1-2 and go on);
+   during step 4 the driver gets SIGINT (Ctrl-C): step 4 finishes, a
    checkpoint is written, every actor is stopped, exit 130, and the run is resumable from step 4.
    Its new RolloutWorker starts from the base model, so the step after the resume checks that the
    checkpoint's weights reached it: the sampler-trainer mismatch at the fp32 bound at every step.
@@ -25,8 +27,8 @@ import sys
 
 import pytest
 
-from test_rl_loop import (STEP_KEYS, explain, fp32_mismatch_over_bounds, numeric_finite, run_cli,  # noqa: F401
-                          run_train, two_checkpoints, wandb_offline_history, write_reward_module)
+from test_rl_loop import (EVAL, STEP_KEYS, explain, fp32_mismatch_over_bounds, numeric_finite, run_cli,  # noqa: F401
+                          run_train, train_records, two_checkpoints, wandb_offline_history, write_reward_module)
 from rl.metrics import read_jsonl
 
 
@@ -47,11 +49,15 @@ def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("rl_faults")
     reward = write_reward_module(work)
     run_dir = work / "run"
-    common = ("trainer.checkpoint_every=2", "run.wandb.mode=offline", "--reward", reward)
-    killed = run_train(run_dir, "run.steps=6", *common, action="kill_trainer@3", cwd=work)
+    # Killed in step 4 (the reward's 4th call): step 3 is logged (metrics, samples, evaluation) after
+    # the last checkpoint (step 2), so the resume has stale lines to drop.
+    common = ("trainer.checkpoint_every=2", "run.wandb.mode=offline", "run.samples_every=1", *EVAL, "--reward", reward)
+    killed = run_train(run_dir, "run.steps=6", *common, action="kill_trainer@4", cwd=work)
     after_kill = {"metrics": read_jsonl(run_dir / "metrics.jsonl"), "latest": _latest(run_dir),
                   "pids": json.loads((run_dir / "actors.json").read_text()),
-                  "log": (run_dir / "train.log").read_text()}
+                  "log": (run_dir / "train.log").read_text(),
+                  "samples": read_jsonl(run_dir / "samples.jsonl"),
+                  "eval_samples": read_jsonl(run_dir / "eval_samples.jsonl")}
     # The run is continued with the command its failure paragraph gives.
     said = [ln for ln in killed.stderr.splitlines() if "continue the run with: " in ln]
     if not said:
@@ -71,7 +77,7 @@ def test_dead_trainer_ends_the_run_with_one_paragraph(runs):
     said = [ln for ln in p.stderr.splitlines() if "The run failed:" in ln]
     assert len(said) == 1, explain(p)
     text = said[0].split(" ERROR ", 1)[1]
-    assert text.startswith(f"The run failed: TrainerWorker rank 0 died in train_step at step 3: ActorDiedError: "
+    assert text.startswith(f"The run failed: TrainerWorker rank 0 died in train_step at step 4: ActorDiedError: "
                            f"the actor's process (pid {a['pids']['trainer'][0]}) is gone"), text
     assert f"(tracebacks: {runs['dir'] / 'traceback.txt'}). The last complete checkpoint is step 2 ({ckpt}); " \
            f"continue the run with: megamoe-rl train --config " in text, text
@@ -81,7 +87,7 @@ def test_dead_trainer_ends_the_run_with_one_paragraph(runs):
     assert len(logged) == 1 and logged[0].endswith(text), a["log"][-3000:]
     assert "Traceback" in (runs["dir"] / "traceback.txt").read_text()
     assert a["latest"] == {"step": 2, "path": "step_000002"}
-    assert [r["step"] for r in a["metrics"]] == [1, 2]
+    assert [r["step"] for r in a["metrics"]] == [0, 1, 2, 3]  # evaluation before step 1, then steps 1-3
     assert (runs["dir"] / "checkpoints" / "step_000002" / "meta.json").is_file()
     # The surviving rollout actor was stopped with the run.
     assert not any(_alive(pid) for pid in a["pids"]["rollout"])
@@ -91,8 +97,8 @@ def test_dead_trainer_ends_the_run_with_one_paragraph(runs):
 def test_resume_continues_the_step_count_and_the_metrics_file(runs):
     p = runs["resumed"]
     assert "--resume" in runs["resume_argv"] and f"run.out_dir={runs['dir']}" in runs["resume_argv"]
-    records = read_jsonl(runs["dir"] / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2, 3, 4], explain(p)
+    assert [r["step"] for r in read_jsonl(runs["dir"] / "metrics.jsonl")] == [0, 1, 2, 3, 4], explain(p)
+    records = train_records(runs["dir"])
     for r in records:
         assert not numeric_finite(r, STEP_KEYS), r
     # The trainer's own counter came back from the checkpoint: its 3rd train_step is loop step 3.
@@ -106,6 +112,25 @@ def test_resume_continues_the_step_count_and_the_metrics_file(runs):
     assert fp32_mismatch_over_bounds(records) == [], records[2]
     assert "resumed from" in (runs["dir"] / "train.log").read_text()
     assert "step_000002" in (runs["dir"] / "train.log").read_text()
+
+
+@pytest.mark.slow
+def test_resume_drops_the_samples_files_stale_steps(runs):
+    # The killed run had logged step 3 (after its last checkpoint, step 2) in both files.
+    a = runs["after_kill"]
+    assert [r["step"] for r in a["samples"]] == [s for s in (1, 2, 3) for _ in range(16)]
+    assert [r["step"] for r in a["eval_samples"]] == [s for s in (0, 1, 2, 3) for _ in range(32)]
+    # After the resume: each step once, in order (4 prompts x 4 samples; 8 eval prompts x 4), step 3's
+    # lines those of the resumed run only. With Loop.run's truncation of the samples files deleted, step 3
+    # appeared twice in each.
+    samples = read_jsonl(runs["dir"] / "samples.jsonl")
+    evals = read_jsonl(runs["dir"] / "eval_samples.jsonl")
+    assert [r["step"] for r in samples] == [s for s in (1, 2, 3, 4) for _ in range(16)], explain(runs["resumed"])
+    assert [r["step"] for r in evals] == [s for s in (0, 1, 2, 3, 4) for _ in range(32)]
+    assert [(r["prompt_index"], r["sample_index"]) for r in samples if r["step"] == 3] == \
+        [(i, j) for i in range(4) for j in range(4)]
+    # Steps 1-2 are the killed run's lines, kept as they were.
+    assert samples[:32] == a["samples"][:32] and evals[:96] == a["eval_samples"][:96]
 
 
 @pytest.mark.slow
@@ -126,8 +151,9 @@ def test_the_resumed_run_continues_the_same_wandb_run(runs):
     run_id = (runs["dir"] / "wandb_id.txt").read_text().strip()
     assert [f.name for f in files] == [f"run-{run_id}.wandb"] * 2, files
     records = read_jsonl(runs["dir"] / "metrics.jsonl")
-    assert sorted(history) == [r["step"] for r in records] == [1, 2, 3, 4]
-    assert [history[r["step"]]["reward/mean"] for r in records] == [r["reward/mean"] for r in records]
+    assert sorted(history) == [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert [history[r["step"]]["reward/mean"] for r in records[1:]] == [r["reward/mean"] for r in records[1:]]
+    assert [history[r["step"]]["eval/reward_mean"] for r in records] == [r["eval/reward_mean"] for r in records]
 
 
 # ---- the failure paragraph, from Ray's own exception objects (no cluster) ----------------------

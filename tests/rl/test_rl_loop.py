@@ -35,9 +35,16 @@ CLI = [sys.executable, "-m", "rl.cli", "train", "--config", str(TINY)]
 SMALL = ["rollout.n=4", "run.prompts_per_step=4", "rollout.max_tokens=4", "run.progress=false"]
 RUN_TIMEOUT_S = 420
 # The e2e run's evaluation (rl/evaluation.py): 8 held-out digit prompts x 4 samples before step 1 and
-# after every step, scored by a built-in reward (the test reward counts its calls to time the faults).
+# after every step, scored by a built-in reward and the test module's partial credit (the training
+# reward counts its calls to time the faults; these do not). The random model almost never answers
+# the digit, so exact_match alone gives 0 everywhere; alnum_share gives every sample a share in
+# [0, 1], and eval.correct_at 0.85 counts the samples with 85 % letters and digits as solved. The
+# e2e run's evaluations measured (2026-12-07): mean share 0.75, 3 to 5 of 32 samples solved each time,
+# on 4 to 5 of the 8 prompts (0 to 3 of 4 samples each): pass@1 0.22-0.28, pass@4 0.50-0.75.
 EVAL = ["eval.every=1", "eval.data.task=digit", "eval.data.task_size=8", "eval.n=4", "eval.pass_k=[1, 4]",
-        "eval.functions=[{fn: exact_match, kwargs: {match: prefix}}]"]
+        "eval.correct_at=0.85",
+        "eval.functions=[{fn: exact_match, kwargs: {match: prefix}}, {fn: 'loop_test_rewards:alnum_share'}]"]
+CORRECT_AT = 0.85
 # What differs between two runs of one config by timing alone (and the restart count, by the fault).
 TIMING = ("time/", "throughput/", "memory/", "rollout/restarts_total")
 
@@ -68,6 +75,11 @@ REWARD_MODULE = textwrap.dedent('''
         CALLS["n"] += 1
         _act()
         return [float(c.strip()[:1] == str(a)) for c, a in zip(completions, answer)]
+
+
+    def alnum_share(prompts, completions, **kwargs):
+        """Partial credit: the share of the completion's characters that are ASCII letters or digits."""
+        return [sum(ch.isascii() and ch.isalnum() for ch in c) / max(len(c), 1) for c in completions]
 ''')
 
 
@@ -300,7 +312,30 @@ def test_e2e_vllm_logs_go_to_the_run_folder_and_its_warnings_once_to_the_termina
 
 # ---- evaluation, samples.jsonl, W&B in the e2e run (rl/evaluation.py, rl/samples.py, rl/wandb_log.py) ----
 
-EVAL_KEYS = ("eval/reward_mean", "eval/pass@1", "eval/pass@4", "eval/len_mean", "eval/reward/exact_match/mean")
+EVAL_KEYS = ("eval/reward_mean", "eval/pass@1", "eval/pass@4", "eval/len_mean", "eval/reward/exact_match/mean",
+             "eval/reward/alnum_share/mean")
+
+
+def eval_by_hand(rows: list[dict], n: int, ks) -> dict:
+    """The eval/* metrics of one evaluation's rows (eval_samples.jsonl, prompt-major, n per prompt) from
+    the completions alone: EVAL's two functions (weight 1 each) rescored here, summed, solved at >= CORRECT_AT,
+    pass@k as 1 - C(n-c, k) / C(n, k) averaged over prompts, all in Python floats (float64)."""
+    exact, share = [], []
+    for r in rows:
+        digit = r["prompt"].removeprefix("digit ").rstrip(":")
+        exact.append(1.0 if r["completion"].strip().startswith(digit) else 0.0)
+        text = r["completion"]
+        share.append(len([ch for ch in text if ch in ALNUM]) / len(text) if text else 0.0)
+    total = [a + b for a, b in zip(exact, share)]
+    solved = [sum(t >= CORRECT_AT for t in total[i:i + n]) for i in range(0, len(total), n)]
+    m = {"eval/reward_mean": sum(total) / len(total), "eval/reward/exact_match/mean": sum(exact) / len(exact),
+         "eval/reward/alnum_share/mean": sum(share) / len(share)}
+    for k in ks:
+        m[f"eval/pass@{k}"] = sum(1.0 - math.comb(n - c, k) / math.comb(n, k) for c in solved) / len(solved)
+    return m, total
+
+
+ALNUM = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
 
 
 @pytest.mark.slow
@@ -309,13 +344,27 @@ def test_e2e_evaluates_before_step_1_and_after_every_step(e2e):
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4], explain(proc)
     assert sorted(k.split("/")[0] for k in records[0] if k != "step") == ["eval"] * (len(records[0]) - 1)
+    rows = read_jsonl(run_dir / "eval_samples.jsonl")
+    assert [r["step"] for r in rows] == [s for s in range(5) for _ in range(32)], explain(proc)
     for r in records:
-        assert not numeric_finite(r, EVAL_KEYS), r
-        assert (r["eval/prompts"], r["eval/samples"], r["eval/reward/errors"]) == (8, 32, 0)
-        # One 0/1 reward of weight 1: the summed reward is its mean, and so is pass@1 (solved: reward >= 1).
-        assert r["eval/reward_mean"] == r["eval/reward/exact_match/mean"] == pytest.approx(r["eval/pass@1"], abs=1e-12)
-        assert r["eval/pass@1"] <= r["eval/pass@4"] and 1 <= r["eval/len_mean"] <= 4
-    print("e2e eval reward by step:", [(r["step"], r["eval/reward_mean"], r["eval/pass@4"]) for r in records])
+        assert not numeric_finite(r, EVAL_KEYS + ("eval/time_s",)), r
+        assert (r["eval/prompts"], r["eval/samples"], r["eval/reward/errors"], r["eval/reward/none"]) == (8, 32, 0, 0)
+        assert 1 <= r["eval/len_mean"] <= 4
+        # eval/time_s: the evaluation's wall time, part of the step's own (the step's time/step_s
+        # covers rollout and training only, the evaluation follows it)
+        assert 0 < r["eval/time_s"] < RUN_TIMEOUT_S, r["eval/time_s"]
+        got = [x for x in rows if x["step"] == r["step"]]
+        want, total = eval_by_hand(got, 4, (1, 4))
+        # sums of 32 floats in another order: 1e-12 covers the rounding
+        assert {k: r[k] for k in want} == pytest.approx(want, rel=1e-12, abs=1e-12), r["step"]
+        assert [x["reward"] for x in got] == pytest.approx(total, rel=1e-12, abs=1e-12)
+        assert [x["correct"] for x in got] == [t >= CORRECT_AT for t in total]
+        assert r["eval/reward_mean"] > 0  # partial credit: not the 0 = 0 of a random model's exact match
+    # The base model's evaluation (step 0, before any training) has prompts with some samples solved
+    # and some not: pass@k is compared on values strictly between 0 and 1.
+    assert 0 < records[0]["eval/pass@1"] < records[0]["eval/pass@4"] < 1, records[0]
+    print("e2e eval reward / pass@1 / pass@4 by step:",
+          [(r["step"], r["eval/reward_mean"], r["eval/pass@1"], r["eval/pass@4"]) for r in records])
 
 
 @pytest.mark.slow
@@ -414,39 +463,49 @@ def test_e2e_wandb_offline_run_holds_every_metric_at_its_step(e2e):
 
 @pytest.fixture(scope="module")
 def eval_cli(e2e):
-    """`megamoe-rl eval` on the e2e run's step-4 checkpoint and its exported final/: one engine, two targets."""
+    """`megamoe-rl eval` on the e2e run's exported final/ and its checkpoints of step 2 (--step) and the
+    latest (--latest, step 4): one engine, three targets. --config: the run's config.yaml with
+    eval.pass_k [1, 2, 4] (the run's own is [1, 4]), so the report shows which config it read."""
     proc, run_dir = e2e
     out = run_dir.parent / "eval"
     out.mkdir()
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    cfg["eval"]["pass_k"] = [1, 2, 4]
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg))
     argv = [sys.executable, "-m", "rl.cli", "eval", "--model", str(run_dir / "final"), "--run", str(run_dir),
-            "--step", "4", "--out", str(out / "report.json"), "--samples-out", str(out / "samples.jsonl")]
-    return run_cli(argv, run_dir, cwd=out), out
+            "--step", "2", "--latest", "--config", str(out / "config.yaml"), "--out", str(out / "report.json"),
+            "--samples-out", str(out / "samples.jsonl")]
+    # cwd: the e2e run's working folder, where its eval reward module (loop_test_rewards) is importable
+    return run_cli(argv, run_dir, cwd=run_dir.parent), out
 
 
 @pytest.mark.slow
-def test_eval_command_on_an_export_and_a_checkpoint_gives_the_runs_own_evaluation(e2e, eval_cli):
+def test_eval_command_on_an_export_and_checkpoints_gives_the_runs_own_evaluation(e2e, eval_cli):
     proc, out = eval_cli
     assert proc.returncode == 0, explain(proc)
     report = json.loads((out / "report.json").read_text())
     run_dir = e2e[1]
     assert [(t["target"], t["step"]) for t in report["targets"]] == [(str(run_dir / "final"), 4),
+                                                                     (f"{run_dir} step 2", 2),
                                                                      (f"{run_dir} step 4", 4)]
-    logged = train_records(run_dir)[-1]  # the run's own evaluation after step 4, on its rollout engine
-    for t in report["targets"]:
-        # The same weights and the eval's fixed seeds: a fresh engine draws the same completions.
-        assert {k: t["metrics"][k] for k in EVAL_KEYS} == {k: logged[k] for k in EVAL_KEYS}, t
-        assert "eval/pass@1" in proc.stdout and t["target"] in proc.stdout
+    assert report["eval"]["pass_k"] == [1, 2, 4]  # --config, not the run's config.yaml
+    logged = {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl")}
+    assert "eval/pass@2" not in logged[4]
     rows = read_jsonl(out / "samples.jsonl")
-    assert len(rows) == 2 * 32
-    final, ckpt = rows[:32], rows[32:]
-    # The completions, not only the metrics (all 0 for this random model): with the command's seed off
-    # by one from the run's evaluation this failed (2026-12-06) while every metric still matched.
-    in_run = [r for r in read_jsonl(run_dir / "eval_samples.jsonl") if r["step"] == 4]
-    assert [r["completion"] for r in final] == [r["completion"] for r in ckpt] == [r["completion"] for r in in_run]
-    for r in rows:
-        digit = r["prompt"].removeprefix("digit ").rstrip(":")
-        assert r["rewards"]["exact_match"] == float(r["completion"].strip().startswith(digit))
-        assert r["correct"] == (r["reward"] >= 1.0)
+    assert len(rows) == 3 * 32
+    in_run = read_jsonl(run_dir / "eval_samples.jsonl")
+    for i, t in enumerate(report["targets"]):
+        # The same weights and the eval's fixed seeds: a fresh engine draws the same completions.
+        assert {k: t["metrics"][k] for k in EVAL_KEYS} == {k: logged[t["step"]][k] for k in EVAL_KEYS}, t
+        assert "eval/pass@1" in proc.stdout and t["target"] in proc.stdout
+        got = rows[32 * i:32 * i + 32]
+        # The completions, not only the metrics: with the command's seed off by one from the run's
+        # evaluation this failed (2026-12-06) while every metric of the random model (all 0 then) matched.
+        assert [r["completion"] for r in got] == [r["completion"] for r in in_run if r["step"] == t["step"]], t
+        want, total = eval_by_hand(got, 4, (1, 2, 4))
+        assert {k: t["metrics"][k] for k in want} == pytest.approx(want, rel=1e-12, abs=1e-12), t
+        assert [r["reward"] for r in got] == pytest.approx(total, rel=1e-12, abs=1e-12)
+        assert [r["correct"] for r in got] == [x >= CORRECT_AT for x in total]
 
 
 @pytest.mark.parametrize("cfg_address, env_address, joins", [

@@ -343,8 +343,10 @@ def test_nonfinite_loss_skips_the_step(model_dirs):
 
 
 def test_the_reference_policy_is_the_frozen_initial_weights(model_dirs):
-    """trainer.kl_coef's reference on one unsharded rank (FSDP2-sharded: tests/rl/test_rl_math.py's run);
-    the loss's KL math is tests/trainer/test_objectives.py's."""
+    """trainer.kl_coef's reference on one unsharded fp32 rank. Sharded over two ranks, in bf16 and after a
+    checkpoint resume, against a float64 computation of the KL: tests/trainer/test_trainer_fsdp.py
+    (test_kl_reference_sharded_bf16_and_after_a_resume_matches_float64); the loss's KL math is
+    tests/trainer/test_objectives.py's."""
     cfg = {**BASE_CFG, "loss": "gspo", "kl_coef": 0.1}
     w = TrainerWorker(0, 1, "", 0, str(model_dirs["qwen3_moe"]), "megamoe", cfg)
     before = {n: p.detach().clone() for n, p in w.reference.named_parameters()}

@@ -3,9 +3,11 @@
     .venv/bin/python -m pytest -q tests/trainer/test_trainer_fsdp.py
 
 One Ray instance (num_cpus=2) and one group of TrainerWorker actors per world size serve the whole
-module; every test first restores the group to its initial checkpoint (written when the group
-starts), so tests do not depend on each other's order. The ground truth is the same model
-unsharded, in the pytest process (fsdp=False).
+module, all with a KL penalty to the reference policy (trainer.kl_coef: a frozen copy of the initial
+weights, sharded as the policy is); every test first restores the group to its initial checkpoint
+(written when the group starts), so tests do not depend on each other's order. The ground truth is
+the same model unsharded, in the pytest process (fsdp=False), and for the KL term the stock
+transformers model in float64. One more two-rank group computes in bf16 (the KL test's).
 """
 
 from __future__ import annotations
@@ -28,7 +30,11 @@ FSDP_TOL = 1e-5
 FSDP_VS_REFERENCE_TOL = 1e-5
 
 # temperature != 1: the trainer's logprobs must follow the sampler's temperature (rollout test).
-CFG = {"lr": 2e-4, "micro_batch_size": 2, "num_threads": 1, "seed": 0, "temperature": 0.8}
+# kl_coef: every step of every test also runs the reference policy's forward and the KL term.
+CFG = {"lr": 2e-4, "micro_batch_size": 2, "num_threads": 1, "seed": 0, "temperature": 0.8, "kl_coef": 0.05}
+# The KL test's bf16 group: FSDP2 mixed precision (bf16 compute over fp32 master weights), the k1
+# estimator in the loss, and an lr that moves the policy far from its reference in a few steps.
+CFG_BF16 = {**CFG, "dtype": "bfloat16", "kl_estimator": "k1", "lr": 3e-3}
 IMPL = "megamoe"
 WORLD_SIZES = (1, 2)
 
@@ -94,6 +100,19 @@ def group(request, groups):
     g.all("load_checkpoint", g.init_ckpt)
     g.W = request.param
     return g
+
+
+@pytest.fixture(scope="module")
+def bf16_group(ray_session, groups, model_dir):
+    """Two bf16 ranks in the module's Ray instance (after `groups`: 0.25 CPU each fits beside them)."""
+    ray = ray_session
+    Worker = ray.remote(num_cpus=0.25)(TrainerWorker)
+    port = free_port()
+    g = Group([Worker.remote(r, 2, "127.0.0.1", port, str(model_dir), IMPL, CFG_BF16) for r in range(2)])
+    yield g
+    g.all("close")
+    for a in g.actors:
+        ray.kill(a)
 
 
 def unsharded(model_dir, impl=IMPL) -> TrainerWorker:
@@ -255,3 +274,72 @@ def test_a_two_rank_checkpoint_exports_in_one_process(groups, model_dir, tmp_pat
     out = load_file(str(export_policy(run, tmp_path / "policy") / "model.safetensors"))
     want = dict(plan_update(CheckpointSpec.from_dir(model_dir), g.call("export_weights")))
     assert out.keys() == want.keys() and all(torch.equal(out[n], want[n]) for n in want)
+
+
+def kl_by_hand(model_dir, weights, batch: dict, temperature: float) -> dict[str, float]:
+    """kl/ref_k1 and kl/ref_k3 of a batch in float64: the stock transformers model (not the trainer's
+    code) with `weights` (an export) as the policy and the initial weights as the reference, each
+    completion token's log_softmax(logits / temperature), d = ref - policy, k1 = -d, k3 = e^d - 1 - d,
+    averaged over every completion token."""
+    from transformers import AutoModelForCausalLM
+
+    def logprobs(state) -> torch.Tensor:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, experts_implementation="eager")
+        if state is not None:
+            model.load_state_dict({n: t.double() for n, t in state}, strict=True)
+        model.eval()
+        out = []
+        with torch.no_grad():
+            for p, c in zip(batch["prompt_ids"], batch["completion_ids"]):
+                logits = model(input_ids=torch.tensor([p + c])).logits[0].double()
+                lsm = torch.log_softmax(logits[len(p) - 1:len(p) + len(c) - 1] / temperature, dim=-1)
+                out.append(lsm.gather(-1, torch.tensor(c).unsqueeze(-1)).squeeze(-1))
+        return torch.cat(out)
+
+    d = logprobs(None) - logprobs(weights)
+    return {"kl/ref_k1": float((-d).mean()), "kl/ref_k3": float((torch.expm1(d) - d).mean())}
+
+
+# The KL metrics of the sharded trainer vs kl_by_hand's float64 (relative), after the bf16 group's 5
+# steps at lr 3e-3 (hand: k1 -2.17e-2, k3 2.33e-2). Measured 2026-12-07 (2-core x86): fp32 (W=2,
+# resumed) k1 1.6e-6, k3 6.6e-7; bf16 (W=2) k1 2.4e-2, k3 4.5e-3 (bf16's 8-bit mantissa, 3.9e-3 a
+# rounding, in every weight and activation of both forwards).
+KL_FP32_TOL = 1e-5
+KL_BF16_TOL = 5e-2
+
+
+def test_kl_reference_sharded_bf16_and_after_a_resume_matches_float64(groups, bf16_group, model_dir, tmp_path):
+    def reference_shards(self):  # inside the actor (__ray_call__; nested: pickled by value)
+        return [(type(p).__name__, p.to_local().numel() if hasattr(p, "to_local") else p.numel(), p.numel(),
+                 str(p.dtype), p.requires_grad) for p in self.reference.parameters()]
+
+    g16, g32 = bf16_group, groups[2]
+    b, b2 = make_batch(8, seed=30), make_batch(8, seed=31)
+    # Fresh bf16 ranks: the policy is its reference, computed from the same bf16 rounding of the same
+    # weights through the same kernels, so the first step's KL is exactly 0 (fp32: test_trainer.py).
+    first = g16.all("train_step", b)
+    assert first[0] == first[1] and (first[0]["kl/ref_k1"], first[0]["kl/ref_k3"]) == (0.0, 0.0), first[0]
+    # Each rank holds its half of the reference, frozen, in the compute dtype.
+    for held in g16.all("__ray_call__", reference_shards):
+        assert {(kind, dtype, grad) for kind, _, _, dtype, grad in held} == {("DTensor", "torch.bfloat16", False)}
+        assert sum(local for _, local, _, _, _ in held) * 2 == sum(full for _, _, full, _, _ in held)
+    for _ in range(4):
+        g16.all("train_step", b)
+    ckpt = str(tmp_path / "step_000005")
+    g16.all("save_checkpoint", ckpt)
+    weights = g16.call("export_weights", "float32")  # the fp32 master weights after 5 updates
+    m16 = g16.all("train_step", b2)
+    # The resume: other processes (the fp32 two-rank group, its reference loaded from the model folder
+    # when it started) load the checkpoint; the KL is the checkpoint's policy against the initial weights.
+    g32.all("load_checkpoint", g32.init_ckpt)
+    assert g32.call("train_step", b)["kl/ref_k3"] == 0.0  # fp32, sharded: 0 before the first update too
+    g32.all("load_checkpoint", ckpt)
+    m32 = g32.all("train_step", b2)
+    hand = kl_by_hand(model_dir, weights, b2, CFG["temperature"])
+    got = {k: (m32[0][k], m16[0][k]) for k in hand}
+    print(f"KL float64 by hand {hand}; (fp32 resumed, bf16) {got}")
+    assert m32[0] == m32[1] and m16[0] == m16[1], "ranks returned different metrics"
+    assert hand["kl/ref_k3"] > 100 * KL_FP32_TOL  # the policy moved: the comparison is not 0 with 0
+    for k, want in hand.items():
+        assert m32[0][k] == pytest.approx(want, rel=KL_FP32_TOL, abs=1e-9), k
+        assert m16[0][k] == pytest.approx(want, rel=KL_BF16_TOL), k
