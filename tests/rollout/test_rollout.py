@@ -48,7 +48,7 @@ def worker(models):
     from rollout.worker import RolloutWorker
 
     w = RolloutWorker(models[0], "megamoe", dtype="float32", seed=0, max_model_len=LONG_MODEL_LEN,
-                      kv_cache_memory_bytes=64 << 20)
+                      kv_cache_memory_bytes=64 << 20, return_routing=True)
     yield w
     w.close()
 
@@ -316,17 +316,15 @@ def test_every_engine_parameter_is_made_of_named_checkpoint_tensors(worker, mode
     assert engine["blockers"] and all("(cpu)" in b for b in engine["blockers"]), engine["blockers"][:3]
 
 
-def test_routed_experts_equal_the_trainers(request, models, baseline):
-    """Rollout routing replay: the experts the engine (megamoe, eager; the capture runs inside the opaque MoE
-    op, so a compiled engine records the same way, but no compiled engine is started here) routes every prompt
-    and completion token to are the experts the trainer's megamoe model picks from the same sequences,
-    bitwise (fp32, CPU)."""
-    engine = "worker"
+def test_routed_experts_equal_the_trainers(models, baseline):
+    """Rollout routing replay: the experts the engine (megamoe, eager, return_routing=True) routed every token
+    to while it generated the samples (prefill and decode steps, rollout/capture.py) are the experts the
+    trainer's megamoe model picks from the same sequences, bitwise (fp32, CPU); the last completion token,
+    sampled but never fed back, has none (-1). The compiled engine's capture: test_rollout_serve.py."""
     from trainer.experts import moe_blocks
     from trainer.model import load_model
 
-    w = request.getfixturevalue(engine)
-    routed = w.routed_experts([s["prompt_ids"] for s in baseline], [s["completion_ids"] for s in baseline])
+    routed = [s["routed_experts"] for s in baseline]
     model = load_model(models[0], "megamoe")
     seen = []
     hooks = [b.experts.register_forward_pre_hook(lambda mod, args: seen.append(args[1].clone()))
@@ -338,8 +336,81 @@ def test_routed_experts_equal_the_trainers(request, models, baseline):
                 model(input_ids=torch.tensor([s["prompt_ids"] + s["completion_ids"]]))
             want = torch.stack(seen, dim=1)  # [T, L, k]
             assert r.dtype.name == "int16" and tuple(r.shape) == tuple(want.shape), (r.shape, want.shape)
-            assert torch.equal(torch.from_numpy(r).long(), want)
+            assert torch.equal(torch.from_numpy(r[:-1]).long(), want[:-1])
+            assert (r[-1] == -1).all()
     finally:
         for h in hooks:
             h.remove()
     assert len({r.tobytes() for r in routed}) > 1, "distinct sequences must not all route alike"
+
+
+def _flip_decode_routing(worker_self, on: bool, expert: int, max_rows: int):
+    """In vLLM's worker process: while on, every MoE gate's logits favour `expert` by 1e3 in steps of at most
+    `max_rows` tokens (this module's decode steps; its prefills are longer), so decode and prefill route apart."""
+    from rollout import adapter
+
+    for h in getattr(worker_self, "_test_flip_hooks", []):
+        h.remove()
+    worker_self._test_flip_hooks = []
+    if not on:
+        return 0
+
+    def hook(mod, args, out):
+        logits = out[0] if isinstance(out, tuple) else out
+        if logits.shape[0] > max_rows:
+            return None
+        logits = logits.clone()
+        logits[:, expert] += 1e3
+        return (logits,) + tuple(out[1:]) if isinstance(out, tuple) else logits
+
+    gates = [m for m in adapter.worker_model(worker_self).modules() if isinstance(m, adapter.MegaMoEGate)]
+    worker_self._test_flip_hooks = [g.register_forward_hook(hook) for g in gates]
+    return len(gates)
+
+
+def test_decode_time_routing_is_what_the_trainer_replays(worker, models):
+    """The capture records each token's routing at the step that computed it: with the engine's routers made to
+    favour expert E-1 in decode steps only, every token a decode step computed (the completion's, but its last)
+    carries E-1 and every prompt token the prefill's routing (the trainer's own, bitwise); the trainer, replaying,
+    calls its experts with the decode-time experts, where its own router picks others."""
+    from trainer.experts import moe_blocks
+    from trainer.model import load_model
+    from trainer.replay import routing_replay
+
+    model = load_model(models[0], "megamoe")
+    E = model.config.num_experts
+    n_req = len(PROMPTS) * N
+    assert worker.llm.collective_rpc(_flip_decode_routing, args=(True, E - 1, n_req)) == [LAYERS]
+    try:
+        samples = worker.generate(PROMPTS, N, {**SAMPLING, "seed": 99})
+    finally:
+        worker.llm.collective_rpc(_flip_decode_routing, args=(False, E - 1, n_req))
+    seen = []
+    hooks = [b.experts.register_forward_pre_hook(lambda mod, args: seen.append(args[1].clone()))
+             for _, b in moe_blocks(model)]
+    own_has_it = replayed_has_it = decode_tokens = 0
+    try:
+        for s in samples:
+            P, C = len(s["prompt_ids"]), len(s["completion_ids"])
+            r = torch.from_numpy(s["routed_experts"]).long()  # [T, L, k]
+            ids = torch.tensor([s["prompt_ids"] + s["completion_ids"]])
+            seen.clear()
+            with torch.no_grad():
+                model(input_ids=ids)
+            own = torch.stack(seen, dim=1)
+            assert torch.equal(r[:P], own[:P])  # prefill: not flipped, the trainer's own routing
+            decode = r[P:P + C - 1]
+            assert (decode == E - 1).any(dim=2).all(), "a decode-computed token without the decode-time expert"
+            seen.clear()
+            valid = torch.ones(P + C, dtype=torch.bool)
+            with torch.no_grad(), routing_replay(model, r.permute(1, 0, 2), valid, replay=True):
+                model(input_ids=ids)
+            replayed = torch.stack(seen, dim=1)
+            assert torch.equal(replayed[:P + C - 1], r[:P + C - 1])  # the last token: no routing, the trainer's
+            decode_tokens += C - 1
+            own_has_it += int((own[P:P + C - 1] == E - 1).any(dim=2).all(dim=1).sum())
+            replayed_has_it += int((replayed[P:P + C - 1] == E - 1).any(dim=2).all(dim=1).sum())
+    finally:
+        for h in hooks:
+            h.remove()
+    assert replayed_has_it == decode_tokens > own_has_it, (replayed_has_it, decode_tokens, own_has_it)
