@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rollout import moe_method
-from rollout.testing import max_abs_diff, processed_logprobs, top_k_top_p_mask
+from rollout.testing import favour_expert_in_decode, max_abs_diff, processed_logprobs, top_k_top_p_mask
 
 # fp32 vLLM CPU vs a transformers fp32 forward of the same sequences. The issue's bound; measured
 # worst on a 2-core x86 CPU (2026-11-30): ~1e-6 (summation order only).
@@ -47,10 +47,14 @@ def hf(models):
 def worker(models):
     from rollout.worker import RolloutWorker
 
+    # collective_rpc of a function (rollout.testing.favour_expert_in_decode) needs vLLM's pickle fallback
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     w = RolloutWorker(models[0], "megamoe", dtype="float32", seed=0, max_model_len=LONG_MODEL_LEN,
                       kv_cache_memory_bytes=64 << 20, return_routing=True)
     yield w
     w.close()
+    mp.undo()
 
 
 @pytest.fixture(scope="module")
@@ -344,33 +348,10 @@ def test_routed_experts_equal_the_trainers(models, baseline):
     assert len({r.tobytes() for r in routed}) > 1, "distinct sequences must not all route alike"
 
 
-def _flip_decode_routing(worker_self, on: bool, expert: int, max_rows: int):
-    """In vLLM's worker process: while on, every MoE gate's logits favour `expert` by 1e3 in steps of at most
-    `max_rows` tokens (this module's decode steps; its prefills are longer), so decode and prefill route apart."""
-    from rollout import adapter
-
-    for h in getattr(worker_self, "_test_flip_hooks", []):
-        h.remove()
-    worker_self._test_flip_hooks = []
-    if not on:
-        return 0
-
-    def hook(mod, args, out):
-        logits = out[0] if isinstance(out, tuple) else out
-        if logits.shape[0] > max_rows:
-            return None
-        logits = logits.clone()
-        logits[:, expert] += 1e3
-        return (logits,) + tuple(out[1:]) if isinstance(out, tuple) else logits
-
-    gates = [m for m in adapter.worker_model(worker_self).modules() if isinstance(m, adapter.MegaMoEGate)]
-    worker_self._test_flip_hooks = [g.register_forward_hook(hook) for g in gates]
-    return len(gates)
-
-
 def test_decode_time_routing_is_what_the_trainer_replays(worker, models):
     """The capture records each token's routing at the step that computed it: with the engine's routers made to
-    favour expert E-1 in decode steps only, every token a decode step computed (the completion's, but its last)
+    favour expert E-1 on the rows that compute generated tokens only (rollout.testing.favour_expert_in_decode),
+    every token a decode step computed (the completion's, but its last)
     carries E-1 and every prompt token the prefill's routing (the trainer's own, bitwise); the trainer, replaying,
     calls its experts with the decode-time experts, where its own router picks others."""
     from trainer.experts import moe_blocks
@@ -379,12 +360,11 @@ def test_decode_time_routing_is_what_the_trainer_replays(worker, models):
 
     model = load_model(models[0], "megamoe")
     E = model.config.num_experts
-    n_req = len(PROMPTS) * N
-    assert worker.llm.collective_rpc(_flip_decode_routing, args=(True, E - 1, n_req)) == [LAYERS]
+    assert worker.llm.collective_rpc(favour_expert_in_decode, args=(True, E - 1)) == [LAYERS]
     try:
         samples = worker.generate(PROMPTS, N, {**SAMPLING, "seed": 99})
     finally:
-        worker.llm.collective_rpc(_flip_decode_routing, args=(False, E - 1, n_req))
+        worker.llm.collective_rpc(favour_expert_in_decode, args=(False, E - 1))
     seen = []
     hooks = [b.experts.register_forward_pre_hook(lambda mod, args: seen.append(args[1].clone()))
              for _, b in moe_blocks(model)]
