@@ -15,7 +15,8 @@ Reached through the worker extension (rollout.extension.megamoe_routing_capture)
     "check"  -> {"blockers": [...]}    why this engine's MoE layers cannot report their experts
     "start"  -> {}                     forget earlier requests, file every following step's rows
     "take"   -> {"layers": [...], "requests": {vLLM request id: (positions bytes int32, ids bytes int16,
-                 shape [tokens, L, k])}, "steps": n, "read_s": seconds spent reading}; the session ends
+                 shape [tokens, L, k])}, "steps": n, "read_s": seconds spent reading} since the last
+                start or take; the session goes on with nothing filed
     "take_json" -> the same with {"positions": [...], "ids": nested lists} per request
 """
 
@@ -74,7 +75,9 @@ class _Session:
             ids = np.concatenate([i for _, i in parts])
             out[req] = (pos.astype(np.int32).tobytes(), ids.tobytes(), list(ids.shape))
         got = {"layers": self.layers or [], "requests": out, "steps": self.steps, "read_s": self.read_s}
+        on = self.on
         self.__init__()
+        self.on = on  # a session goes on: one round trip per generate call (take), not two
         return got
 
 

@@ -280,6 +280,9 @@ class RolloutWorker:
                                    f"layer(s) route with megamoe.route but only {s['megamoe_router_gates']} gate(s) "
                                    "compute megamoe.router's logits; rollout/adapter.py and rollout/models.py do not "
                                    "cover this model's gates on this vLLM version")
+        if self.return_routing:
+            # On from now: each generate takes what its steps filed (one round trip per call, rollout/capture.py).
+            self.llm.collective_rpc("megamoe_routing_capture", args=("start",))
 
     # -- engine introspection ------------------------------------------------------------------
 
@@ -335,8 +338,6 @@ class RolloutWorker:
             raise TypeError("prompts: expected a list of str")
         params = self._sampling_params(n, sampling or {}, len(prompts))
         self._calls += 1
-        if self.return_routing:
-            self.llm.collective_rpc("megamoe_routing_capture", args=("start",))
         try:
             outputs = self.llm.generate(list(prompts), params, use_tqdm=False)
         finally:

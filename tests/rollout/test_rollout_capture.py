@@ -58,8 +58,10 @@ def test_steps_are_filed_under_their_request_and_position():
     out = capture.split_requests(taken, ["0_7", "1_7"], [6, 5])
     for seq, key in zip(out, ("0_7-abcd1234", "1_7-ef015678")):
         assert seq.dtype == np.int16 and torch.equal(torch.from_numpy(seq).long(), want[key].long())
-    # the session ended: a next take is empty
+    # the session goes on with nothing filed: a next take is empty, the step after it is filed
     assert capture.routing_capture(None, "take", ())["requests"] == {}
+    _step(s, [("2_7-00000000", 0, 2)], gen)
+    assert list(capture.routing_capture(None, "take", ())["requests"]) == ["2_7-00000000"]
 
 
 def test_a_row_no_op_wrote_this_step_raises():
