@@ -418,6 +418,7 @@ def validate(cfg: Config) -> Config:
     if cfg.trainer.loss == "dr_grpo" and cfg.reward.scale_by_std:
         raise ConfigError("reward.scale_by_std: expected null or false with trainer.loss='dr_grpo' (Dr. GRPO's "
                           "advantage is r - mean_G, without the std scaling), got True")
+    check_routing(cfg)
     check_async(cfg)
     check_env(cfg)
     e = cfg.eval
@@ -428,6 +429,28 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"trainer.max_seq_len: expected an int > rollout.max_tokens ({cfg.rollout.max_tokens}), "
                           f"got {cfg.trainer.max_seq_len}")
     return cfg
+
+
+def check_routing(cfg: Config) -> None:
+    """trainer.routing_replay / routing_metrics make every engine capture the experts each token is routed to
+    while it generates (rollout/capture.py, docs/ROUTING_REPLAY.md); what such an engine cannot do is refused
+    here, before Ray or any engine starts. megamoe and reference write the capture inside their opaque MoE op
+    (compiled engines and CUDA graphs included); stock writes it in Python in vLLM's MoE layer, which only an
+    eager engine runs on every step."""
+    if not (cfg.trainer.routing_replay or cfg.trainer.routing_metrics):
+        return
+    key = "trainer.routing_replay" if cfg.trainer.routing_replay else "trainer.routing_metrics"
+    kwargs = cfg.rollout.engine_kwargs
+    eager = kwargs.get("enforce_eager")
+    if cfg.rollout.moe_impl == "stock" and eager is not True and (eager is False or cfg.rollout.gpus_per_worker > 0):
+        raise ConfigError(f"rollout.engine_kwargs.enforce_eager: expected true with {key} and rollout.moe_impl="
+                          "'stock' (stock's routing is recorded in Python inside vLLM's MoE layer, which torch.compile "
+                          "traces and CUDA graphs skip; megamoe and reference record it inside their opaque op), got "
+                          f"{eager!r}{' (vLLM compiles on CUDA by default)' if eager is None else ''}")
+    if kwargs.get("speculative_config"):
+        raise ConfigError(f"rollout.engine_kwargs.speculative_config: expected none with {key} (a step's draft "
+                          "tokens are routed too, and the capture does not tell rejected drafts from accepted tokens), "
+                          f"got {kwargs['speculative_config']!r}")
 
 
 def check_async(cfg: Config) -> None:

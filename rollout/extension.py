@@ -58,25 +58,11 @@ class MegaMoEWorkerExtension:
         moe_method.reset_moe_calls()
 
     def megamoe_routing_capture(self, action: str) -> dict:
-        """Routing capture (RolloutWorker.routed_experts): "check" -> {"blockers": [...]}; "start"; "take" ->
-        {"layers": [model layer indices], "steps": [rows per forward call], "ids": bytes of int16 [rows, L, k]}."""
-        if action == "check":
-            return {"blockers": adapter.routing_capture_blockers(adapter.worker_model(self))}
-        if action == "start":
-            moe_method.start_capture()
-            return {}
-        if action != "take":
-            raise ValueError(f"action: expected 'check', 'start' or 'take', got {action!r}")
-        captured = moe_method.take_capture()
-        layers = sorted(captured)
-        steps = [int(t.shape[0]) for t in captured[layers[0]]] if layers else []
-        for layer in layers:
-            got = [int(t.shape[0]) for t in captured[layer]]
-            if got != steps:
-                raise RuntimeError(f"routing capture: layer {layer} saw forward calls of {got} rows, layer "
-                                   f"{layers[0]} of {steps}")
-        ids = torch.stack([torch.cat(captured[layer]) for layer in layers], dim=1) if layers else torch.empty(0)
-        return {"layers": layers, "steps": steps, "ids": ids.numpy().tobytes(), "shape": list(ids.shape)}
+        """Routing capture during generation (rollout/capture.py: "check", "start", "take")."""
+        from rollout import capture
+
+        blockers = adapter.routing_capture_blockers(adapter.worker_model(self)) if action == "check" else ()
+        return capture.routing_capture(self, action, blockers)
 
     def megamoe_read_experts(self, layer_index: int) -> bytes:
         """w13_weight [E,2I,H] and w2_weight [E,H,I] of one MoE layer, as the hook sees them (safetensors)."""

@@ -40,6 +40,7 @@ Shape legend: T tokens, H hidden, I expert intermediate, E experts, k top-k.
 from __future__ import annotations
 
 import collections
+import os
 import threading
 
 import torch
@@ -66,32 +67,67 @@ def reset_moe_calls() -> None:
         _CALLS.clear()
 
 
-# Routing capture (rollout routing replay): while on, every MoE call that knows its layer appends the
-# experts it routed each token to, per layer, one int16 tensor per forward call, in call order. Read and
-# cleared in vLLM's worker process through rollout.extension (RolloutWorker.routed_experts).
-_CAPTURE: dict = {"on": False, "layers": {}}
+# Routing capture (rollout routing replay, docs/ROUTING_REPLAY.md): while the engine was started with
+# MEGAMOE_ROUTING_CAPTURE=1 (RolloutWorker(return_routing=True) sets it before vLLM's processes exist), every
+# MoE call that knows its layer writes the experts it routed each row to into a static per-layer buffer,
+# row r = the r-th token of the engine step's batch. The write is one tensor copy into a buffer that exists
+# before vLLM captures its CUDA graphs (vLLM's warm-up forwards run first, eagerly, at the largest batch), so
+# a replayed graph writes it too; on CPU the op's Python runs on every call, compiled or eager. The host
+# side (rollout/capture.py) reads the step's rows after each step and marks them unwritten again, so a row
+# an op did not write this step is an error there, never stale routing.
+CAPTURE_ENV_VAR = "MEGAMOE_ROUTING_CAPTURE"
+UNWRITTEN = -1
+_BUFFERS: dict[int, torch.Tensor] = {}  # model layer index -> int16 [rows, k] on the MoE's device
+_MIN_ROWS = 256
+_IN_GRAPH = {"seen": False}  # a write was recorded into a CUDA graph: buffers may no longer be replaced
 
 
-def start_capture() -> None:
-    with _LOCK:
-        _CAPTURE["layers"] = {}
-        _CAPTURE["on"] = True
-
-
-def take_capture() -> dict[int, list[torch.Tensor]]:
-    """{model layer index: [topk_ids int16 [rows, k] per forward call]} since start_capture; stops it."""
-    with _LOCK:
-        _CAPTURE["on"] = False
-        layers, _CAPTURE["layers"] = _CAPTURE["layers"], {}
-    return layers
+def capture_enabled() -> bool:
+    return os.environ.get(CAPTURE_ENV_VAR) == "1"
 
 
 def capture_routing(layer: int, topk_ids_Tk: torch.Tensor) -> None:
-    """Record one MoE call's routing while a capture is on (layer < 0: a call that does not know its layer)."""
-    if _CAPTURE["on"] and layer >= 0:
-        ids = topk_ids_Tk.to(device="cpu", dtype=torch.int16)
-        with _LOCK:
-            _CAPTURE["layers"].setdefault(layer, []).append(ids)
+    """Write one MoE call's routing into layer `layer`'s buffer (layer < 0: a call that does not know its
+    layer; nothing is written unless the capture is enabled)."""
+    if layer < 0 or not capture_enabled():
+        return
+    T, k = topk_ids_Tk.shape
+    buf = _BUFFERS.get(layer)
+    if buf is None or buf.shape[0] < T or buf.shape[1] != k or buf.device != topk_ids_Tk.device:
+        capturing = topk_ids_Tk.is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing or _IN_GRAPH["seen"]:
+            # A CUDA graph holds the old buffer's address: a new one would never be written by its replays.
+            raise RuntimeError(f"routing capture: layer {layer} saw {T} rows (k={k}) during/after a CUDA-graph "
+                               f"capture, more than its buffer of {None if buf is None else tuple(buf.shape)} made "
+                               "by the eager warm-up forwards")
+        rows = max(T, _MIN_ROWS, 0 if buf is None else buf.shape[0])
+        buf = torch.full((rows, k), UNWRITTEN, dtype=torch.int16, device=topk_ids_Tk.device)
+        _BUFFERS[layer] = buf
+    if topk_ids_Tk.is_cuda and torch.cuda.is_current_stream_capturing():
+        _IN_GRAPH["seen"] = True
+    buf[:T].copy_(topk_ids_Tk)
+
+
+def read_routing(rows: int) -> tuple[list[int], torch.Tensor]:
+    """(model layer indices, int16 [rows, L, k] on the host): the first `rows` rows of every layer's buffer,
+    which are then marked unwritten again. Raises when a layer has no buffer or a row was not written."""
+    layers = sorted(_BUFFERS)
+    if not layers:
+        raise RuntimeError("routing capture: no MoE layer wrote its routing (was the engine started with "
+                           f"{CAPTURE_ENV_VAR}=1?)")
+    for layer in layers:
+        if _BUFFERS[layer].shape[0] < rows:
+            raise RuntimeError(f"routing capture: layer {layer}'s buffer has {_BUFFERS[layer].shape[0]} rows, "
+                               f"the step ran {rows}")
+    ids = torch.stack([_BUFFERS[layer][:rows] for layer in layers], dim=1).cpu()
+    for layer in layers:
+        _BUFFERS[layer][:rows].fill_(UNWRITTEN)
+    missing = (ids == UNWRITTEN).all(dim=2)
+    if bool(missing.any()):
+        row, li = (int(v) for v in missing.nonzero()[0])
+        raise RuntimeError(f"routing capture: layer {layers[li]} did not write row {row} of a {rows}-row step "
+                           "(a MoE call outside the capture)")
+    return layers, ids
 
 
 def activation_fields(activation: Activation | None) -> tuple[str, float, float]:

@@ -64,3 +64,34 @@ def gpu_engine_kwargs() -> dict:
     from rollout import vllm026
 
     return {"gpu_memory_utilization": 0.3, **vllm026.gpu_engine_kwargs()}
+
+
+def favour_expert_in_decode(worker, on: bool, expert: int) -> int:
+    """Run in vLLM's worker process (`llm.collective_rpc(favour_expert_in_decode, args=(...))`, an eager engine):
+    while on, every megamoe MoE gate adds 1e3 to `expert`'s logit on the rows that compute a generated token
+    (position >= its request's prompt length, from the model runner's record of the step), so decode and
+    prefill route apart whatever the steps mix; off removes the hooks. Returns the number of gates hooked."""
+    from rollout import adapter
+
+    for h in getattr(worker, "_megamoe_test_hooks", []):
+        h.remove()
+    worker._megamoe_test_hooks = []
+    if not on:
+        return 0
+    runner = worker.model_runner
+
+    def hook(mod, args, out):
+        logits = out[0] if isinstance(out, tuple) else out
+        T = logits.shape[0]
+        n = runner.input_batch.num_reqs
+        qsl = torch.as_tensor(runner.query_start_loc.np[:n + 1]).long()
+        prompt = torch.as_tensor(runner.input_batch.num_prompt_tokens[:n]).long()
+        prompt_rows = torch.repeat_interleave(prompt, qsl.diff())
+        decode = runner.positions[:T].cpu().long() >= prompt_rows
+        logits = logits.clone()
+        logits[decode, expert] += 1e3
+        return (logits,) + tuple(out[1:]) if isinstance(out, tuple) else logits
+
+    gates = [m for m in adapter.worker_model(worker).modules() if isinstance(m, adapter.MegaMoEGate)]
+    worker._megamoe_test_hooks = [g.register_forward_hook(hook) for g in gates]
+    return len(gates)

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from megamoe.contract import BITWISE, FAST, HOST_IMPLS, MEGAMOE, NUMERICS
-from rollout import kernel_format, plugin, weights
+from rollout import kernel_format, moe_method, plugin, weights
 from rollout.sync import FORMATS, STREAMED
 from rollout.sync_engine import EnginePlan, EngineUpdate, State
 
@@ -184,8 +184,8 @@ class RolloutWorker:
         trainer on another GPU). sleep_mode: build the engine so that
         `sleep` can free its KV cache (and weights) while the trainer trains (CUDA only).
         return_routing: every sample of `generate` carries "routed_experts", the experts each of its tokens
-        was routed to (`routed_experts`; rollout routing replay, docs/ROUTING_REPLAY.md); an engine whose MoE
-        layers cannot report them is refused at start.
+        was routed to while this engine generated it (rollout/capture.py; rollout routing replay,
+        docs/ROUTING_REPLAY.md); an engine whose MoE layers cannot report them is refused at start.
         numerics: "fast" (vLLM's own dense kernels) or "bitwise" (rollout/bitwise.py: the trainer's
         batch-invariant linears and attention; vLLM CPU, moe_impl="megamoe", one rank, the
         architectures in rollout.bitwise.ARCHITECTURES; anything else is refused here).
@@ -224,6 +224,7 @@ class RolloutWorker:
         self.seed = seed
         self.bucket_bytes = bucket_bytes
         self._calls = 0
+        self.last_capture: dict | None = None  # the last generate's routing capture: engine steps, host seconds
         self.llm = None
 
         from rollout import adapter, archs
@@ -254,16 +255,17 @@ class RolloutWorker:
         kwargs.update(adapter.attention_kwargs(self.spec.architecture, dtype))
         kwargs.update(engine_kwargs)
         kwargs.update(bitwise_kwargs)
-        if return_routing and torch.cuda.is_available() and not enforce_eager:
-            raise ValueError("return_routing=True (trainer.routing_replay): expected enforce_eager=True on CUDA (the "
-                             "routing capture runs Python in the MoE op, which a replayed CUDA graph skips), got "
-                             f"enforce_eager={enforce_eager!r}")
         if return_routing and self.moe_impl == "stock" and not enforce_eager:
             raise ValueError("return_routing=True (trainer.routing_replay) with moe_impl='stock': expected "
                              "enforce_eager=True (stock's routing is recorded in Python inside vLLM's MoE layer, "
                              "which torch.compile traces; megamoe / reference record it inside their opaque op), got "
                              f"enforce_eager={enforce_eager!r}")
         self.return_routing = bool(return_routing)
+        # Read by the MoE ops in vLLM's processes (they inherit it): write the routing into their capture buffers.
+        if self.return_routing:
+            os.environ[moe_method.CAPTURE_ENV_VAR] = "1"
+        else:
+            os.environ.pop(moe_method.CAPTURE_ENV_VAR, None)
         with _engine_core_placement(kwargs):
             self.llm = LLM(**kwargs)
         try:
@@ -308,6 +310,9 @@ class RolloutWorker:
                                    f"layer(s) route with megamoe.route but only {s['megamoe_router_gates']} gate(s) "
                                    "compute megamoe.router's logits; rollout/adapter.py and rollout/models.py do not "
                                    "cover this model's gates on this vLLM version")
+        if self.return_routing:
+            # On from now: each generate takes what its steps filed (one round trip per call, rollout/capture.py).
+            self.llm.collective_rpc("megamoe_routing_capture", args=("start",))
 
     # -- engine introspection ------------------------------------------------------------------
 
@@ -377,7 +382,10 @@ class RolloutWorker:
                 p.max_tokens = m
         self._calls += 1
         inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts] if as_ids else list(prompts)
-        outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        try:
+            outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        finally:
+            got = self.llm.collective_rpc("megamoe_routing_capture", args=("take",))[0] if self.return_routing else None
         from rollout import adapter
 
         samples = []
@@ -391,50 +399,23 @@ class RolloutWorker:
                     "logprobs": adapter.sampled_logprobs(c),
                     "finish_reason": c.finish_reason,
                 })
-        if self.return_routing:
-            routed = self.routed_experts([s["prompt_ids"] for s in samples], [s["completion_ids"] for s in samples])
-            for sample, ids in zip(samples, routed):
-                sample["routed_experts"] = ids
+        if got is not None:
+            self._attach_routing(outputs, n, samples, got)
         return samples
 
-    def routed_experts(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list:
-        """The experts this engine routes every token of each sequence to: per sequence a numpy int16 array
-        [len(prompt) + len(completion), L, k] (L: the model's MoE layers in layer order, k: its top-k).
+    def _attach_routing(self, outputs, n: int, samples: list[dict], got: dict) -> None:
+        """Each sample's "routed_experts": the routing its tokens got while this engine generated them (numpy
+        int16 [prompt + completion tokens, L MoE layers in layer order, k], rollout/capture.py; -1 rows for
+        the last completion token, which is never fed back, and for prefix-cached prompt tokens)."""
+        from rollout import capture
 
-        Computed by one prefill of the whole sequences on this engine at its current weights, with the prefix
-        cache emptied first so that no token is skipped (vLLM CPU 0.32's own capture,
-        `enable_return_routed_experts`, needs its V2 model runner, which needs Triton's CPU backend). The
-        rows of each forward call are split between the sequences in the order they were submitted; rows
-        that do not split into whole sequences raise, never a silent shift."""
-        import numpy as np
-        from vllm import SamplingParams, TokensPrompt
-
-        self._refuse_while_updating("capture routing")
-        seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
-        if not seqs:
-            return []
-        self.llm.reset_prefix_cache()
-        self.llm.collective_rpc("megamoe_routing_capture", args=("start",))
-        try:
-            self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs],
-                              SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-        finally:
-            got = self.llm.collective_rpc("megamoe_routing_capture", args=("take",))[0]
-        rows = np.frombuffer(got["ids"], dtype=np.int16).reshape(got["shape"]) if got["layers"] else None
-        if rows is None or rows.shape[0] != sum(len(s) for s in seqs):
-            raise RuntimeError(f"routing capture: expected {sum(len(s) for s in seqs)} token rows for {len(seqs)} "
-                               f"sequences, got {0 if rows is None else rows.shape[0]} (layers {got['layers']})")
-        out, i, start = [], 0, 0
-        for step in got["steps"]:
-            end = start + step
-            while i < len(seqs) and start < end:
-                out.append(rows[start:start + len(seqs[i])].copy())
-                start += len(seqs[i])
-                i += 1
-            if start != end:
-                raise RuntimeError(f"routing capture: a forward call of {step} rows does not hold whole sequences "
-                                   f"(sequence {i - 1} ends at row {start}, the call at {end})")
-        return out
+        # vLLM's request id of the j-th of n samples of a prompt is "<j>_<prompt's id>" (one request each).
+        keys = [out.request_id if n == 1 else f"{c.index}_{out.request_id}"
+                for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
+        lengths = [len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples]
+        for sample, ids in zip(samples, capture.split_requests(got, keys, lengths), strict=True):
+            sample["routed_experts"] = ids
+        self.last_capture = {"steps": got["steps"], "read_s": got["read_s"]}
 
     def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
         """Log-probabilities (temperature 1, no filtering) of given completions under the engine."""

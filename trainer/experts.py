@@ -63,7 +63,7 @@ import megamoe
 from megamoe.contract import clamped_swiglu
 from megamoe.moe import dense_mlp
 from megamoe.router import router_logits as megamoe_router_logits
-from trainer import lora
+from trainer import lora_merge
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +101,8 @@ def _experts_forward(impl: str):
             return megamoe.fused_moe(hidden_states, w13, w2, top_k_weights, top_k_index, impl=impl, b13=b13, b2=b2,
                                      activation=clamped_swiglu(module.alpha, module.limit), check_ids=False)
         # LoRA (trainer/lora.py): the effective weights W + scale * delta, built here, inside the layer's forward.
-        return megamoe.fused_moe(hidden_states, lora.effective(module, "gate_up_proj"),
-                                 lora.effective(module, "down_proj"), top_k_weights, top_k_index, impl=impl,
+        return megamoe.fused_moe(hidden_states, lora_merge.effective(module, "gate_up_proj"),
+                                 lora_merge.effective(module, "down_proj"), top_k_weights, top_k_index, impl=impl,
                                  check_ids=False)
 
     experts_forward.__name__ = f"{impl}_experts_forward"
@@ -207,7 +207,7 @@ class Fp32Router(nn.Module):
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
         # megamoe's batch-invariant fp32 router GEMM: the function the rollout's gate computes too
         # (rollout/adapter.py), so both sides route from bitwise-equal logits.
-        router_logits = megamoe_router_logits(hidden_states, lora.effective(self, "weight"), self.bias)
+        router_logits = megamoe_router_logits(hidden_states, lora_merge.effective(self, "weight"), self.bias)
         # check_finite=False: a NaN here must reach the loss (the step is then skipped and counted)
         # instead of raising mid-step, and the check would synchronise a GPU once per layer.
         weights, ids = megamoe.route(router_logits, self.top_k, self.scoring, self.renormalize,

@@ -288,3 +288,26 @@ def test_async_refusals_name_the_key():
     assert C.load(tiny, gpu + ["rollout.sleep_level=1"]).rollout.sleep_level == 1
     assert C.load(tiny, nccl).rollout.weight_sync == "nccl"
     assert C.load(tiny, gpu + ["run.max_async_steps=1", "rollout.weight_sync=files"]).run.max_async_steps == 1
+
+
+def test_routing_capture_refusals_name_the_key():
+    """trainer.routing_replay / routing_metrics: what the engines' routing capture cannot do is refused when the
+    config loads (before Ray): stock compiled (explicitly, or by vLLM's CUDA default) and speculative decoding.
+    megamoe compiled, on CPU and on CUDA with CUDA graphs, loads (its capture is written inside its opaque op)."""
+    tiny = ROOT / "configs" / "tiny.yaml"
+    gpu = ["rollout.gpus_per_worker=1", "trainer.gpus_per_rank=1"]
+    for key in ("trainer.routing_replay=true", "trainer.routing_metrics=true"):
+        with pytest.raises(C.ConfigError, match=r"rollout.engine_kwargs.enforce_eager: expected true with trainer\."
+                                                r"routing_.* rollout.moe_impl='stock'.*got False$"):
+            C.load(tiny, [key, "rollout.moe_impl=stock", "rollout.engine_kwargs={enforce_eager: false}"])
+        with pytest.raises(C.ConfigError, match=r"enforce_eager: expected true .*got None \(vLLM compiles on CUDA"):
+            C.load(tiny, gpu + [key, "rollout.moe_impl=stock"])
+        with pytest.raises(C.ConfigError, match=r"rollout.engine_kwargs.speculative_config: expected none with "
+                                                r"trainer\.routing_"):
+            C.load(tiny, [key, "rollout.engine_kwargs={speculative_config: {method: ngram}}"])
+        assert C.load(tiny, [key, "rollout.moe_impl=stock"]).rollout.moe_impl == "stock"  # CPU: eager by default
+        assert C.load(tiny, gpu + [key, "rollout.moe_impl=stock", "rollout.engine_kwargs={enforce_eager: true}"])
+        assert C.load(tiny, gpu + [key, "rollout.engine_kwargs={enforce_eager: false}"]).rollout.moe_impl == "megamoe"
+        assert C.load(tiny, [key, "rollout.engine_kwargs={enforce_eager: false}"]).rollout.moe_impl == "megamoe"
+    # Without a capture, stock compiled loads.
+    assert C.load(tiny, ["rollout.moe_impl=stock", "rollout.engine_kwargs={enforce_eager: false}"])

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rollout import moe_method, worker as rollout_worker
-from rollout.testing import max_abs_diff, processed_logprobs, top_k_top_p_mask
+from rollout.testing import favour_expert_in_decode, max_abs_diff, processed_logprobs, top_k_top_p_mask
 
 # fp32 vLLM CPU vs a transformers fp32 forward of the same sequences. The issue's bound; measured
 # worst on a 2-core x86 CPU (2026-11-30): ~1e-6 (summation order only).
@@ -47,10 +47,14 @@ def hf(models):
 def worker(models):
     from rollout.worker import RolloutWorker
 
+    # collective_rpc of a function (rollout.testing.favour_expert_in_decode) needs vLLM's pickle fallback
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     w = RolloutWorker(models[0], "megamoe", dtype="float32", seed=0, max_model_len=LONG_MODEL_LEN,
-                      kv_cache_memory_bytes=64 << 20)
+                      kv_cache_memory_bytes=64 << 20, return_routing=True)
     yield w
     w.close()
+    mp.undo()
 
 
 @pytest.fixture(scope="module")
@@ -323,17 +327,15 @@ def test_every_engine_parameter_is_made_of_named_checkpoint_tensors(worker, mode
     assert engine["blockers"] and all("(cpu)" in b for b in engine["blockers"]), engine["blockers"][:3]
 
 
-def test_routed_experts_equal_the_trainers(request, models, baseline):
-    """Rollout routing replay: the experts the engine (megamoe, eager; the capture runs inside the opaque MoE
-    op, so a compiled engine records the same way, but no compiled engine is started here) routes every prompt
-    and completion token to are the experts the trainer's megamoe model picks from the same sequences,
-    bitwise (fp32, CPU)."""
-    engine = "worker"
+def test_routed_experts_equal_the_trainers(models, baseline):
+    """Rollout routing replay: the experts the engine (megamoe, eager, return_routing=True) routed every token
+    to while it generated the samples (prefill and decode steps, rollout/capture.py) are the experts the
+    trainer's megamoe model picks from the same sequences, bitwise (fp32, CPU); the last completion token,
+    sampled but never fed back, has none (-1). The compiled engine's capture: test_rollout_serve.py."""
     from trainer.experts import moe_blocks
     from trainer.model import load_model
 
-    w = request.getfixturevalue(engine)
-    routed = w.routed_experts([s["prompt_ids"] for s in baseline], [s["completion_ids"] for s in baseline])
+    routed = [s["routed_experts"] for s in baseline]
     model = load_model(models[0], "megamoe")
     seen = []
     hooks = [b.experts.register_forward_pre_hook(lambda mod, args: seen.append(args[1].clone()))
@@ -345,8 +347,57 @@ def test_routed_experts_equal_the_trainers(request, models, baseline):
                 model(input_ids=torch.tensor([s["prompt_ids"] + s["completion_ids"]]))
             want = torch.stack(seen, dim=1)  # [T, L, k]
             assert r.dtype.name == "int16" and tuple(r.shape) == tuple(want.shape), (r.shape, want.shape)
-            assert torch.equal(torch.from_numpy(r).long(), want)
+            assert torch.equal(torch.from_numpy(r[:-1]).long(), want[:-1])
+            assert (r[-1] == -1).all()
     finally:
         for h in hooks:
             h.remove()
     assert len({r.tobytes() for r in routed}) > 1, "distinct sequences must not all route alike"
+
+
+def test_decode_time_routing_is_what_the_trainer_replays(worker, models):
+    """The capture records each token's routing at the step that computed it: with the engine's routers made to
+    favour expert E-1 on the rows that compute generated tokens only (rollout.testing.favour_expert_in_decode),
+    every token a decode step computed (the completion's, but its last)
+    carries E-1 and every prompt token the prefill's routing (the trainer's own, bitwise); the trainer, replaying,
+    calls its experts with the decode-time experts, where its own router picks others."""
+    from trainer.experts import moe_blocks
+    from trainer.model import load_model
+    from trainer.replay import routing_replay
+
+    model = load_model(models[0], "megamoe")
+    E = model.config.num_experts
+    assert worker.llm.collective_rpc(favour_expert_in_decode, args=(True, E - 1)) == [LAYERS]
+    try:
+        samples = worker.generate(PROMPTS, N, {**SAMPLING, "seed": 99})
+    finally:
+        worker.llm.collective_rpc(favour_expert_in_decode, args=(False, E - 1))
+    seen = []
+    hooks = [b.experts.register_forward_pre_hook(lambda mod, args: seen.append(args[1].clone()))
+             for _, b in moe_blocks(model)]
+    own_has_it = replayed_has_it = decode_tokens = 0
+    try:
+        for s in samples:
+            P, C = len(s["prompt_ids"]), len(s["completion_ids"])
+            r = torch.from_numpy(s["routed_experts"]).long()  # [T, L, k]
+            ids = torch.tensor([s["prompt_ids"] + s["completion_ids"]])
+            seen.clear()
+            with torch.no_grad():
+                model(input_ids=ids)
+            own = torch.stack(seen, dim=1)
+            assert torch.equal(r[:P], own[:P])  # prefill: not flipped, the trainer's own routing
+            decode = r[P:P + C - 1]
+            assert (decode == E - 1).any(dim=2).all(), "a decode-computed token without the decode-time expert"
+            seen.clear()
+            valid = torch.ones(P + C, dtype=torch.bool)
+            with torch.no_grad(), routing_replay(model, r.permute(1, 0, 2), valid, replay=True):
+                model(input_ids=ids)
+            replayed = torch.stack(seen, dim=1)
+            assert torch.equal(replayed[:P + C - 1], r[:P + C - 1])  # the last token: no routing, the trainer's
+            decode_tokens += C - 1
+            own_has_it += int((own[P:P + C - 1] == E - 1).any(dim=2).all(dim=1).sum())
+            replayed_has_it += int((replayed[P:P + C - 1] == E - 1).any(dim=2).all(dim=1).sum())
+    finally:
+        for h in hooks:
+            h.remove()
+    assert replayed_has_it == decode_tokens > own_has_it, (replayed_has_it, decode_tokens, own_has_it)

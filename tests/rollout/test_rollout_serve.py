@@ -27,7 +27,7 @@ import urllib.request
 import pytest
 import torch
 
-from rollout import plugin
+from rollout import moe_method, plugin
 from rollout.testing import max_abs_diff, processed_logprobs
 
 LAYERS = 2
@@ -78,7 +78,8 @@ def server(model, tmp_path_factory):
     """The base URL of a running server; the server's whole process group is ended at the end."""
     port = _free_port()
     log = tmp_path_factory.mktemp("serve_log") / "server.log"
-    env = {**os.environ, plugin.ENV_VAR: "megamoe", "VLLM_SERVER_DEV_MODE": "1"}
+    # MEGAMOE_ROUTING_CAPTURE=1: the MoE ops write the routing capture's buffers (compared below)
+    env = {**os.environ, plugin.ENV_VAR: "megamoe", "VLLM_SERVER_DEV_MODE": "1", moe_method.CAPTURE_ENV_VAR: "1"}
     env.pop("VLLM_PLUGINS", None)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
@@ -113,8 +114,8 @@ def server(model, tmp_path_factory):
                 proc.wait(timeout=30)
 
 
-def _rpc(server: str, method: str):
-    out = _post(f"{server}/collective_rpc", {"method": method})
+def _rpc(server: str, method: str, *args):
+    out = _post(f"{server}/collective_rpc", {"method": method, "args": list(args)})
     return None if out is None else out["results"][0]
 
 
@@ -156,7 +157,8 @@ def eager(model):
     """An eager RolloutWorker engine (the CPU default) on the served model, for the comparison below."""
     from rollout.worker import RolloutWorker
 
-    w = RolloutWorker(model, "megamoe", dtype="float32", seed=0, max_model_len=256, kv_cache_memory_bytes=64 << 20)
+    w = RolloutWorker(model, "megamoe", dtype="float32", seed=0, max_model_len=256, kv_cache_memory_bytes=64 << 20,
+                      return_routing=True)
     yield w
     w.close()
 
@@ -166,7 +168,11 @@ def test_served_compiled_policy_samples_the_eager_engines_tokens(server, model, 
     """vLLM's default compilation with the plugin (the server's engine; it used to die at start, Dynamo
     refusing the hook's torch.compiler.disable) samples an eager engine's tokens, with its logprobs to
     COMPILED_TOL_FP32: 4 prompts x 2 samples, the same seeds (temperature 1: the server reports vLLM's raw
-    logprobs, RolloutWorker the processed ones, which are the same only there)."""
+    logprobs, RolloutWorker the processed ones, which are the same only there). The routing each engine captured
+    while generating (prefill and decode steps, rollout/capture.py) is the same, bitwise: the compiled engine's
+    MoE op writes it as the eager one's does (the eager capture is the trainer's, tests/rollout/test_rollout.py)."""
+    import numpy as np
+
     from rollout.testing import max_abs_diff
 
     assert eager.status()[0]["compilation"] == {"mode": "NONE", "graphs": 0, "cudagraphs_captured": 0}
@@ -176,10 +182,22 @@ def test_served_compiled_policy_samples_the_eager_engines_tokens(server, model, 
     want = [s for p in COMPARED_PROMPTS for s in eager.generate([p], COMPARED_N, sampling)]
     body = {"model": str(model), "prompt": COMPARED_PROMPTS, "n": COMPARED_N, "max_tokens": COMPARED_MAX_TOKENS,
             "temperature": 1.0, "seed": COMPARED_SEED, "logprobs": 1, "return_token_ids": True}
-    choices = sorted(_post(f"{server}/v1/completions", body)["choices"], key=lambda c: c["index"])
+    _rpc(server, "megamoe_routing_capture", "start")
+    try:
+        choices = sorted(_post(f"{server}/v1/completions", body)["choices"], key=lambda c: c["index"])
+    finally:
+        captured = _rpc(server, "megamoe_routing_capture", "take_json")
     assert len(choices) == len(want) == len(COMPARED_PROMPTS) * COMPARED_N
     assert [c["token_ids"] for c in choices] == [s["completion_ids"] for s in want]
     err = max_abs_diff([c["logprobs"]["token_logprobs"] for c in choices], [s["logprobs"] for s in want])
     print(f"[serve] compiled server vs eager engine, fp32: max |dlogp| = {err:.2e} "
           f"over {sum(len(s['logprobs']) for s in want)} tokens")
     assert err <= COMPILED_TOL_FP32
+    # The served requests' ids are the server's own: compared as multisets of whole sequences' routing.
+    served = []
+    for req in captured["requests"].values():
+        assert req["positions"] == list(range(len(req["positions"]))), req["positions"]
+        served.append(np.asarray(req["ids"], dtype=np.int16).tobytes())
+    assert sorted(served) == sorted(s["routed_experts"][:-1].tobytes() for s in want)
+    assert all((s["routed_experts"][-1] == -1).all() for s in want)
+    assert len(set(served)) > 1

@@ -51,7 +51,8 @@ def hf(models):
 def worker(models):
     from rollout.worker import RolloutWorker
 
-    w = RolloutWorker(models[0], "stock", dtype="float32", seed=0, max_model_len=128, kv_cache_memory_bytes=64 << 20)
+    w = RolloutWorker(models[0], "stock", dtype="float32", seed=0, max_model_len=128, kv_cache_memory_bytes=64 << 20,
+                      return_routing=True)
     yield w
     w.close()
 
@@ -94,18 +95,21 @@ def test_stock_reload_of_changed_weights_gives_the_new_model(worker, hf):
 
 
 def test_stock_returns_routed_experts(worker, hf):
-    """moe_impl stock reports vLLM's own routing (the ids vLLM hands the MoE method): one row per prompt and
-    completion token, every MoE layer, ids in [0, E), the same top-k set as transformers' router (fp32)."""
+    """moe_impl stock reports vLLM's own routing (the ids vLLM hands the MoE method) while it generates: one row
+    per prompt and completion token, every MoE layer, ids in [0, E) except the last token's (sampled, never fed
+    back: -1), the same top-k set as transformers' router (fp32)."""
     worker.update_weights(hf[0].state_dict())  # the module's engine holds model B after the reload tests
     samples = worker.generate(PROMPTS, 1, {"max_tokens": 4, "seed": 0})
-    routed = worker.routed_experts([s["prompt_ids"] for s in samples], [s["completion_ids"] for s in samples])
     cfg = hf[0].config
-    for s, r in zip(samples, routed, strict=True):
+    for s in samples:
+        r = s["routed_experts"]
         assert r.shape == (len(s["prompt_ids"]) + len(s["completion_ids"]), cfg.num_hidden_layers,
                            cfg.num_experts_per_tok)
+        assert (r[-1] == -1).all()
+        r = r[:-1]
         assert r.min() >= 0 and r.max() < cfg.num_experts
         with torch.no_grad():
-            out = hf[0](input_ids=torch.tensor([s["prompt_ids"] + s["completion_ids"]]), output_router_logits=True)
+            out = hf[0](input_ids=torch.tensor([s["prompt_ids"] + s["completion_ids"][:-1]]), output_router_logits=True)
         for layer, logits in enumerate(out.router_logits):
             want = torch.topk(logits.float(), cfg.num_experts_per_tok, dim=-1).indices.sort(-1).values
             assert torch.equal(torch.from_numpy(r[:, layer]).long().sort(-1).values, want)

@@ -1,0 +1,158 @@
+"""Routing capture, host side, in vLLM's worker process: the experts every token was routed to while the
+engine generated it (prefill and decode steps alike), per request (rollout routing replay,
+docs/ROUTING_REPLAY.md).
+
+The MoE ops write each step's routing into static per-layer buffers, row r = the r-th token of the step's
+batch (rollout/moe_method.py: capture_routing). While a session is on, a wrapper around the model runner's
+`execute_model` reads the step's rows right after the step ran and files them under the request they
+belong to, at the token's position in its sequence, from the runner's own view of the step it just ran:
+`input_batch.req_ids` (the batch's request order), the scheduler's `num_scheduled_tokens` per request
+(the rows are laid out request after request in that order) and the runner's `positions` (each row's
+position in its sequence). A token computed twice (a preempted request recomputed) keeps its last routing;
+a token never computed (a prefix-cache hit) has none (-1 rows, the trainer routes it itself).
+
+Reached through the worker extension (rollout.extension.megamoe_routing_capture):
+    "check"  -> {"blockers": [...]}    why this engine's MoE layers cannot report their experts
+    "start"  -> {}                     forget earlier requests, file every following step's rows
+    "take"   -> {"layers": [...], "requests": {vLLM request id: (positions bytes int32, ids bytes int16,
+                 shape [tokens, L, k])}, "steps": n, "read_s": seconds spent reading} since the last
+                start or take; the session goes on with nothing filed
+    "take_json" -> the same with {"positions": [...], "ids": nested lists} per request
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from rollout import moe_method
+
+
+class _Session:
+    def __init__(self):
+        self.on = False
+        self.layers: list[int] | None = None
+        self.requests: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        self.steps = 0
+        self.read_s = 0.0
+
+    def after_step(self, runner, scheduler_output) -> None:
+        rows = int(scheduler_output.total_num_scheduled_tokens)
+        if rows == 0:
+            return
+        t0 = time.perf_counter()
+        layers, ids = moe_method.read_routing(rows)
+        if self.layers is None:
+            self.layers = layers
+        elif layers != self.layers:
+            raise RuntimeError(f"routing capture: layers {layers} wrote this step, {self.layers} before")
+        batch = runner.input_batch
+        req_ids = list(batch.req_ids[:batch.num_reqs])
+        counts = [int(scheduler_output.num_scheduled_tokens.get(r, 0)) for r in req_ids]
+        if sum(counts) != rows or set(scheduler_output.num_scheduled_tokens) - set(req_ids):
+            raise RuntimeError(f"routing capture: the batch's requests {req_ids} with {counts} scheduled tokens do "
+                               f"not lay out the step's {rows} rows ({dict(scheduler_output.num_scheduled_tokens)})")
+        positions = getattr(runner.positions, "gpu", runner.positions)[:rows].to("cpu", torch.int32).numpy()
+        ids_np = ids.numpy()
+        start = 0
+        for req, n in zip(req_ids, counts):
+            if n:
+                pos = positions[start:start + n]
+                if n > 1 and not (np.diff(pos) == 1).all():
+                    raise RuntimeError(f"routing capture: request {req}'s rows hold positions {pos.tolist()}, "
+                                       "expected consecutive ones")
+                self.requests.setdefault(req, []).append((pos.copy(), ids_np[start:start + n].copy()))
+            start += n
+        self.steps += 1
+        self.read_s += time.perf_counter() - t0
+
+    def take(self) -> dict:
+        out = {}
+        for req, parts in self.requests.items():
+            pos = np.concatenate([p for p, _ in parts])
+            ids = np.concatenate([i for _, i in parts])
+            out[req] = (pos.astype(np.int32).tobytes(), ids.tobytes(), list(ids.shape))
+        got = {"layers": self.layers or [], "requests": out, "steps": self.steps, "read_s": self.read_s}
+        on = self.on
+        self.__init__()
+        self.on = on  # a session goes on: one round trip per generate call (take), not two
+        return got
+
+
+_SESSION = _Session()
+
+
+def _install(worker) -> None:
+    """Wrap this worker's model runner's execute_model once: after every step, file the step's routing while a
+    session is on (the wrapper is one attribute check when none is)."""
+    runner = worker.model_runner
+    if getattr(runner, "_megamoe_capture", False):
+        return
+    inner = runner.execute_model
+
+    def execute_model(scheduler_output, *args, **kwargs):
+        out = inner(scheduler_output, *args, **kwargs)
+        if _SESSION.on:
+            _SESSION.after_step(runner, scheduler_output)
+        return out
+
+    runner.execute_model = execute_model
+    runner._megamoe_capture = True
+
+
+def routing_capture(worker, action: str, blockers) -> dict:
+    if action == "check":
+        found = list(blockers)
+        if not moe_method.capture_enabled():
+            found.append(f"the engine was started without {moe_method.CAPTURE_ENV_VAR}=1, so its MoE ops write no "
+                         "routing (RolloutWorker(return_routing=True) sets it)")
+        return {"blockers": found}
+    if action == "start":
+        _install(worker)
+        _SESSION.__init__()
+        _SESSION.on = True
+        return {}
+    if action == "take_json":  # the same as plain lists (vLLM's HTTP /collective_rpc answers JSON)
+        got = _SESSION.take()
+        got["requests"] = {rid: {"positions": np.frombuffer(p, dtype=np.int32).tolist(),
+                                 "ids": np.frombuffer(i, dtype=np.int16).reshape(shape).tolist()}
+                           for rid, (p, i, shape) in got["requests"].items()}
+        return got
+    if action != "take":
+        raise ValueError(f"action: expected 'check', 'start', 'take' or 'take_json', got {action!r}")
+    return _SESSION.take()
+
+
+def split_requests(got: dict, keys: list[str], lengths: list[int]) -> list[np.ndarray]:
+    """Per sequence (keys[i]: the request id the caller gave vLLM, lengths[i]: prompt + completion tokens) an
+    int16 array [lengths[i], L, k] of the captured routing, -1 rows where no step computed the token (the
+    last token of a sequence, which is sampled but never fed back; prefix-cache hits). vLLM's request id is
+    the caller's id with a suffix `-<8 random characters>` (vLLM 0.32; none on 0.26). Raises when a key
+    matches no captured request or several, or a captured position lies outside its sequence."""
+    L = len(got["layers"])
+    by_key: dict[str, list[str]] = {}
+    for rid in got["requests"]:
+        base = rid.rsplit("-", 1)[0] if "-" in rid else rid
+        by_key.setdefault(base, []).append(rid)
+        if base != rid:
+            by_key.setdefault(rid, []).append(rid)
+    out = []
+    for key, n in zip(keys, lengths, strict=True):
+        found = by_key.get(key, [])
+        if len(found) != 1:
+            raise RuntimeError(f"routing capture: request {key!r} matches {len(found)} captured requests {found} "
+                               f"(captured: {sorted(got['requests'])[:8]})")
+        pos_b, ids_b, shape = got["requests"][found[0]]
+        pos = np.frombuffer(pos_b, dtype=np.int32)
+        ids = np.frombuffer(ids_b, dtype=np.int16).reshape(shape)
+        if L and shape[1] != L:
+            raise RuntimeError(f"routing capture: request {key!r} has {shape[1]} layers, expected {L}")
+        if len(pos) and (pos.min() < 0 or pos.max() >= n):
+            raise RuntimeError(f"routing capture: request {key!r} has routing at positions {pos.min()}..{pos.max()}, "
+                               f"its sequence has {n} tokens")
+        seq = np.full((n, shape[1], shape[2]), moe_method.UNWRITTEN, dtype=np.int16)
+        seq[pos] = ids  # a position computed twice (preemption) keeps its last routing
+        out.append(seq)
+    return out

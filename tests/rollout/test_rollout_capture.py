@@ -1,0 +1,113 @@
+"""The routing capture without an engine: the MoE ops' buffers (rollout/moe_method.py) and the host side that
+files each step's rows under their request and position (rollout/capture.py), on a stand-in for vLLM's model
+runner with the attributes the capture reads (input_batch.req_ids / num_reqs, positions) and a scheduler
+output (num_scheduled_tokens). The engine-level tests are in test_rollout.py and test_rollout_serve.py.
+
+    .venv/bin/python -m pytest -q tests/rollout/test_rollout_capture.py
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from rollout import capture, moe_method
+
+L, K, E = 2, 3, 8
+
+
+@pytest.fixture(autouse=True)
+def enabled(monkeypatch):
+    monkeypatch.setenv(moe_method.CAPTURE_ENV_VAR, "1")
+    monkeypatch.setattr(moe_method, "_BUFFERS", {})
+    monkeypatch.setattr(capture, "_SESSION", capture._Session())
+    yield
+
+
+def _step(session, reqs: list[tuple[str, int, int]], gen: torch.Generator, write_layers=range(L)):
+    """One engine step: reqs = (request id, first position, tokens) in batch order; the ops write random ids."""
+    rows = sum(n for _, _, n in reqs)
+    ids = {layer: torch.randint(0, E, (rows, K), generator=gen) for layer in range(L)}
+    for layer in write_layers:
+        moe_method.capture_routing(layer, ids[layer])
+    runner = types.SimpleNamespace(
+        input_batch=types.SimpleNamespace(req_ids=[r for r, _, _ in reqs] + ["stale"], num_reqs=len(reqs)),
+        positions=torch.cat([torch.arange(p, p + n) for _, p, n in reqs] + [torch.tensor([99])]))
+    out = types.SimpleNamespace(total_num_scheduled_tokens=rows, num_scheduled_tokens={r: n for r, _, n in reqs})
+    session.after_step(runner, out)
+    return torch.stack([ids[layer] for layer in range(L)], dim=1)  # [rows, L, K]
+
+
+def test_steps_are_filed_under_their_request_and_position():
+    """Two requests: a prefill step of both, then decode steps in another batch order (the runner reorders); each
+    sequence's routing is its rows at its positions, and its last token (never computed) is -1."""
+    gen = torch.Generator().manual_seed(0)
+    s = capture._SESSION
+    s.on = True
+    want = {"0_7-abcd1234": torch.full((6, L, K), -1), "1_7-ef015678": torch.full((5, L, K), -1)}
+    got = _step(s, [("0_7-abcd1234", 0, 3), ("1_7-ef015678", 0, 3)], gen)
+    want["0_7-abcd1234"][:3], want["1_7-ef015678"][:3] = got[:3], got[3:]
+    for p in (3, 4):
+        got = _step(s, [("1_7-ef015678", p, 1), ("0_7-abcd1234", p, 1)], gen)
+        want["1_7-ef015678"][p], want["0_7-abcd1234"][p] = got[0], got[1]
+    taken = capture.routing_capture(None, "take", ())
+    assert taken["layers"] == list(range(L)) and taken["steps"] == 3
+    out = capture.split_requests(taken, ["0_7", "1_7"], [6, 5])
+    for seq, key in zip(out, ("0_7-abcd1234", "1_7-ef015678")):
+        assert seq.dtype == np.int16 and torch.equal(torch.from_numpy(seq).long(), want[key].long())
+    # the session goes on with nothing filed: a next take is empty, the step after it is filed
+    assert capture.routing_capture(None, "take", ())["requests"] == {}
+    _step(s, [("2_7-00000000", 0, 2)], gen)
+    assert list(capture.routing_capture(None, "take", ())["requests"]) == ["2_7-00000000"]
+
+
+def test_a_row_no_op_wrote_this_step_raises():
+    gen = torch.Generator().manual_seed(1)
+    s = capture._SESSION
+    s.on = True
+    _step(s, [("a-00000000", 0, 4)], gen)
+    with pytest.raises(RuntimeError, match=r"layer 1 did not write row 0 of a 2-row step"):
+        _step(s, [("a-00000000", 4, 2)], gen, write_layers=[0])
+
+
+def test_rows_that_do_not_lay_out_the_batch_raise():
+    gen = torch.Generator().manual_seed(2)
+    s = capture._SESSION
+    s.on = True
+    moe_method.capture_routing(0, torch.randint(0, E, (3, K), generator=gen))
+    moe_method.capture_routing(1, torch.randint(0, E, (3, K), generator=gen))
+    runner = types.SimpleNamespace(input_batch=types.SimpleNamespace(req_ids=["a", "b"], num_reqs=2),
+                                   positions=torch.arange(3))
+    out = types.SimpleNamespace(total_num_scheduled_tokens=3, num_scheduled_tokens={"a": 1, "c": 2})
+    with pytest.raises(RuntimeError, match=r"do not lay out the step's 3 rows"):
+        s.after_step(runner, out)
+
+
+def test_matching_requests_to_samples_is_exact():
+    """A key matching no captured request or several, or routing past a sequence's end, raises: never a shift."""
+    row = (np.arange(2, dtype=np.int32).tobytes(), np.zeros((2, L, K), np.int16).tobytes(), [2, L, K])
+    got = {"layers": list(range(L)), "requests": {"3-aaaaaaaa": row, "13-bbbbbbbb": row}}
+    assert capture.split_requests(got, ["3", "13"], [3, 3])[0][2].tolist() == [[-1] * K] * L
+    with pytest.raises(RuntimeError, match=r"request '1' matches 0 captured requests"):
+        capture.split_requests(got, ["1"], [3])
+    with pytest.raises(RuntimeError, match=r"request '3' has routing at positions 0..1, its sequence has 1 tokens"):
+        capture.split_requests(got, ["3"], [1])
+    twice = {"layers": got["layers"], "requests": {"3-aaaaaaaa": row, "3-cccccccc": row}}
+    with pytest.raises(RuntimeError, match=r"request '3' matches 2 captured requests"):
+        capture.split_requests(twice, ["3"], [3])
+
+
+def test_buffers_off_without_the_variable_and_fixed_once_in_a_cuda_graph(monkeypatch):
+    ids = torch.randint(0, E, (5, K), generator=torch.Generator().manual_seed(3))
+    monkeypatch.delenv(moe_method.CAPTURE_ENV_VAR)
+    moe_method.capture_routing(0, ids)
+    assert moe_method._BUFFERS == {}
+    monkeypatch.setenv(moe_method.CAPTURE_ENV_VAR, "1")
+    moe_method.capture_routing(0, ids)
+    assert torch.equal(moe_method._BUFFERS[0][:5].long(), ids)
+    monkeypatch.setitem(moe_method._IN_GRAPH, "seen", True)  # a graph holds the buffer: it may not be replaced
+    with pytest.raises(RuntimeError, match=r"layer 0 saw 9999 rows .* during/after a CUDA-graph capture"):
+        moe_method.capture_routing(0, torch.zeros(9999, K, dtype=torch.long))
