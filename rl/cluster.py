@@ -1,5 +1,5 @@
 """Ray for the RL loop: the actor host Ray wraps for both worker kinds, the cluster, the placement
-groups and their bundles (ray.placement colocated / disaggregated; described in rl/loop.py)."""
+groups and their bundles (ray.placement colocated / disaggregated; described in docs/ARCHITECTURE.md)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import math
 import os
 import socket
 
+from records import TrainBatch
 from rl.config import Config
 
 log = logging.getLogger("megamoe.rl")
@@ -20,7 +21,7 @@ log = logging.getLogger("megamoe.rl")
 
 
 class WorkerHost:
-    """Builds `module:cls(*args, **kwargs)` inside the actor process and forwards calls to it."""
+    """Builds `module:cls(*args, **kwargs)` inside the actor process; the subclasses forward typed calls to it."""
 
     def __init__(self, target: str, args: tuple, kwargs: dict):
         import importlib
@@ -32,35 +33,15 @@ class WorkerHost:
         module, _, name = target.partition(":")
         self.worker = getattr(importlib.import_module(module), name)(*args, **kwargs)
 
-    def call(self, method: str, *args, **kwargs):
-        return getattr(self.worker, method)(*args, **kwargs)
-
-    def call_put(self, method: str, *args, **kwargs) -> list:
-        """`call`, with the result put into Ray's object store from here: returns [its ObjectRef]
-        (in a list, so Ray does not resolve it), which other actors take without the driver holding
-        the data (the weight push: rank 0's weights go from the trainer to the rollout workers)."""
-        import ray
-
-        return [ray.put(getattr(self.worker, method)(*args, **kwargs))]
-
-    def run(self, fn: str, *args, **kwargs):
-        """`module:function(worker, *args, **kwargs)` in this actor's process: code of a layer above
-        the worker that needs the worker's objects where they live (rl.weight_sync's IPC sender
-        reads the trainer's GPU tensors, which cannot leave the process as tensors)."""
-        import importlib
-
-        module, _, name = fn.partition(":")
-        return getattr(importlib.import_module(module), name)(self.worker, *args, **kwargs)
-
     def pid(self) -> int:
         return os.getpid()
 
 
 class TrainerHost(WorkerHost):
-    """The actor of one trainer rank: the calls the loop makes, by name (trainer/worker.py's interface)."""
+    """The actor of one trainer rank: the calls the driver makes (trainer/worker.py's interface)."""
 
-    def train_step(self, batch: dict) -> dict:
-        return self.worker.train_step(batch)
+    def train_step(self, batch: TrainBatch) -> dict:
+        return self.worker.train_step(batch.columns())
 
     def save_checkpoint(self, path: str) -> str:
         return self.worker.save_checkpoint(path)
@@ -69,20 +50,37 @@ class TrainerHost(WorkerHost):
         return self.worker.load_checkpoint(path)
 
     def export_weights(self, dtype: str | None = None) -> list:
-        """[an ObjectRef to rank 0's exported weights] (call_put's form; other ranks: [a ref to None])."""
-        return self.call_put("export_weights", dtype)
+        """[an ObjectRef to this rank's exported weights (rank 0's; other ranks: None)], put into Ray's
+        object store from here, in a list so that Ray does not resolve it: the rollout workers take
+        it without the driver holding the data."""
+        import ray
+
+        return [ray.put(self.worker.export_weights(dtype))]
+
+    def send_weights(self, mode: str, rollout_hosts: list, model_dir: str, dtype: str | None,
+                     bucket_bytes: int) -> dict:
+        """One streamed weight sync (`mode` ipc or nccl) from this rank into `rollout_hosts`
+        (rl/weight_sync.py: the rank's GPU tensors cannot leave the process as tensors)."""
+        from rl.weight_sync import send_from_trainer
+
+        return send_from_trainer(self.worker, mode, rollout_hosts, model_dir, dtype, bucket_bytes)
 
 
 class RolloutHost(WorkerHost):
-    """The actor of one rollout worker: the calls the loop makes, by name (rollout/worker.py's interface)."""
+    """The actor of one rollout worker: the calls the driver and the weight sync make (rollout/worker.py's interface)."""
 
-    def generate(self, prompts: list, n: int, sampling: dict) -> tuple[list[dict], float]:
-        """RolloutWorker.generate's samples and the seconds this actor spent in it (its busy time)."""
+    def generate(self, prompts: list, n: int, sampling: dict, *, offset: int, policy_version: int) -> tuple[list, float]:
+        """RolloutWorker.generate's samples as records.Sample (prompt_index counted from `offset`, the
+        position of this worker's slice in the step's prompts; stamped with `policy_version`, the
+        version the driver queued last), and the seconds this actor spent in generate (its busy time)."""
         import time
+
+        from records import Sample
 
         t0 = time.perf_counter()
         out = self.worker.generate(prompts, n, sampling)
-        return out, time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        return [Sample.from_worker(s, offset=offset, policy_version=policy_version) for s in out], seconds
 
     def update_weights(self, named) -> dict:
         return self.worker.update_weights(named)
@@ -92,6 +90,25 @@ class RolloutHost(WorkerHost):
 
     def gpu_memory(self):
         return self.worker.gpu_memory()
+
+    # The engine side of the streamed weight sync (rollout/sync_interface.py's EngineClient).
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        return self.worker.init_weight_transfer_engine(init_info)
+
+    def plan_weight_update(self, metas: list, start: bool = False) -> dict:
+        return self.worker.plan_weight_update(metas, start)
+
+    def start_weight_update(self) -> None:
+        return self.worker.start_weight_update()
+
+    def update_weight_chunk(self, update_info: dict) -> dict | None:
+        return self.worker.update_weight_chunk(update_info)
+
+    def finish_weight_update(self) -> dict:
+        return self.worker.finish_weight_update()
+
+    def abort_weight_update(self, why: str) -> None:
+        return self.worker.abort_weight_update(why)
 
 
 def _free_port() -> int:

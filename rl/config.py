@@ -304,7 +304,8 @@ class RunConfig:
                                      "Hugging Face checkpoint (what `megamoe-rl export` writes)")
     max_async_steps: int = field(0, "fixed lag k of asynchronous RL: the batch trained at step t is sampled by "
                                     "the policy after step max(0, t-1-k), while the trainer trains earlier "
-                                    "batches; 0 = on-policy, generate then train (docs/ASYNC.md)")
+                                    "batches; 0 = on-policy, generate then train; every transport, evaluation, "
+                                    "dynamic sampling and sleep mode work at any k (docs/ASYNC.md)")
     samples_every: int = field(0, "every N steps, append that step's samples (prompt, completion, rewards, "
                                   "advantage) to <out_dir>/samples.jsonl; 0 = never")
     wandb: WandbConfig = field(doc="Weights & Biases logging (default disabled)", factory=WandbConfig)
@@ -361,7 +362,6 @@ def validate(cfg: Config) -> Config:
     if cfg.trainer.loss == "dr_grpo" and cfg.reward.scale_by_std:
         raise ConfigError("reward.scale_by_std: expected null or false with trainer.loss='dr_grpo' (Dr. GRPO's "
                           "advantage is r - mean_G, without the std scaling), got True")
-    check_async(cfg)
     e = cfg.eval
     if e.max_tokens is not None and e.max_tokens >= cfg.rollout.max_model_len:
         raise ConfigError(f"eval.max_tokens: expected an int < rollout.max_model_len ({cfg.rollout.max_model_len}), "
@@ -370,59 +370,6 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"trainer.max_seq_len: expected an int > rollout.max_tokens ({cfg.rollout.max_tokens}), "
                           f"got {cfg.trainer.max_seq_len}")
     return cfg
-
-
-def check_async(cfg: Config) -> None:
-    """run.max_async_steps >= 1 needs the sampler and the trainer to run at the same time and the
-    weights to travel queued behind the generations in flight (docs/ASYNC.md); ConfigError naming
-    the keys otherwise."""
-    k = cfg.run.max_async_steps
-    if k < 1:
-        return
-    if cfg.rollout.sleep_level:
-        raise ConfigError(f"rollout.sleep_level: expected 0 with run.max_async_steps={k} (a sleeping engine "
-                          f"cannot generate while the trainer trains), got {cfg.rollout.sleep_level}")
-    sync = resolve_weight_sync(cfg)
-    if sync != "files":
-        raise ConfigError(f"rollout.weight_sync: expected 'files' (or 'auto' resolving to it) with "
-                          f"run.max_async_steps={k} (the streamed transports need the engine idle; async "
-                          f"queues the update behind the generations in flight), got {cfg.rollout.weight_sync!r} "
-                          f"resolving to {sync!r}")
-    if cfg.eval.every:
-        raise ConfigError(f"eval.every: expected 0 with run.max_async_steps={k} (an evaluation pinned to one policy "
-                          f"version between the queued generations is not built yet: docs/EVAL.md), got "
-                          f"{cfg.eval.every}")
-    if cfg.data.dynamic_sampling:
-        raise ConfigError(f"data.dynamic_sampling: expected false with run.max_async_steps={k} (its extra generate "
-                          f"calls happen when a step's batch is scored; the async pipeline generates each batch "
-                          f"once, k steps ahead), got True")
-
-
-def check_bitwise(cfg: Config) -> None:
-    """run.numerics=bitwise needs what both sides can compute bit for bit (the architecture is checked
-    where the model's config is read, rl/base_model.py); ConfigError naming the key otherwise."""
-    def need(ok: bool, key: str, expected: str, got) -> None:
-        if not ok:
-            raise ConfigError(f"{key}: expected {expected} with run.numerics=bitwise, got {got!r}")
-
-    need(cfg.rollout.moe_impl == MEGAMOE, "rollout.moe_impl", "'megamoe' (the MoE kernel the trainer runs)",
-         cfg.rollout.moe_impl)
-    need(cfg.trainer.moe_impl == MEGAMOE, "trainer.moe_impl", "'megamoe' (the MoE kernel the sampler runs)",
-         cfg.trainer.moe_impl)
-    need(not cfg.trainer.routing_replay, "trainer.routing_replay", "false (bitwise mode routes bitwise like the "
-         "sampler: refused rather than ignored, docs/ROUTING_REPLAY.md)", cfg.trainer.routing_replay)
-    need(cfg.rollout.top_p == 1.0, "rollout.top_p", "1.0 (vLLM's processed logprobs renormalise over the "
-         "nucleus; the trainer's log_softmax covers the whole vocabulary)", cfg.rollout.top_p)
-    rollout_gpu, trainer_gpu = cfg.rollout.gpus_per_worker > 0, cfg.trainer.gpus_per_rank > 0
-    need(rollout_gpu == trainer_gpu, "trainer.gpus_per_rank", f"{'> 0' if rollout_gpu else '0'} as the sampler's "
-         f"rollout.gpus_per_worker={cfg.rollout.gpus_per_worker} (both sides on CPU, fp32, or both on CUDA: one "
-         "device's kernels give one device's bits)", cfg.trainer.gpus_per_rank)
-    tp = cfg.rollout.engine_kwargs.get("tensor_parallel_size", 1)
-    need(tp == 1, "rollout.engine_kwargs.tensor_parallel_size", "1 (a K reduction split over ranks is not the "
-         "trainer's)", tp)
-    eager = cfg.rollout.engine_kwargs.get("enforce_eager")
-    need(rollout_gpu or eager is not False, "rollout.engine_kwargs.enforce_eager", "true or unset on CPU "
-         "(torch.compile would compute the dense ops with Inductor's kernels, not the trainer's)", eager)
 
 
 def _on_gpu(cfg: Config) -> bool:

@@ -8,7 +8,7 @@ there (its GPU tensors cannot leave the process as tensors): the NaN/Inf check o
 the engines' plan of the whole update, then the stream through the rank's CUDA IPC buffer (or rank
 0's NCCL broadcast) into vLLM's weight-transfer engine, rank 0 driving the engines through
 `RayClient`. Nothing is applied before both checks passed for the whole update.
-files: rank 0's weights through Ray's object store into RolloutWorker.update_weights (rl/loop.py).
+files: rank 0's weights through Ray's object store into RolloutWorker.update_weights (rl/pipeline.py).
 """
 
 from __future__ import annotations
@@ -17,8 +17,14 @@ from rollout import sync
 from rollout.sync_interface import EngineClient
 
 
+ENGINE_METHODS = ("init_weight_transfer_engine", "plan_weight_update", "start_weight_update", "update_weight_chunk",
+                  "finish_weight_update", "abort_weight_update")
+
+
 class RayCalls:
-    """rollout.sync_interface.Calls over RolloutWorker actors (WorkerHost's `call`). `each` calls
+    """rollout.sync_interface.Calls over RolloutWorker actors: `method` names one of RolloutHost's
+    engine-side methods (ENGINE_METHODS; the Calls protocol names them), called as that typed actor
+    method. `each` calls
     every engine at once and returns when all of them are done (a chunk's buffer is reused for the
     next chunk only after that). An actor runs one caller's calls in order, so an abort sent after
     a failed wait comes after every engine's plan-and-start call."""
@@ -28,7 +34,10 @@ class RayCalls:
         self.count = len(self.hosts)
 
     def begin(self, method: str, args: list[tuple]) -> list:
-        return [h.call.remote(method, *a) for h, a in zip(self.hosts, args, strict=True)]
+        if method not in ENGINE_METHODS:
+            raise ValueError(f"method: expected one of {ENGINE_METHODS} (RolloutHost's weight-sync methods), "
+                             f"got {method!r}")
+        return [getattr(h, method).remote(*a) for h, a in zip(self.hosts, args, strict=True)]
 
     def wait(self, pending: list) -> list:
         import ray
@@ -48,7 +57,7 @@ class RayClient(EngineClient):
 
 def send_from_trainer(trainer, mode: str, rollout_hosts: list, model_dir: str, dtype: str | None,
                       bucket_bytes: int) -> dict:
-    """Runs in a TrainerWorker's actor (WorkerHost.run): the mode's sender on this rank (nccl: the
+    """Runs in a TrainerWorker's actor (TrainerHost.send_weights): the mode's sender on this rank (nccl: the
     engines reach rank 0 at this node's address); its report as a dict."""
     import ray
 
@@ -65,5 +74,4 @@ def push_streamed(mode: str, trainers: list, rollouts: list, *, dtype: str | Non
     the checkpoint."""
     import ray
 
-    return ray.get([t.run.remote("rl.weight_sync:send_from_trainer", mode, rollouts, model_dir, dtype,
-                                 bucket_bytes) for t in trainers])[0]
+    return ray.get([t.send_weights.remote(mode, rollouts, model_dir, dtype, bucket_bytes) for t in trainers])[0]
