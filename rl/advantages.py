@@ -1,5 +1,5 @@
-"""GRPO advantages: the driver computes them from the rewards (rl/loop.py) and hands them to the
-trainer in the TrainBatch (rl/records.py); the trainer's loss takes them as an input.
+"""GRPO advantages: the scoring stage computes them from the rewards (rl/pipeline.py) and hands them to the
+trainer in the TrainBatch (records/samples.py); the trainer's loss takes them as an input.
 
     adv = group_advantages(rewards, group_size=rollout.n, scale_by_std=reward.scale_by_std, eps=reward.eps)
 """

@@ -1,5 +1,5 @@
 """Ray for the RL loop: the actor host Ray wraps for both worker kinds, the cluster, the placement
-groups and their bundles (ray.placement colocated / disaggregated; described in rl/loop.py)."""
+groups and their bundles (ray.placement colocated / disaggregated; described in docs/ARCHITECTURE.md)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import math
 import os
 import socket
 
+from records import TrainBatch
 from rl.config import Config
 
 log = logging.getLogger("megamoe.rl")
@@ -20,7 +21,7 @@ log = logging.getLogger("megamoe.rl")
 
 
 class WorkerHost:
-    """Builds `module:cls(*args, **kwargs)` inside the actor process and forwards calls to it."""
+    """Builds `module:cls(*args, **kwargs)` inside the actor process; the subclasses forward typed calls to it."""
 
     def __init__(self, target: str, args: tuple, kwargs: dict):
         import importlib
@@ -32,26 +33,15 @@ class WorkerHost:
         module, _, name = target.partition(":")
         self.worker = getattr(importlib.import_module(module), name)(*args, **kwargs)
 
-    def call(self, method: str, *args, **kwargs):
-        return getattr(self.worker, method)(*args, **kwargs)
-
-    def call_put(self, method: str, *args, **kwargs) -> list:
-        """`call`, with the result put into Ray's object store from here: returns [its ObjectRef]
-        (in a list, so Ray does not resolve it), which other actors take without the driver holding
-        the data (the weight push: rank 0's weights go from the trainer to the rollout workers)."""
-        import ray
-
-        return [ray.put(getattr(self.worker, method)(*args, **kwargs))]
-
     def pid(self) -> int:
         return os.getpid()
 
 
 class TrainerHost(WorkerHost):
-    """The actor of one trainer rank: the calls the loop makes, by name (trainer/worker.py's interface)."""
+    """The actor of one trainer rank: the calls the driver makes (trainer/worker.py's interface)."""
 
-    def train_step(self, batch: dict) -> dict:
-        return self.worker.train_step(batch)
+    def train_step(self, batch: TrainBatch) -> dict:
+        return self.worker.train_step(batch.columns())
 
     def save_checkpoint(self, path: str) -> str:
         return self.worker.save_checkpoint(path)
@@ -60,8 +50,12 @@ class TrainerHost(WorkerHost):
         return self.worker.load_checkpoint(path)
 
     def export_weights(self, dtype: str | None = None) -> list:
-        """[an ObjectRef to rank 0's exported weights] (call_put's form; other ranks: [a ref to None])."""
-        return self.call_put("export_weights", dtype)
+        """[an ObjectRef to this rank's exported weights (rank 0's; other ranks: None)], put into Ray's
+        object store from here, in a list so that Ray does not resolve it: the rollout workers take
+        it without the driver holding the data."""
+        import ray
+
+        return [ray.put(self.worker.export_weights(dtype))]
 
     def publish_weights(self, sender, engines, version: int) -> dict | None:
         """`sender.publish` on this rank (rollout.sync_interface.Publication, for the engines to take
@@ -77,18 +71,23 @@ class TrainerHost(WorkerHost):
 
 
 class RolloutHost(WorkerHost):
-    """The actor of one rollout worker: the calls the loop makes, by name (rollout/worker.py's interface)."""
+    """The actor of one rollout worker: the calls the driver and the weight sync make (rollout/worker.py's interface)."""
 
-    def generate(self, prompts: list, n: int, sampling: dict,
-                 max_tokens: list[int] | None = None) -> tuple[list[dict], float]:
-        """RolloutWorker.generate's samples and the seconds this actor spent in it (its busy time); max_tokens
-        (one per prompt: multi-turn episodes) is passed only when given."""
+    def generate(self, prompts: list, n: int, sampling: dict, *, offset: int, policy_version: int,
+                 max_tokens: list[int] | None = None) -> tuple[list, float]:
+        """RolloutWorker.generate's samples as records.Sample (prompt_index counted from `offset`, the
+        position of this worker's slice in the step's prompts; stamped with `policy_version`, the
+        version the driver queued last), and the seconds this actor spent in generate (its busy time);
+        max_tokens (one per prompt: multi-turn episodes) is passed only when given."""
         import time
+
+        from records import Sample
 
         t0 = time.perf_counter()
         extra = {} if max_tokens is None else {"max_tokens": max_tokens}
         out = self.worker.generate(prompts, n, sampling, **extra)
-        return out, time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        return [Sample.from_worker(s, offset=offset, policy_version=policy_version) for s in out], seconds
 
     def update_weights(self, named) -> dict:
         return self.worker.update_weights(named)

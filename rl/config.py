@@ -359,7 +359,8 @@ class RunConfig:
                                      "Hugging Face checkpoint (what `megamoe-rl export` writes)")
     max_async_steps: int = field(0, "fixed lag k of asynchronous RL: the batch trained at step t is sampled by "
                                     "the policy after step max(0, t-1-k), while the trainer trains earlier "
-                                    "batches; 0 = on-policy, generate then train (docs/ASYNC.md)")
+                                    "batches; 0 = on-policy, generate then train; every transport, evaluation, "
+                                    "dynamic sampling and sleep mode work at any k (docs/ASYNC.md)")
     samples_every: int = field(0, "every N steps, append that step's samples (prompt, completion, rewards, "
                                   "advantage) to <out_dir>/samples.jsonl; 0 = never")
     wandb: WandbConfig = field(doc="Weights & Biases logging (default disabled)", factory=WandbConfig)
@@ -419,7 +420,6 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("reward.scale_by_std: expected null or false with trainer.loss='dr_grpo' (Dr. GRPO's "
                           "advantage is r - mean_G, without the std scaling), got True")
     check_routing(cfg)
-    check_async(cfg)
     check_env(cfg)
     e = cfg.eval
     if e.max_tokens is not None and e.max_tokens >= cfg.rollout.max_model_len:
@@ -453,32 +453,6 @@ def check_routing(cfg: Config) -> None:
                           f"got {kwargs['speculative_config']!r}")
 
 
-def check_async(cfg: Config) -> None:
-    """run.max_async_steps >= 1 needs the sampler and the trainer to run at the same time and the
-    weights to travel queued behind the generations in flight (docs/ASYNC.md); ConfigError naming
-    the keys otherwise."""
-    k = cfg.run.max_async_steps
-    if k < 1:
-        return
-    if cfg.rollout.sleep_level:
-        raise ConfigError(f"rollout.sleep_level: expected 0 with run.max_async_steps={k} (a sleeping engine "
-                          f"cannot generate while the trainer trains), got {cfg.rollout.sleep_level}")
-    sync = resolve_weight_sync(cfg)
-    if sync != "files":
-        raise ConfigError(f"rollout.weight_sync: expected 'files' (or 'auto' resolving to it) with "
-                          f"run.max_async_steps={k} (the streamed transports need the engine idle; async "
-                          f"queues the update behind the generations in flight), got {cfg.rollout.weight_sync!r} "
-                          f"resolving to {sync!r}")
-    if cfg.eval.every:
-        raise ConfigError(f"eval.every: expected 0 with run.max_async_steps={k} (an evaluation pinned to one policy "
-                          f"version between the queued generations is not built yet: docs/EVAL.md), got "
-                          f"{cfg.eval.every}")
-    if cfg.data.dynamic_sampling:
-        raise ConfigError(f"data.dynamic_sampling: expected false with run.max_async_steps={k} (its extra generate "
-                          f"calls happen when a step's batch is scored; the async pipeline generates each batch "
-                          f"once, k steps ahead), got True")
-
-
 def env_limits(cfg: Config) -> tuple[int, int]:
     """(tokens per assistant turn, tokens per episode) of multi-turn episodes, the nulls resolved."""
     room = min(cfg.rollout.max_model_len, cfg.trainer.max_seq_len)
@@ -506,7 +480,8 @@ def check_env(cfg: Config) -> None:
             ("trainer.routing_metrics", cfg.trainer.routing_metrics, "the sampler's experts are captured per "
              "completion, not per episode"),
             ("reward.overlong_buffer", cfg.reward.overlong_buffer, "its length is one completion's; "
-             "env.max_total_tokens limits an episode")):
+             "env.max_total_tokens limits an episode"),
+            ("data.dynamic_sampling", cfg.data.dynamic_sampling, "its extra draws generate single completions")):
         if value:
             raise ConfigError(f"{key}: expected 0/false with multi-turn episodes (env.tools or env.environment "
                               f"set: {why}; docs/MULTITURN.md), got {value!r}")

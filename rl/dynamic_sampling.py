@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rl.records import Sample
+from records import Sample
 from rl.rewards import RewardResult
 
 log = logging.getLogger("megamoe.rl.dynamic_sampling")

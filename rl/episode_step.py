@@ -1,9 +1,10 @@
 """The RL loop's multi-turn hook (docs/MULTITURN.md): one step's generate call as episodes, and their scoring.
 
-With `env.tools` or `env.environment` set, rl/loop.py's `Loop.draw` hands its generate-and-score call to
-`EpisodeStep.draw` (the one call site, marked there). It runs rl/episodes.py's EpisodeRunner with a
-`generate` that sends every turn's token-id contexts to the rollout workers in one call each (each worker
-gets a contiguous slice, as Loop.generate splits prompts), turns the episodes into Samples (completion =
+With `env.tools` or `env.environment` set, the driver (rl/loop.py) takes a step's generation from
+`EpisodeStep.flight` instead of rl/pipeline.py's Generation.submit (episodes run on-policy, k = 0: the
+config refuses run.max_async_steps with them), and Scoring scores it with `EpisodeStep.rewards`. `flight`
+runs rl/episodes.py's EpisodeRunner with a `generate` that sends every turn's token-id contexts to the
+rollout workers in one call each (each worker gets a contiguous slice, as Generation splits prompts), turns the episodes into Samples (completion =
 assistant and environment tokens, loss_mask 1 on the sampled ones), and scores them: reward functions get
 the completion as a message list including the tool messages (TRL's conversational convention) and, as
 TRL's `environments` keyword, each episode's environment instance (or verifiers state); the environment's
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from rl.envs import Environment
 from rl.episodes import ChatFormat, Episode, EpisodeRunner, episode_metrics
-from rl.records import Sample
+from records import Sample
 
 TURN_SEED_STRIDE = 1_000_003  # turn t of a step samples with the step's seed + t * this (+ the worker's slice start)
 
@@ -50,23 +51,28 @@ class EpisodeStep:
                                     max_total_tokens=total)
         self.episodes: list[Episode] = []  # the last draw's
 
-    def generate(self, loop, batch, sampling: dict) -> list[Episode]:
+    def generate(self, gen, batch, sampling: dict, version: int) -> list[Episode]:
+        """The episodes of `batch`'s prompts on the rollout workers of `gen` (rl.pipeline.Generation), every
+        turn one generate call per worker, by policy version `version` (the one last published)."""
         rows = [{"prompt": p, **{k: v[i] for k, v in batch.columns.items()}} for i, p in enumerate(batch.prompts)]
         busy = [0.0]
+        actors = gen.actors
 
         def one_turn(ctx: list[list[int]], budgets: list[int], turn: int) -> list[dict]:
-            bounds = loop._bounds(len(ctx))
+            bounds = gen.bounds(len(ctx))
             refs = []
-            for w, (a, b) in zip(loop.rollouts, bounds):
+            for w, (a, b) in zip(actors.rollouts, bounds):
                 if a == b:
                     refs.append(None)
                     continue
                 s = {**sampling, "seed": sampling["seed"] + turn * TURN_SEED_STRIDE + a}
-                refs.append(w.generate.remote(ctx[a:b], 1, s, max_tokens=budgets[a:b]))
+                refs.append(w.generate.remote(ctx[a:b], 1, s, offset=a, policy_version=version,
+                                              max_tokens=budgets[a:b]))
             live = [(j, r) for j, r in enumerate(refs) if r is not None]
-            outs = loop._get([r for _, r in live], [f"RolloutWorker {j}" for j, _ in live], "generate")
+            outs = actors.get([r for _, r in live], [f"RolloutWorker {j}" for j, _ in live], "generate")
             busy[0] += max(sec for _, sec in outs)
-            return [s for out, _ in outs for s in out]
+            return [{"completion_ids": x.completion_ids, "logprobs": x.sampler_logprobs, "text": x.text,
+                     "finish_reason": x.finish_reason} for out, _ in outs for x in out]
 
         self.episodes = self.runner.run(rows, batch.prompts, self.cfg.rollout.n, one_turn)
         self.busy_s = busy[0]
@@ -100,17 +106,11 @@ class EpisodeStep:
         return RewardResult(total=total, per_fn=per_fn, errors=errors,
                             logged={**res.logged, **episode_metrics(episodes)})
 
-    def draw(self, loop, batch, prompts: list, sampling: dict):
-        """Loop.draw's generate-and-score, as episodes."""
-        from rl.dynamic_sampling import Draw
-        from rl.rewards import TrainerState
+    def flight(self, gen, step: int, batch, prompts: list, sampling: dict):
+        """Step `step`'s generation as episodes: an rl.pipeline.Flight whose samples are the episodes'
+        (completion = assistant and environment tokens, loss_mask 1 on the sampled ones)."""
+        from rl.pipeline import Flight
 
-        t0 = time.perf_counter()
-        episodes = self.generate(loop, batch, sampling)
-        samples = self.samples(episodes, loop.step)
-        t_rollout = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        rewards = self.rewards(loop.scorer, batch, episodes,
-                               TrainerState(global_step=loop.step, max_steps=self.cfg.run.steps))
-        return Draw(prompts, samples, [s.text for s in samples], rewards,
-                    {"rollout": t_rollout, "reward": time.perf_counter() - t0})
+        episodes = self.generate(gen, batch, sampling, gen.version)
+        return Flight(step, gen.version, batch, prompts, sampling, self.cfg.rollout.n, gen.bounds(len(prompts)),
+                      samples=self.samples(episodes, gen.version), busy_s=self.busy_s)

@@ -279,3 +279,19 @@ def _set_config_dtype(path: Path, dtype: str) -> None:
     for k in keys:
         cfg[k] = dtype
     path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def export_final(run_dir: Path) -> Path:
+    """The latest checkpoint's policy into run_dir/final (replacing an earlier export: a resumed run)."""
+    final = run_dir / "final"
+    if not final.exists():
+        return export_policy(run_dir, final)
+    new, old = run_dir / ".final.new", run_dir / ".final.old"
+    for p in (new, old):
+        if p.exists():
+            shutil.rmtree(p)
+    export_policy(run_dir, new)
+    final.rename(old)
+    new.rename(final)
+    shutil.rmtree(old)
+    return final

@@ -128,3 +128,32 @@ def vllm_logs_to(folder: Path):
         logger.handlers[:], logger.filters[:] = kept[0], kept[1]
         logger.setLevel(kept[2])
         logger.propagate = kept[3]
+
+
+def setup_run_logging(run_dir: Path) -> list[tuple[logging.Logger, logging.Handler]]:
+    """train.log (and the terminal) for the megamoe loggers; returns what to remove at the end."""
+    fmt = logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s")
+    fh = logging.FileHandler(run_dir / "train.log")
+    fh.setFormatter(fmt)
+    root = logging.getLogger("megamoe")
+    root.setLevel(logging.INFO)
+    root.addHandler(fh)
+    added = [(root, fh)]
+    if not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+               for h in root.handlers):
+        sh = logging.StreamHandler()
+        sh.setFormatter(fmt)
+        root.addHandler(sh)
+        added.append((root, sh))
+    # The per-step line goes to the file; the progress bar shows it on the terminal.
+    steps = logging.getLogger("megamoe.rl.steps")
+    steps.propagate = False
+    steps.addHandler(fh)
+    added.append((steps, fh))
+    return added
+
+
+def close_run_logging(handlers: list[tuple[logging.Logger, logging.Handler]]) -> None:
+    for logger, h in handlers:
+        logger.removeHandler(h)
+        h.close()

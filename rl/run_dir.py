@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 from rl.config import Config, to_dict
@@ -133,3 +134,29 @@ def log_config_changes(run_dir: Path, cfg: Config) -> None:
 def base_model_dir(cfg: Config, run_dir: Path) -> Path:
     """Where a run's base model lives: model.path, else the run's model/ (made by model.make)."""
     return Path(cfg.model.path).absolute() if cfg.model.path is not None else run_dir / "model"
+
+
+class Created:
+    """What a fresh run's start creates in run.out_dir, to remove when the start is refused: the
+    folder itself (and any parents made for it) when it did not exist, else the entries it adds."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.top = None  # the outermost folder that did not exist
+        for d in (run_dir, *run_dir.parents):
+            if d.exists():
+                break
+            self.top = d
+        self.before = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else set()
+
+    def remove(self) -> None:
+        if self.top is not None:
+            shutil.rmtree(self.top, ignore_errors=True)
+        elif self.run_dir.is_dir():
+            for p in self.run_dir.iterdir():
+                if p.name in self.before:
+                    continue
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)

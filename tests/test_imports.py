@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("megamoe", "rollout", "trainer", "rl", "benchmarks")
+PACKAGES = ("megamoe", "records", "rollout", "trainer", "rl", "benchmarks")
 
 
 def _modules() -> dict[str, Path]:
@@ -86,13 +86,10 @@ def test_no_import_circle_among_the_projects_modules():
     assert _cycles(graph) == []
 
 
-def test_megamoe_imports_neither_vllm_ray_nor_the_layers_above_it():
-    """megamoe/ is the bottom layer, usable without vLLM or Ray (CONVENTIONS.md 1): no module of it
-    imports them or rollout/, trainer/, rl/, even inside a function (vLLM's kernels reach it through
-    megamoe.invariant.register_gpu_kernels)."""
-    banned = {"vllm", "ray", "rollout", "trainer", "rl"}
+def _imports_of(package: str, banned: set[str]) -> list[str]:
+    """Every import, at any depth of any module of `package`, of a top-level name in `banned`."""
     found = []
-    for path in sorted((ROOT / "megamoe").rglob("*.py")):
+    for path in sorted((ROOT / package).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
@@ -101,4 +98,16 @@ def test_megamoe_imports_neither_vllm_ray_nor_the_layers_above_it():
             else:
                 continue
             found += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names if n.split(".")[0] in banned]
-    assert found == []
+    return found
+
+
+def test_megamoe_imports_neither_vllm_ray_nor_the_layers_above_it():
+    """megamoe/ is the bottom layer, usable without vLLM or Ray (CONVENTIONS.md 1): no module of it
+    imports them or rollout/, trainer/, rl/, even inside a function (vLLM's kernels reach it through
+    megamoe.invariant.register_gpu_kernels)."""
+    assert _imports_of("megamoe", {"vllm", "ray", "rollout", "trainer", "rl"}) == []
+
+
+def test_records_import_no_layer_and_nothing_heavy():
+    """records/ (the records rollout/, trainer/ and rl/ all import) stands alone and torch-free."""
+    assert _imports_of("records", {"megamoe", "rollout", "trainer", "rl", "torch", "vllm", "ray", "transformers"}) == []

@@ -11,7 +11,7 @@ import pytest
 
 from rl import config as C
 from rl.dynamic_sampling import Draw, extra_step, fill_batch, has_signal
-from rl.records import Sample
+from records import Sample
 from rl.rewards import RewardResult
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,3 +105,28 @@ def test_cap_of_zero_is_refused_naming_the_key():
     C.load(ROOT / "configs" / "tiny.yaml", ["data.max_extra_generates=0"])  # unused without dynamic sampling
     with pytest.raises(ValueError, match="data.max_extra_generates: expected an int >= 1, got 0"):
         fill_batch(_script([])[0], groups=1, n=N, max_extra=0)
+
+
+def test_each_extra_call_draws_the_data_rows_after_the_run_and_seeds_no_other_call_uses():
+    """The scoring stage's prompts (rl.pipeline.Scoring.prompts): extra call k of step s reads the data
+    stream's batch at s + k * run.steps (rl/dynamic_sampling.py's docstring), never the step's own
+    rows, and every (step, call) samples with a seed of its own. With the extra calls re-drawing the
+    step's own prompts and seed, the end-to-end math run (all groups dropped) still passed."""
+    from rl.data import PromptSource
+    from rl.pipeline import Scoring
+
+    steps, calls = 6, 4
+    cfg = C.load(ROOT / "configs" / "tiny.yaml", [f"run.steps={steps}", "data.dynamic_sampling=true",
+                                                  f"data.max_extra_generates={calls - 1}"])
+    source = PromptSource.from_config(cfg.data, seed=cfg.run.seed)
+    scoring = Scoring(cfg, source, tokenizer=None, scorer=None)
+    seeds = []
+    for step in range(steps):
+        own = source.batch(step, cfg.run.prompts_per_step)
+        for call in range(calls):
+            batch, prompts, sampling = scoring.prompts(step, call)
+            rows = source.batch(step + call * steps, cfg.run.prompts_per_step)
+            assert (prompts, batch.columns) == (rows.prompts, rows.columns), (step, call)
+            assert (prompts == own.prompts) == (call == 0), (step, call)
+            seeds.append(sampling["seed"])
+    assert len(set(seeds)) == steps * calls, seeds

@@ -548,7 +548,7 @@ def test_the_trainer_masks_environment_tokens():
 
 
 def test_train_batch_carries_the_loss_mask():
-    from rl.records import RecordError, Sample, TrainBatch
+    from records import RecordError, Sample, TrainBatch
 
     s = [Sample(0, [1, 2], [3, 4, 5], [-1.0, 0.0, -1.0], "t", "stop", 0, loss_mask=[1, 0, 1]),
          Sample(0, [1, 2], [6], [-0.5], "t", "stop", 0)]
@@ -629,13 +629,15 @@ def check_engine_episodes(model_dir, episodes, calls, temperature: float) -> dic
 
 
 def test_the_loop_hook_splits_each_turn_over_the_rollout_workers(tok, tmp_path):
-    """EpisodeStep.draw (what Loop.draw hands its call to): each turn is one call per rollout worker on its
-    contiguous slice of the live episodes, with per-episode token budgets and a seed offset by the slice's
-    start (so no two episodes share a seed); the Draw holds masked Samples and the env/* metrics."""
+    """EpisodeStep.flight (what the driver takes a step's generation from with an env section): each turn is
+    one call per rollout worker on its contiguous slice of the live episodes, with per-episode token budgets
+    and a seed offset by the slice's start (so no two episodes share a seed), stamped with the version last
+    published; the Flight holds masked Samples, and Scoring's rewards the env/* metrics."""
+    from records import Sample
     from rl import config as C
     from rl.data import Batch
     from rl.episode_step import TURN_SEED_STRIDE, EpisodeStep
-    from rl.loop import Loop
+    from rl.pipeline import Generation, Scoring
     from rl.rewards import RewardScorer, load_rewards
 
     class Ref:
@@ -647,9 +649,13 @@ def test_the_loop_hook_splits_each_turn_over_the_rollout_workers(tok, tmp_path):
             self.gen, self.seen = gen, []
             self.generate = self
 
-        def remote(self, ctx, n, sampling, max_tokens):
-            self.seen.append((len(ctx), n, sampling["seed"], list(max_tokens)))
-            return Ref((self.gen(ctx, max_tokens, 0), 0.5))
+        def remote(self, ctx, n, sampling, offset, policy_version, max_tokens):
+            self.seen.append((len(ctx), n, sampling["seed"], list(max_tokens), offset, policy_version))
+            outs = [Sample(prompt_index=offset + i, prompt_ids=list(c), completion_ids=o["completion_ids"],
+                           sampler_logprobs=o["logprobs"], text=o["text"], finish_reason=o["finish_reason"],
+                           policy_version=policy_version)
+                    for i, (c, o) in enumerate(zip(ctx, self.gen(ctx, max_tokens, 0)))]
+            return Ref((outs, 0.5))
 
     cfg = C.load("configs/tiny_tools.yaml", ["rollout.n=2", "rollout.max_model_len=2048", "trainer.max_seq_len=2048",
                                              "env.max_tokens_per_turn=200", "rollout.num_workers=2"])
@@ -657,23 +663,25 @@ def test_the_loop_hook_splits_each_turn_over_the_rollout_workers(tok, tmp_path):
     gen = Scripted(tok, lambda c, turn, k: "444" if "<tool_response>" in tok.decode(c) else CALL)
     workers = [Worker(gen), Worker(gen)]
 
-    class FakeLoop:
+    class FakeActors:
         rollouts = workers
-        step = 4
-        scorer = RewardScorer(load_rewards(cfg.reward))
-        _bounds = Loop._bounds
 
-        def _get(self, refs, names, method):
+        def get(self, refs, names, method):
             return [r.value for r in refs]
 
+    generation = Generation(cfg, FakeActors())
+    generation.version = 4
     batch = Batch(prompts=[[{"role": "user", "content": "What is 37 * 12?"}]] * 3, columns={"answer": ["444"] * 3})
-    draw = step.draw(FakeLoop(), batch, ["p"] * 3, {"temperature": 1.0, "seed": 100})
+    flight = step.flight(generation, 3, batch, ["p"] * 3, {"temperature": 1.0, "seed": 100})
     assert [w.seen[0][:3] for w in workers] == [(3, 1, 100), (3, 1, 103)]
     assert [w.seen[1][:3] for w in workers] == [(3, 1, 100 + TURN_SEED_STRIDE), (3, 1, 103 + TURN_SEED_STRIDE)]
-    assert workers[0].seen[0][3] == [200] * 3
-    assert len(draw.samples) == 6 and all(s.policy_version == 4 and 0 in s.loss_mask for s in draw.samples)
-    assert draw.rewards.total == [1.0] * 6  # a tool result and the right number
-    m = draw.rewards.metrics(2)
+    assert workers[0].seen[0][3] == [200] * 3 and [w.seen[0][4:] for w in workers] == [(0, 4), (3, 4)]
+    assert flight.step == 3 and flight.version == 4
+    assert len(flight.samples) == 6 and all(s.policy_version == 4 and 0 in s.loss_mask for s in flight.samples)
+    scoring = Scoring(cfg, None, None, RewardScorer(load_rewards(cfg.reward)), step)
+    rewards = scoring.rewards(batch, flight.samples, 3)
+    assert rewards.total == [1.0] * 6  # a tool result and the right number
+    m = rewards.metrics(2)
     assert m["env/turns_mean"] == 2.0 and m["env/tool_calls"] == 6.0 and m["env/truncated"] == 0.0
 
 

@@ -1,4 +1,4 @@
-"""The loop's records (rl/records.py): a Sample's JSON round trip (the async checkpoint's in-flight
+"""The loop's records (records/samples.py): a Sample's JSON round trip (the async checkpoint's in-flight
 batches), a TrainBatch validated where it is built, the module torch-free.
 
     .venv/bin/python -m pytest -q tests/rl/test_rl_records.py
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from rl.records import RecordError, Sample, TrainBatch
+from records import RecordError, Sample, TrainBatch
 
 
 def _sample(rng: random.Random, prompt_index: int, version: int, routed=None) -> Sample:
@@ -71,6 +71,6 @@ def test_train_batch_refuses_what_does_not_fit_naming_field_and_index(field, val
 
 
 def test_records_import_nothing_heavy():
-    code = "import sys, rl.records; print(sorted(m for m in ('torch', 'ray', 'vllm', 'transformers') if m in sys.modules))"
+    code = "import sys, records; print(sorted(m for m in ('torch', 'ray', 'vllm', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
