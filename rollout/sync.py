@@ -19,6 +19,9 @@ Transports (`rollout.weight_sync`; `sender` is the one place a mode becomes an i
   and is copied in place, with no vLLM reload (rollout/kernel_format.py); else the routed experts
   so and the rest in checkpoint format through vLLM's update session (its layer-wise reload); else
   everything in checkpoint format. The version-specific calls are in rollout/adapter.py.
+  `IpcSender.publish` packs a version whole into one of `depth` buffers (`PublishedSlots`) that
+  stays untouched until `release`, for each engine to take later (RolloutWorker.take_weights):
+  the pull model of docs/WEIGHT_SYNC.md.
 - `nccl` (`NcclSender`, rollout/sync_nccl.py): trainer and sampler on different GPUs, through
   vLLM's NCCL weight-transfer engine. Not yet run on two GPUs: opt in with rollout.weight_sync=nccl
   (`auto` keeps files for separate GPUs until it has been).
@@ -28,7 +31,7 @@ Transports (`rollout.weight_sync`; `sender` is the one place a mode becomes an i
 Every update is checked whole before any byte is applied, on both sides, and ends applied whole,
 aborted with nothing applied, or broken (the engine refuses to sample until a complete update):
 the invariants, and why each is checked where it is, are written in rollout/sync_stream.py (the
-trainer's, T1-T6) and rollout/sync_engine.py (the engine's, E1-E3).
+trainer's, T1-T6) and rollout/sync_engine.py (the engine's, E1-E4).
 
 This module imports nothing heavy at import time, so the config loader can call `resolve`.
 """
