@@ -63,6 +63,13 @@ class TrainerHost(WorkerHost):
         pub = sender.publish(self.worker, engines, version)
         return None if pub is None else pub.to_wire()
 
+    def release_weights(self, publication: dict, reports: list) -> None:
+        """Every engine took `publication` (their take_weights reports, None for one that failed):
+        this rank may write its buffer again (rollout.sync.release)."""
+        from rollout import sync
+
+        sync.release(publication, reports)
+
     def send_weights(self, sender, engines) -> dict:
         """One weight sync from this rank: `sender` (a rollout.sync_interface.Sender, built by the
         driver) runs here on this rank's weights, rank 0 driving `engines` (rl.weight_sync.RayClient);

@@ -19,6 +19,9 @@ Transports (`rollout.weight_sync`; `sender` is the one place a mode becomes an i
   and is copied in place, with no vLLM reload (rollout/kernel_format.py); else the routed experts
   so and the rest in checkpoint format through vLLM's update session (its layer-wise reload); else
   everything in checkpoint format. The version-specific calls are in rollout/adapter.py.
+  `IpcSender.publish` packs a version whole into one of `depth` buffers (`PublishedSlots`) that
+  stays untouched until `release`, for each engine to take later (RolloutWorker.take_weights):
+  the pull model of docs/WEIGHT_SYNC.md.
 - `nccl` (`NcclSender`, rollout/sync_nccl.py): trainer and sampler on different GPUs, through
   vLLM's NCCL weight-transfer engine. Not yet run on two GPUs: opt in with rollout.weight_sync=nccl
   (`auto` keeps files for separate GPUs until it has been).
@@ -28,7 +31,7 @@ Transports (`rollout.weight_sync`; `sender` is the one place a mode becomes an i
 Every update is checked whole before any byte is applied, on both sides, and ends applied whole,
 aborted with nothing applied, or broken (the engine refuses to sample until a complete update):
 the invariants, and why each is checked where it is, are written in rollout/sync_stream.py (the
-trainer's, T1-T6) and rollout/sync_engine.py (the engine's, E1-E3).
+trainer's, T1-T6) and rollout/sync_engine.py (the engine's, E1-E4).
 
 This module imports nothing heavy at import time, so the config loader can call `resolve`.
 """
@@ -37,14 +40,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from rollout.sync_interface import FORMATS, EngineAnswer, Engines, LocalClient, PackedChunk, Sender, SyncReport, \
-    TrainerWeights, ipc_chunk
+from rollout.sync_interface import FORMATS, EngineAnswer, Engines, LocalClient, PackedChunk, Publication, Sender, \
+    SyncReport, TrainerWeights, ipc_chunk, published_ipc
 from rollout.sync_stream import (DEFAULT_IPC_BUCKET_BYTES, Clock, StreamDecision, abort_on_failure, agreed_format,
-                                 checked_and_started, checkpoint_spec, finished_report, plan_buffer_bytes)
+                                 checked_and_started, checkpoint_spec, finished_report, plan_buffer_bytes,
+                                 rank0_decides, refuse_nonfinite)
 
 # Names the transports' callers and tests import from here, though defined beside the code they serve.
 __all__ = ["AUTO", "DEFAULT_IPC_BUCKET_BYTES", "FORMATS", "MODES", "STREAMED", "Clock", "IPCBuffer", "IpcSender",
-           "LocalClient", "checked_and_started", "ipc_buffer", "push_ipc_local", "resolve", "send_ipc", "sender"]
+           "LocalClient", "PublishedSlots", "checked_and_started", "ipc_buffer", "push_ipc_local", "release",
+           "resolve", "send_ipc", "sender"]
 
 MODES = ("files", "ipc", "nccl")
 STREAMED = ("ipc", "nccl")  # the transports of the streamed protocol (plan and start, chunks); files is a Sender too
@@ -82,12 +87,13 @@ def resolve(mode: str, *, colocated: bool, on_gpu: bool, same_gpu: bool = True, 
 
 
 def sender(mode: str, *, model_dir: str, dtype: str | None, bucket_bytes: int = DEFAULT_IPC_BUCKET_BYTES,
-           address: str | None = None) -> Sender:
+           address: str | None = None, depth: int = 1) -> Sender:
     """The trainer's sender for `mode` (MODES): the one place a mode string becomes a transport.
     address: trainer rank 0's address the engines reach (nccl's rendezvous; None: the node's
-    address as Ray sees it, found in the trainer's process)."""
+    address as Ray sees it, found in the trainer's process). depth: ipc's published versions not
+    yet taken, at most (PublishedSlots; run.max_async_steps + 1)."""
     if mode == "ipc":
-        return IpcSender(model_dir=model_dir, dtype=dtype, bucket_bytes=bucket_bytes)
+        return IpcSender(model_dir=model_dir, dtype=dtype, bucket_bytes=bucket_bytes, depth=depth)
     if mode == "nccl":
         from rollout.sync_nccl import NcclSender  # here, not at the top: sync_nccl needs nothing of this module
 
@@ -160,20 +166,24 @@ class IPCBuffer:
             raise failure
         return result
 
-    def chunks(self, named_tensors: Iterable, dtype, limit: int | None = None) -> Iterable[PackedChunk]:
+    def chunks(self, named_tensors: Iterable, dtype, limit: int | None = None,
+               start: int | None = None) -> Iterable[PackedChunk]:
         """Pack (name, GPU tensor) pairs, cast to `dtype` (None: as they are), into chunks of at most
         `limit` bytes (default: the buffer); each chunk is yielded as a PackedChunk once its bytes
         are on the GPU. A pair may carry a list of tensors instead: one
         tensor, their concatenation along dim 0 (a kernel-format parameter such as qkv_proj), each
-        part copied into its place (T4). The consumer must be done with a chunk before the generator
-        is resumed."""
+        part copied into its place (T4). start None: every chunk fills the buffer from byte 0 (a
+        streamed sync: the consumer must be done with a chunk before the generator is resumed);
+        start an offset: the chunks lie one after another from there, each at a multiple of
+        `ALIGN` (`PackedChunk.offset`), so that all of them stay readable (a published version)."""
         import torch
 
         limit = self.nbytes if limit is None else limit
         if not 0 < limit <= self.nbytes:
             raise ValueError(f"limit: expected 0 < limit <= {self.nbytes} (the buffer), got {limit}")
+        base = 0 if start is None else start
 
-        chunk, used = PackedChunk(), 0
+        chunk, used = PackedChunk(offset=base), 0
         for name, t in named_tensors:
             parts = list(t) if isinstance(t, (list, tuple)) else [t]
             t = parts[0]
@@ -189,11 +199,16 @@ class IPCBuffer:
             if used and used + size > limit:
                 self._synchronize()
                 yield chunk
-                chunk, used = PackedChunk(), 0
+                if start is not None:
+                    base = aligned(base + used)
+                chunk, used = PackedChunk(offset=base), 0
+            if base + used + size > self.nbytes:
+                raise ValueError(f"tensor {name!r} would end at byte {base + used + size} of an IPC buffer of "
+                                 f"{self.nbytes}")
             if used % out_dtype.itemsize:
                 raise ValueError(f"tensor {name!r} ({out_dtype}) would start at byte {used} of the IPC buffer, "
                                  "which is not a multiple of its element size: one dtype per sync")
-            at = used
+            at = base + used
             for p in parts:
                 n = p.numel() * out_dtype.itemsize
                 self.tensor[at:at + n].view(out_dtype).view(p.shape).copy_(p)
@@ -207,12 +222,35 @@ class IPCBuffer:
             self._synchronize()
             yield chunk
 
+    def region_handles(self, regions: list[tuple[int, int]]) -> list[dict]:
+        """The IPC handle of each (offset, nbytes) region of the buffer, as an engine maps it (a view:
+        the rebuilt tensor starts at the region's first byte), {GPU uuid: rebuild arguments} with
+        every trainer rank's copy (a collective with several ranks)."""
+        import torch
+        import torch.distributed as dist
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        uuid = str(torch.cuda.get_device_properties(self.tensor.device).uuid)
+        mine = [{uuid: reduce_tensor(self.tensor[at:at + n])[1]} for at, n in regions]
+        if not self.multi_rank:
+            return mine
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        return [{k: v for per_rank in gathered for k, v in per_rank[i].items()} for i in range(len(regions))]
+
     def _synchronize(self) -> None:
         """The chunk's bytes are in the buffer (the copies are queued on this process's stream)."""
         import torch
 
         if self.tensor.is_cuda:
             torch.cuda.current_stream(self.tensor.device).synchronize()
+
+
+ALIGN = 256  # a published chunk's first byte: a multiple of every dtype's size (and of CUDA's allocation grain)
+
+
+def aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 _BUFFERS: dict[int, IPCBuffer] = {}  # this process's buffer, by CUDA device index
@@ -228,6 +266,94 @@ def ipc_buffer(nbytes: int) -> IPCBuffer:
     if buf is None or buf.nbytes < nbytes:
         buf = _BUFFERS[device] = IPCBuffer(nbytes)
     return buf
+
+
+class PublishedSlots:
+    """This trainer process's buffers of published versions (IpcSender.publish), kept for the run:
+    `depth` slots, version v in slot v % depth, each as large as one whole update in the sampler's
+    dtype. A slot is written only when the version it held was released (`release`: every engine
+    took it), so an engine's take reads exactly the bytes of its version however far the trainer
+    trained meanwhile. At run.max_async_steps k the driver needs depth k + 1: version v is taken
+    before the generation of step v + k returns, which train step v + k needs before it publishes
+    v + k + 1. The buffers are never dropped (see IPCBuffer: a dropped exported buffer is not
+    reclaimed under vLLM 0.26), so they cost depth x the update's bytes of GPU memory for the run,
+    on each trainer rank's GPU."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.buffers: list[IPCBuffer | None] = [None] * depth
+        self.held: dict[int, int] = {}  # slot: the version in it that not every engine has taken
+        self.decisions: dict = {}  # the update's description: rank 0's StreamDecision (the engines' plan)
+
+    def free_slot(self, version: int) -> int:
+        """The slot version `version` goes into; RuntimeError, before anything is read or written,
+        while that slot holds a version not yet released."""
+        slot = version % self.depth
+        if slot in self.held:
+            raise RuntimeError(f"weight sync: cannot publish version {version}: its buffer (slot {slot} of "
+                               f"{self.depth}) still holds version {self.held[slot]}, which not every engine has "
+                               "taken (release it once every engine's take_weights returned; at "
+                               "run.max_async_steps k publish with depth k + 1)")
+        return slot
+
+    def buffer(self, slot: int, nbytes: int) -> IPCBuffer:
+        buf = self.buffers[slot]
+        if buf is None or buf.nbytes < nbytes:
+            buf = self.buffers[slot] = new_ipc_buffer(nbytes)
+        return buf
+
+    def release(self, version: int) -> None:
+        slot = version % self.depth
+        if self.held.get(slot) != version:
+            raise ValueError(f"version: {version} is not published and held here (held: "
+                             f"{sorted(self.held.values())})")
+        del self.held[slot]
+
+
+def new_ipc_buffer(nbytes: int) -> IPCBuffer:
+    return IPCBuffer(nbytes)
+
+
+_PUBLISHED: dict[int, PublishedSlots] = {}  # this process's published versions, by CUDA device index
+
+
+def published_slots(depth: int) -> PublishedSlots:
+    """This process's PublishedSlots on the current CUDA device, made at the first publish; `depth`
+    must stay what it was (versions are placed by it)."""
+    import torch
+
+    if not (isinstance(depth, int) and depth >= 1):
+        raise ValueError(f"depth: expected an int >= 1 (run.max_async_steps + 1), got {depth!r}")
+    device = torch.cuda.current_device() if torch.cuda.is_available() else -1
+    slots = _PUBLISHED.get(device)
+    if slots is None:
+        slots = _PUBLISHED[device] = PublishedSlots(depth)
+    if slots.depth != depth:
+        raise ValueError(f"depth: this trainer publishes with depth {slots.depth}, got {depth}")
+    return slots
+
+
+def release(publication: dict, reports: list) -> None:
+    """Every engine has taken `publication` (Publication's wire): its buffer may be written again.
+    `reports`: each engine's take_weights report (or None for an engine whose take failed: it no
+    longer reads the buffer), one per engine the version was published for; a report of another
+    version is refused (ValueError), nothing released. files keeps nothing: a no-op."""
+    mode, version = publication.get("mode"), publication.get("version")
+    if mode == "files":
+        return
+    if mode != "ipc":
+        raise ValueError(f"publication: mode {mode!r} is not one that publishes (files, ipc)")
+    want = publication["payload"]["engines"]
+    if len(reports) != want:
+        raise ValueError(f"reports: version {version} was published for {want} engine(s), got {len(reports)} "
+                         "report(s); release once every engine's take returned")
+    other = [r.get("version") for r in reports if r is not None and r.get("version") != version]
+    if other:
+        raise ValueError(f"reports: releasing version {version}, but engines reported taking {other}")
+    slots = next((s for s in _PUBLISHED.values() if publication["version"] % s.depth in s.held), None)
+    if slots is None:
+        raise ValueError(f"version: {version} is not published and held in this process")
+    slots.release(version)
 
 
 class IpcSender(Sender):
@@ -253,6 +379,10 @@ class IpcSender(Sender):
 
     mode = "ipc"
 
+    def __init__(self, *, model_dir: str, dtype: str | None, bucket_bytes: int, depth: int = 1):
+        super().__init__(model_dir=model_dir, dtype=dtype, bucket_bytes=bucket_bytes)
+        self.depth = depth  # PublishedSlots' depth: versions published and not yet taken, at most
+
     def decide(self, plans: list[dict], metas: list, dtype: str | None) -> StreamDecision:
         answers = [EngineAnswer.from_wire(p) for p in plans]
         fmt, layout = agreed_format(answers), answers[0].layout
@@ -264,24 +394,14 @@ class IpcSender(Sender):
     def send(self, weights: TrainerWeights, engines: Engines | None) -> SyncReport:
         import torch
 
-        from rollout import weights as wts
-
         rank = weights.rank
         clock = Clock()
         dtype = weights.sync_dtype(self.dtype)
         decision = checked_and_started(weights, engines, dtype, clock,
                                        lambda plans, metas: self.decide(plans, metas, dtype))
-        spec = checkpoint_spec(self.model_dir)
         out_dtype = getattr(torch, dtype) if dtype else None
         fmt = decision.format
-        if fmt == "kernel":
-            streams = [lambda: kernel_stream(weights, decision.layout)]
-        elif fmt == "experts":  # the experts whole first, then the rest in checkpoint format
-            streams = [lambda fused=fused: wts.to_checkpoint_names(
-                           spec, weights.iter_device_weights(lambda n: wts.is_fused_experts(spec, n) == fused),
-                           kernel_experts=True) for fused in (True, False)]
-        else:
-            streams = [lambda: wts.to_checkpoint_names(spec, weights.iter_device_weights())]
+        streams = self._streams(weights, decision)
         sent_bytes, sent_chunks, done = 0, 0, None
         with abort_on_failure(engines if rank == 0 else None, "the trainer's stream failed"):
             buf = ipc_buffer(decision.buffer_bytes)
@@ -298,6 +418,60 @@ class IpcSender(Sender):
                     sent_chunks += 1
         return finished_report(rank, engines, clock, done, bytes=decision.bytes, sent_bytes=sent_bytes,
                                chunks=sent_chunks, format=fmt, why=decision.why)
+
+
+    def _streams(self, weights: TrainerWeights, decision: StreamDecision) -> list:
+        """The trainer's tensors in the decided format, as functions each starting one stream."""
+        from rollout import weights as wts
+
+        spec = checkpoint_spec(self.model_dir)
+        if decision.format == "kernel":
+            return [lambda: kernel_stream(weights, decision.layout)]
+        if decision.format == "experts":  # the experts whole first, then the rest in checkpoint format
+            return [lambda fused=fused: wts.to_checkpoint_names(
+                        spec, weights.iter_device_weights(lambda n: wts.is_fused_experts(spec, n) == fused),
+                        kernel_experts=True) for fused in (True, False)]
+        return [lambda: wts.to_checkpoint_names(spec, weights.iter_device_weights())]
+
+    def publish(self, weights: TrainerWeights, engines: Engines | None, version: int) -> Publication | None:
+        """Version `version` packed whole into a buffer of this rank's that stays untouched until
+        `release` (PublishedSlots), for each engine to take later (RolloutWorker.take_weights runs
+        the whole update from it, the trainer not taking part). Checked first, on every rank: the
+        slot is free (RuntimeError), no NaN/Inf in the sampler's dtype (T1, ValueError), the
+        engines' plan (E1, asked once per update description and kept: it depends on nothing
+        else; T2, T3); nothing is written before all pass. Rank 0 returns the Publication."""
+        import torch
+
+        if not (isinstance(version, int) and version >= 0):
+            raise ValueError(f"version: expected an int >= 0, got {version!r}")
+        rank = weights.rank
+        slots = published_slots(self.depth)
+        slot = slots.free_slot(version)
+        dtype = weights.sync_dtype(self.dtype)
+        metas = weights.weight_metadata(dtype)
+        refuse_nonfinite(weights.nonfinite_weights(dtype), dtype)  # all-reduced: the same on every rank
+        key = (tuple((n, tuple(s), d) for n, s, d in metas), self.bucket_bytes)
+        decision = slots.decisions.get(key)
+        if decision is None:
+            decision = rank0_decides(rank, lambda c: self.decide(c.ask_plans(metas), metas, dtype), engines)
+            slots.decisions[key] = decision
+        tensors = len(decision.layout) if decision.format == "kernel" else len(metas)
+        buf = slots.buffer(slot, decision.bytes + ALIGN * (tensors + 2))
+        out_dtype = getattr(torch, dtype) if dtype else None
+        packed, at = [], 0
+        for stream in self._streams(weights, decision):
+            chunks = buf.chunks(stream(), out_dtype, decision.buffer_bytes, start=at)
+            while (chunk := buf.agreed(lambda: next(chunks, None), "packing a published chunk")) is not None:
+                packed.append(chunk)
+                at = aligned(chunk.offset + chunk.nbytes)
+        handles = buf.region_handles([(c.offset, c.nbytes) for c in packed])
+        slots.held[slot] = version  # from here until release, nothing writes this buffer
+        if rank != 0:
+            return None
+        payload = published_ipc(metas=metas, format=decision.format, layout=decision.layout, nbytes=decision.bytes,
+                                chunks=[ipc_chunk(c, h) for c, h in zip(packed, handles, strict=True)],
+                                engines=engines.engines)
+        return Publication(version=version, mode=self.mode, payload=payload)
 
 
 def send_ipc(trainer, client, *, model_dir: str, dtype: str | None,

@@ -42,6 +42,12 @@ What is checked where, and why there (the sync's invariants; rollout/sync.py hol
   plan the trainer decided from is not proof of what arrives.
 - E3 completion (`complete`): every planned tensor arrived; else the update ends broken. An update
   that is not complete is never reported done.
+- E4 a published version (RolloutWorker.take_weights, ipc): every chunk's metadata at once, before
+  the update starts (`check_publication`: E2 and E3 walked over the whole publication on a scratch
+  update, and each tensor's bytes against its shape and dtype), and the engine's own plan against
+  the format and layout the trainer packed in. The whole update is known before a byte moves, so a
+  take refuses a bad publication with the weights untouched; only a failure while applying (a CUDA
+  error, the process dying) leaves the engine broken (T6).
 - F1 a files update (RolloutWorker.update_weights, not streamed): names, shapes, dtypes and NaN/Inf
   of the whole update in the RolloutWorker's process (rollout.weights.plan_update), then names and
   shapes again in vLLM's worker process before anything is applied (rollout/extension.py's
@@ -258,3 +264,29 @@ class EngineUpdate:
             return (f"refusing to {what}: a streamed weight update is in progress (it ends when its last planned "
                     "tensor arrives, or with finish_weight_update / abort_weight_update)")
         return None
+
+
+def check_publication(plan: EnginePlan, chunks: list[tuple[list, list]]) -> None:
+    """E4: the chunks of a published version ((name, shape, dtype name) per tensor, their sizes in
+    bytes) walked through a scratch update of `plan` (E2 per chunk, then E3) before the engine's
+    own update starts; ValueError names the first fault."""
+    import math
+
+    import torch
+
+    u = EngineUpdate()
+    u.planned(plan)
+    u.started()
+    for tensors, sizes in chunks:
+        if len(sizes) != len(tensors):
+            raise ValueError(f"publication: a chunk lists {len(tensors)} tensors and {len(sizes)} sizes")
+        for (name, shape, dtype), size in zip(tensors, sizes):
+            want = math.prod(shape) * getattr(torch, dtype).itemsize
+            if size != want:
+                raise ValueError(f"publication: tensor {name!r} {list(shape)} {dtype} is {want} bytes, its chunk says "
+                                 f"{size}")
+        if not u.receive(tensors) and not u.session_open:
+            u.session_opened()
+    missing = u.missing()
+    if missing:
+        raise ValueError(f"publication: {len(missing)} planned tensor(s) are in no chunk, e.g. {missing[0]!r}")

@@ -118,6 +118,9 @@ class Engines(Protocol):
     def share(self, obj) -> Any:
         """`obj` made readable by every engine, once (a Publication's payload)."""
 
+    def ask_plans(self, metas: list) -> list[dict]:
+        """plan_weight_update(metas) on every engine, nothing started, waited for: their answers."""
+
 
 class Calls(Protocol):
     """How a call reaches every engine. `begin(ops)` runs ops[i](endpoint i) on every engine and
@@ -180,6 +183,9 @@ class EngineClient:
 
     def share(self, obj):
         return self.calls.share(obj)
+
+    def ask_plans(self, metas: list) -> list[dict]:
+        return self._each(lambda e: e.plan_weight_update(metas, False))
 
 
 class LocalCalls:
@@ -248,6 +254,7 @@ class PackedChunk:
     shapes: list = dataclasses.field(default_factory=list)
     dtype_names: list = dataclasses.field(default_factory=list)
     tensor_sizes: list = dataclasses.field(default_factory=list)
+    offset: int = 0  # where its first tensor starts in the trainer's buffer (a published version's chunks)
 
     @property
     def nbytes(self) -> int:
@@ -304,7 +311,8 @@ class Publication:
     to take later, between two of its generate calls (`EngineEndpoint.take_weights`): the pull model
     of run.max_async_steps (docs/WEIGHT_SYNC.md). `payload` is what an engine needs to take it
     without the trainer: for files, the shared export (an object every engine reads; over Ray an
-    ObjectRef, which rl.cluster.RolloutHost resolves)."""
+    ObjectRef, which rl.cluster.RolloutHost resolves); for ipc, `published_ipc`'s dict (the chunks
+    with their IPC handles into the trainer's buffer that holds version `version`)."""
 
     version: int
     mode: str
@@ -312,6 +320,15 @@ class Publication:
 
     def to_wire(self) -> dict:
         return {"version": self.version, "mode": self.mode, "payload": self.payload}
+
+
+def published_ipc(*, metas: list, format: str, layout: list | None, nbytes: int, chunks: list[dict],
+                  engines: int) -> dict:
+    """An ipc Publication's payload: the update's description (metas, as the engines plan it), the
+    format and layout their plans agreed on, its bytes, every chunk (`ipc_chunk`, each with the
+    handle of its own region of the trainer's buffer) and how many engines are to take it."""
+    return {"metas": metas, "format": format, "layout": layout, "bytes": nbytes, "chunks": chunks,
+            "engines": engines}
 
 
 class Sender(abc.ABC):
@@ -331,11 +348,8 @@ class Sender(abc.ABC):
         ValueError: refused before anything was applied; any other error after the engines started
         leaves them refusing to sample until a later sync completes."""
 
+    @abc.abstractmethod
     def publish(self, weights: TrainerWeights, engines: Engines | None, version: int) -> Publication | None:
         """Version `version` of the trainer's weights, made once for every engine to take later
-        (Publication); run on every trainer rank, rank 0 returning it (None on the others). Only
-        files publishes today: NotImplementedError for the others (what each needs is in
-        docs/WEIGHT_SYNC.md, the pull model)."""
-        raise NotImplementedError(f"rollout.weight_sync={self.mode!r}: publishing a version for the engines to take "
-                                  "later is not built for this transport (docs/WEIGHT_SYNC.md, 'Taking a version "
-                                  "later'); it syncs with send()")
+        (Publication); run on every trainer rank, rank 0 returning it (None on the others). files and
+        ipc publish; nccl raises NotImplementedError naming why (docs/WEIGHT_SYNC.md, the pull model)."""

@@ -132,6 +132,19 @@ class NcclSender(Sender):
         super().__init__(model_dir=model_dir, dtype=dtype, bucket_bytes=bucket_bytes)
         self.address = address
 
+    def publish(self, weights: TrainerWeights, engines: Engines | None, version: int):
+        """Not built (NotImplementedError, saying why): an NCCL transfer is a broadcast, one
+        collective whose sender (trainer rank 0) and receivers (every engine's workers) must all be
+        inside it at once, so an engine cannot take a version later from something the trainer left
+        behind, as ipc's buffer allows. A pull over NCCL is a take the trainer joins: the driver
+        queues rank 0's send of v on the trainer and each engine's take of v behind its generate
+        calls, and both block until the last engine's queue reaches its take."""
+        raise NotImplementedError(
+            "rollout.weight_sync='nccl': publishing a version for the engines to take later is not built: an NCCL "
+            "transfer is a broadcast, which needs trainer rank 0 and every engine inside the same collective at "
+            "once, so nothing the trainer leaves behind can be taken later; it would be a take the trainer joins "
+            "(its send and each engine's take queued to meet), docs/WEIGHT_SYNC.md 'Taking a version later'")
+
     def send(self, weights: TrainerWeights, engines: Engines | None) -> SyncReport:
         import torch
 

@@ -3,7 +3,7 @@ rollout/sync_nccl.py): the checks before anything moves, rank 0's decisions reac
 trainer rank, aborting a started update, the report.
 
 Invariants of a streamed sync: what the trainer's side checks, where, and why there (the engine's,
-E1-E3, are in rollout/sync_engine.py):
+E1-E4, are in rollout/sync_engine.py):
 - T1 NaN/Inf, on every rank's GPU in the sampler's dtype (`TrainerWeights.nonfinite_weights`,
   all-reduced): only the trainer holds the tensors, and an fp32 value beyond the 16-bit range
   becomes Inf in the cast. Runs while the engines plan (E1); a refusal from either aborts the

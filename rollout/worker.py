@@ -37,7 +37,7 @@ import torch
 from megamoe.contract import BITWISE, FAST, HOST_IMPLS, MEGAMOE, NUMERICS
 from rollout import kernel_format, moe_method, plugin, weights
 from rollout.sync import FORMATS, STREAMED
-from rollout.sync_engine import EnginePlan, EngineUpdate, State
+from rollout.sync_engine import EnginePlan, EngineUpdate, State, check_publication
 
 logger = logging.getLogger(__name__)
 
@@ -493,12 +493,48 @@ class RolloutWorker:
     def take_weights(self, publication: dict) -> dict:
         """Take a published version of the trainer's weights (rollout.sync_interface.Publication's
         wire), all or nothing, between two generate calls: files, its shared export through
-        update_weights. Returns update_weights' report with the version taken."""
+        update_weights; ipc, the whole streamed update run here from the trainer's published
+        buffer (`_take_published`). Returns the update's report with the version taken."""
         mode, version = publication.get("mode"), publication.get("version")
-        if mode != "files":
-            raise ValueError(f"publication: mode {mode!r} cannot be taken by an engine (only 'files' publishes; "
-                             "docs/WEIGHT_SYNC.md)")
-        return {"version": version, **self.update_weights(publication["payload"])}
+        if not (isinstance(version, int) and version >= 0):
+            raise ValueError(f"publication: 'version' expected an int >= 0, got {version!r}")
+        if mode == "files":
+            return {"version": version, **self.update_weights(publication["payload"])}
+        if mode == "ipc":
+            return {"version": version, **self._take_published(version, publication["payload"])}
+        raise ValueError(f"publication: mode {mode!r} cannot be taken by an engine (files and ipc publish; "
+                         "docs/WEIGHT_SYNC.md)")
+
+    def _take_published(self, version: int, published: dict) -> dict:
+        """An ipc publication (rollout.sync_interface.published_ipc) applied as one streamed update
+        with this engine driving it: plan (E1, cached), the plan against the trainer's format and
+        layout and every chunk checked (E4) before it starts, then the chunks read in place from
+        the trainer's buffer. A refusal changes nothing; a failure while applying leaves the engine
+        broken until an update completes (T6)."""
+        from rollout import adapter
+
+        if self.weight_sync != "ipc":
+            raise ValueError(f"publication: mode 'ipc' needs a RolloutWorker built with weight_sync='ipc', this one "
+                             f"has {self.weight_sync!r}")
+        answer = self.plan_weight_update(published["metas"], start=False)
+        if (answer["format"], answer["layout"]) != (published["format"], published["layout"]):
+            raise ValueError(f"publication: version {version} was packed in format {published['format']!r} with "
+                             f"its layout, this engine plans {answer['format']!r} (or another layout); nothing "
+                             "applied")
+        chunks = published["chunks"]
+        check_publication(self.weight_update.plan, [(adapter.chunk_tensors(c), c.get("tensor_sizes", []))
+                                                    for c in chunks])
+        self.start_weight_update()
+        done = None
+        try:
+            for chunk in chunks:
+                done = self.update_weight_chunk(chunk)
+        except BaseException as e:
+            self.abort_weight_update(f"taking version {version} failed: {type(e).__name__}: {e}")
+            raise
+        if done is None:  # E4 holds every planned tensor in some chunk: the last one ended the update
+            self._fail_update(f"version {version}: its chunks did not complete the update")
+        return {"format": published["format"], **done}
 
     # -- streamed updates (weight_sync ipc / nccl; rollout/sync.py): plan and start, chunks -------
     # An update ends by itself when its last planned tensor arrives (the chunk call returns what

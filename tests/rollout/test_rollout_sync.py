@@ -802,3 +802,237 @@ def test_version_probes_live_in_one_module():
                 imports = [n for b in node.body for n in ast.walk(b) if isinstance(n, ast.ImportFrom)]
                 found += [(path.name, f"try: from {n.module}") for n in imports if (n.module or "").startswith("vllm")]
     assert found == []
+
+
+# -- ipc, published: the trainer packs version v once, each engine takes it later ----------------------
+
+class _RegionFakeLLM(_FakeLLM):
+    """An engine taking kernel-format chunks from a published buffer: what each parameter receives,
+    read from the region the chunk's handle names ((buffer, offset, bytes): the CPU stand-in for a
+    CUDA IPC handle of a view), as vLLM's worker reads it from byte 0 of the mapped view. `fail_at`:
+    the chunk (counted from 0) whose copy raises, as a CUDA error would."""
+
+    def __init__(self, engine, buffers, fail_at=None):
+        super().__init__(engine)
+        self.buffers, self.received, self.fail_at, self.chunks = buffers, {}, fail_at, 0
+
+    def collective_rpc(self, method, args=()):
+        if method == "megamoe_receive_kernel_chunk":
+            import pickle
+
+            info = pickle.loads(args[0])
+            if self.chunks == self.fail_at:
+                self.fail_at = None  # once
+                raise RuntimeError("injected: CUDA error while copying a chunk")
+            self.chunks += 1
+            which, offset, nbytes = info["ipc_handles"]["region"]
+            region, at = self.buffers[which][offset:offset + nbytes], 0
+            assert sum(info["tensor_sizes"]) == nbytes
+            for name, shape, dtype, size in zip(info["names"], info["shapes"], info["dtype_names"],
+                                                info["tensor_sizes"]):
+                self.received[name] = region[at:at + size].view(getattr(torch, dtype)).view(shape).clone()
+                at += size
+        return super().collective_rpc(method, args)
+
+
+@pytest.fixture
+def published(ckpt, monkeypatch):
+    """(make_engine(fail_at=None) -> an engine taking every tensor in kernel format from published
+    buffers, the bucket (several chunks per version), the trainer's buffers as made): the trainer's
+    buffers on the CPU (no CUDA here), each region's handle naming (buffer, offset, bytes); this
+    test's PublishedSlots fresh."""
+    from rollout import sync
+
+    _, spec, _, _ = ckpt
+    buffers = []
+
+    def new_buffer(nbytes):
+        buf = object.__new__(sync.IPCBuffer)
+        tensor = torch.full((nbytes,), 0xA5, dtype=torch.uint8)  # not zeros: an unwritten byte shows
+        which = len(buffers)
+        buffers.append(tensor)
+        buf.__dict__.update(nbytes=nbytes, tensor=tensor, handle={}, multi_rank=False,
+                            region_handles=lambda regions: [{"region": (which, at, n)} for at, n in regions])
+        return buf
+
+    monkeypatch.setattr(sync, "new_ipc_buffer", new_buffer)
+    monkeypatch.setattr(sync, "_PUBLISHED", {})
+
+    def make_engine(fail_at=None):
+        w = _protocol_worker(spec, None)
+        w.llm = _RegionFakeLLM(_engine_params(spec, blockers=(), whole=True), buffers, fail_at)
+        return w
+
+    return make_engine, max(math.prod(shape) * 2 for shape, _ in _vllm_params(spec).values()), buffers
+
+
+def _kernel_values(state, layout):
+    """What each engine parameter of a kernel-format layout holds for the trainer's `state`: its
+    trainer tensors concatenated along dim 0, in bf16 (the ground truth, from the state itself)."""
+    return {name: torch.cat([state[p] for p in parts]).to(torch.bfloat16) for name, _, _, parts in layout}
+
+
+def _publisher(spec, bucket, depth):
+    from rollout.sync import sender
+
+    return sender("ipc", model_dir=str(spec.model_dir), dtype="bfloat16", bucket_bytes=bucket, depth=depth)
+
+
+def _trained_further(state, seed):
+    """The trainer's state after another step: every tensor moved by seeded noise (fp32)."""
+    g = torch.Generator().manual_seed(seed)
+    return {n: t + 0.01 * torch.randn(t.shape, generator=g) for n, t in state.items()}
+
+
+def test_one_engine_takes_a_published_version_whole_from_the_trainers_buffer(ckpt, published):
+    from rollout.sync_interface import LocalClient
+
+    _, spec, state, disk = ckpt
+    make_engine, bucket, _ = published
+    w = make_engine()
+    pub = _publisher(spec, bucket, depth=1).publish(_StreamTrainer(state), LocalClient(w), version=1).to_wire()
+    assert pub["mode"] == "ipc" and pub["version"] == 1 and pub["payload"]["format"] == "kernel"
+    assert len(pub["payload"]["chunks"]) > 1 and pub["payload"]["engines"] == 1
+    assert not w._updating and w.llm.received == {}  # publishing applies nothing: the engine plans, no more
+    report = w.take_weights(pub)
+    assert report["version"] == 1 and report["format"] == "kernel" and not w._updating
+    assert report["tensors"] == len(_vllm_params(spec)) and w._weights_broken is None
+    for name, t in w.llm.received.items():  # bit for bit what vLLM's loader makes of the checkpoint, in bf16
+        assert torch.equal(t, _vllm_tensor(spec, disk, name).to(torch.bfloat16)), name
+
+
+def test_two_engines_each_take_exactly_their_version_after_the_trainer_trained_further(ckpt, published):
+    """Lag 1: version 1 is published, the trainer trains and publishes version 2 into the other
+    buffer before engine 0 took version 1; engine 0 still gets version 1 bit for bit, engine 1
+    version 2, then engine 0 version 2. The engines' plan is asked once per update description."""
+    from rollout import sync
+    from rollout.sync_interface import LocalClient
+
+    _, spec, state, _ = ckpt
+    make_engine, bucket, _ = published
+    w0, w1 = make_engine(), make_engine()
+    asked = []
+
+    class Client(LocalClient):
+        def ask_plans(self, metas):
+            asked.append(len(metas))
+            return super().ask_plans(metas)
+
+    client, sender = Client(w0, w1), _publisher(spec, bucket, depth=2)
+    v1 = {n: t.clone() for n, t in state.items()}
+    trainer = _StreamTrainer(v1)
+    pub1 = sender.publish(trainer, client, version=1).to_wire()
+    v2 = _trained_further(v1, seed=11)
+    trainer.state = v2
+    pub2 = sender.publish(trainer, client, version=2).to_wire()
+    assert asked == [len(state)] and pub1["payload"]["engines"] == 2
+    layout = pub1["payload"]["layout"]
+    want1, want2 = _kernel_values(v1, layout), _kernel_values(v2, layout)
+    assert any(not torch.equal(want1[n], want2[n]) for n in want1)  # the versions differ in bf16
+
+    assert w0.take_weights(pub1)["version"] == 1
+    assert w1.take_weights(pub2)["version"] == 2
+    for w, want in ((w0, want1), (w1, want2)):
+        assert sorted(w.llm.received) == sorted(want)
+        for name, t in w.llm.received.items():
+            assert torch.equal(t, want[name]), name
+    reports = [w0.take_weights(pub2), w1.take_weights(pub2)]
+    assert all(torch.equal(t, want2[n]) for n, t in w0.llm.received.items())
+    sync.release(pub2, reports)
+    with pytest.raises(ValueError, match="reports: version 1 was published for 2 engine"):
+        sync.release(pub1, [None])
+    sync.release(pub1, [None, {"version": 1}])  # None: an engine whose take failed no longer reads it
+    sender.publish(trainer, client, version=3)  # both buffers free again
+
+
+def test_a_publish_into_a_buffer_not_every_engine_took_is_refused_before_writing(ckpt, published):
+    from rollout import sync
+    from rollout.sync_interface import LocalClient
+
+    _, spec, state, _ = ckpt
+    make_engine, bucket, buffers = published
+    w = make_engine()
+    sender, trainer = _publisher(spec, bucket, depth=1), _StreamTrainer(state)
+    pub1 = sender.publish(trainer, LocalClient(w), version=1).to_wire()
+    before = buffers[0].clone()
+    trainer.state = _trained_further(state, seed=12)
+    with pytest.raises(RuntimeError, match="cannot publish version 2: .* still holds version 1, which not every "
+                                           "engine has taken"):
+        sender.publish(trainer, LocalClient(w), version=2)
+    assert len(buffers) == 1 and torch.equal(buffers[0], before)  # version 1's bytes untouched
+    report = w.take_weights(pub1)
+    with pytest.raises(ValueError, match=r"reports: releasing version 1, but engines reported taking \[2\]"):
+        sync.release(pub1, [{**report, "version": 2}])
+    sync.release(pub1, [report])
+    with pytest.raises(ValueError, match="version: 1 is not published and held"):
+        sync.release(pub1, [report])
+    pub2 = sender.publish(trainer, LocalClient(w), version=2).to_wire()
+    assert not torch.equal(buffers[0], before) and w.take_weights(pub2)["version"] == 2
+
+
+def test_a_nonfinite_version_is_refused_before_its_buffer_is_claimed(ckpt, published):
+    from rollout.sync_interface import LocalClient
+
+    _, spec, state, _ = ckpt
+    make_engine, bucket, buffers = published
+    w = make_engine()
+    sender = _publisher(spec, bucket, depth=1)
+    with pytest.raises(ValueError, match="hold NaN/Inf in bfloat16"):
+        sender.publish(_StreamTrainer(state, bad=["model.norm.weight"]), LocalClient(w), version=1)
+    assert buffers == [] and w.llm.calls == []  # nothing written, the engines not asked
+    assert sender.publish(_StreamTrainer(state), LocalClient(w), version=1) is not None  # the slot is free
+
+
+def _tamper(pub, case):
+    chunks = [dict(c) for c in pub["payload"]["chunks"]]
+    if case == "shape":  # a later chunk's tensors described with another shape of the same bytes
+        last = chunks[-1]
+        last["shapes"] = [list(reversed(s)) for s in last["shapes"]]
+    elif case == "missing":  # the last chunk never published
+        chunks = chunks[:-1]
+    elif case == "size":
+        last = chunks[-1]
+        last["tensor_sizes"] = [s + 2 for s in last["tensor_sizes"]]
+    payload = {**pub["payload"], "chunks": chunks}
+    if case == "format":  # packed in a format this engine does not plan
+        payload["format"] = "checkpoint"
+    return {**pub, "payload": payload}
+
+
+@pytest.mark.parametrize("case, match", [
+    ("shape", "planned .* got"),
+    ("missing", "planned tensor.* in no chunk"),
+    ("size", "bytes, its chunk says"),
+    ("format", "packed in format 'checkpoint'"),
+])
+def test_a_refused_take_leaves_the_engines_weights_untouched(ckpt, published, case, match):
+    """Every chunk of a publication is checked (and the engine's plan against its format) before
+    the engine's update starts: a bad one is refused with nothing applied, not even the first chunk;
+    the good publication is taken after."""
+    from rollout.sync_interface import LocalClient
+
+    _, spec, state, _ = ckpt
+    make_engine, bucket, _ = published
+    w = make_engine()
+    pub = _publisher(spec, bucket, depth=1).publish(_StreamTrainer(state), LocalClient(w), version=1).to_wire()
+    with pytest.raises(ValueError, match=match):
+        w.take_weights(_tamper(pub, case))
+    assert w.llm.received == {} and "megamoe_receive_kernel_chunk" not in w.llm.calls
+    assert not w._updating and w._weights_broken is None
+    w._refuse_while_updating("sample")  # serves its previous weights
+    assert w.take_weights(pub)["version"] == 1 and len(w.llm.received) == len(_vllm_params(spec))
+
+
+def test_a_take_failing_while_applying_breaks_the_engine_until_a_complete_take(ckpt, published):
+    from rollout.sync_interface import LocalClient
+
+    _, spec, state, _ = ckpt
+    make_engine, bucket, _ = published
+    w = make_engine(fail_at=1)
+    pub = _publisher(spec, bucket, depth=1).publish(_StreamTrainer(state), LocalClient(w), version=1).to_wire()
+    with pytest.raises(RuntimeError, match="injected: CUDA error"):
+        w.take_weights(pub)
+    assert not w._updating and "injected: CUDA error" in w._weights_broken
+    with pytest.raises(RuntimeError, match="refusing to sample"):
+        w._refuse_while_updating("sample")
+    assert w.take_weights(pub)["version"] == 1 and w._weights_broken is None

@@ -14,7 +14,10 @@ One module fixture runs the scenario once; the tests read its record:
 - the same sync after sleep level 1 and after level 2 gives the same bits;
 - a NaN in the last layer's experts is refused before anything is applied (bits unchanged);
 - a chunk that breaks the plan half-way leaves the engine refusing to sample, and the next complete
-  sync restores the same bits.
+  sync restores the same bits;
+- the pull model (`_pull`): a version published, the trainer training further and publishing the
+  next, each taken later by the engine bit for bit (its parameters' SHA-1s and logprobs), a busy
+  buffer refused, checkpoint format through vLLM's reload from the published regions.
 """
 
 from __future__ import annotations
@@ -87,6 +90,74 @@ class _BreakSecondChunk:
         return self.inner.update_weights(update_info)
 
 
+def _pull(trainer, engine, served) -> dict:
+    """The pull model (IpcSender.publish, RolloutWorker.take_weights) at depth 2, the engine holding
+    the synced weights S: version 1 = S published, the trainer trains further (experts x1.25, the
+    rest x1.03125) and publishes version 2 = T into the other buffer; a third publication is refused
+    (both buffers held); the engine takes 2, then T is pushed the streamed way for comparison, then
+    the engine takes 1 (S, left in its buffer); both released; T again in checkpoint format (through
+    vLLM's reload, read from the published regions; another bucket so the trainer asks the engine's
+    new plan). The trainer's weights are put back to S at the end."""
+    import time
+
+    import torch
+
+    from rollout.sync import LocalClient, push_ipc_local, release, sender
+
+    def digests():
+        return engine.llm.collective_rpc("megamoe_param_digests")[0]
+
+    def publish(version, bucket_bytes=SMALL_BUCKET):
+        t0 = time.perf_counter()
+        pub = sender("ipc", model_dir=str(served), dtype="bfloat16", bucket_bytes=bucket_bytes, depth=2).publish(
+            trainer, LocalClient(engine), version).to_wire()
+        rec["seconds"][f"publish{version}"] = time.perf_counter() - t0
+        return pub
+
+    def take(pub):
+        t0 = time.perf_counter()
+        report = engine.take_weights(pub)
+        rec["seconds"][f"take{pub['version']}"] = time.perf_counter() - t0
+        return report
+
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in trainer.model.parameters()]
+    keep = [t.detach().clone() for t in local]
+    rec = {"seconds": {}, "before_digests": digests()}
+    try:
+        v1 = publish(1)
+        with torch.no_grad():
+            for name, p in trainer.model.named_parameters():
+                p.mul_(1.25 if ".experts." in name else 1.03125)
+        v2 = publish(2)
+        try:
+            publish(3)
+        except RuntimeError as e:
+            rec["busy_error"] = str(e)
+        r2 = take(v2)
+        rec["pulled"], rec["pulled_digests"] = _observe(engine), digests()
+        push_ipc_local(trainer, [engine], model_dir=str(served), dtype="bfloat16", bucket_bytes=SMALL_BUCKET)
+        rec["pushed"], rec["pushed_digests"] = _observe(engine), digests()
+        r1 = take(v1)
+        rec["v1"], rec["v1_digests"] = _observe(engine), digests()
+        release(v1, [r1])
+        release(v2, [r2])
+        engine.sync_format = "checkpoint"
+        v3 = publish(3, bucket_bytes=2 * SMALL_BUCKET)
+        r3 = take(v3)
+        release(v3, [r3])
+        rec["v3"] = _observe(engine)
+        rec["reports"] = [r1, r2, r3]
+    finally:
+        engine.sync_format = "auto"
+        with torch.no_grad():
+            for t, k in zip(local, keep):
+                t.copy_(k)
+    print("[sync] pull: " + json.dumps({"seconds": rec["seconds"],
+                                        "reports": [{k: r[k] for k in ("version", "format", "tensors")}
+                                                    for r in rec["reports"]]}))
+    return rec
+
+
 @pytest.fixture(scope="module")
 def record(tmp_path_factory):
     import os
@@ -156,6 +227,7 @@ def record(tmp_path_factory):
             out["refused"] = str(e)
         push()
         out["after_recovery"] = _observe(engine)
+        out["pull"] = _pull(trainer, engine, served)
     finally:
         engine.close()
     # The fresh engine starts from the folder the synced engine was started from, now holding the
@@ -236,3 +308,15 @@ def test_failure_mid_update_refuses_to_sample_until_a_complete_sync(record):
     assert "not.a.weight" in record.get("mid_error", ""), record.get("mid_error")
     assert "refusing to sample" in record.get("refused", "")
     assert record["after_recovery"] == record["synced"]
+
+
+def test_a_published_version_is_taken_bitwise_after_the_trainer_trained_further(record):
+    p = record["pull"]
+    assert "still holds version 1" in p.get("busy_error", ""), p.get("busy_error")
+    # version 2 taken from its buffer = the same weights pushed the streamed way, bit for bit
+    assert p["pulled_digests"] == p["pushed_digests"] and p["pulled"] == p["pushed"]
+    assert p["pulled"] != record["synced"]
+    # version 1, taken after the trainer trained further and published 2: exactly the weights it had
+    assert p["v1_digests"] == p["before_digests"] and p["v1"] == record["synced"]
+    assert [(r["version"], r["format"]) for r in p["reports"]] == [(1, "kernel"), (2, "kernel"), (3, "checkpoint")]
+    assert p["v3"] == p["pushed"]  # through vLLM's reload from the published regions: the same bits

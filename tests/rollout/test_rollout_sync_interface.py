@@ -117,7 +117,8 @@ def test_the_files_sender_hands_rank_0s_export_to_every_engine_once():
 
 def test_a_published_version_is_taken_later_by_each_engine_whole():
     """The pull model's files transport: rank 0's export made once (shared), each engine taking it
-    through update_weights when it chooses; the streamed transports refuse to publish, naming why."""
+    through update_weights when it chooses; nccl refuses to publish, naming why (ipc's publication:
+    tests/rollout/test_rollout_sync.py)."""
     from rollout.sync import sender
     from rollout.sync_interface import LocalClient, Publication
     from rollout.worker import RolloutWorker
@@ -138,11 +139,16 @@ def test_a_published_version_is_taken_later_by_each_engine_whole():
     w = object.__new__(RolloutWorker)
     w.update_weights = lambda named: {"tensors": 1, "got": named}
     assert w.take_weights(pub.to_wire()) == {"version": 3, "tensors": 1, "got": ("shared", 1)}
-    with pytest.raises(ValueError, match="mode 'ipc' cannot be taken"):
+    w.weight_sync = "files"
+    with pytest.raises(ValueError, match="mode 'ipc' needs a RolloutWorker built with weight_sync='ipc'"):
         w.take_weights({**pub.to_wire(), "mode": "ipc"})
-    for mode in ("ipc", "nccl"):
-        with pytest.raises(NotImplementedError, match=f"rollout.weight_sync='{mode}': publishing a version"):
-            sender(mode, model_dir="m", dtype=None).publish(trainer, None, version=3)
+    with pytest.raises(ValueError, match="mode 'nccl' cannot be taken"):
+        w.take_weights({**pub.to_wire(), "mode": "nccl"})
+    with pytest.raises(ValueError, match="'version' expected an int >= 0, got '3'"):
+        w.take_weights({**pub.to_wire(), "version": "3"})
+    with pytest.raises(NotImplementedError, match="rollout.weight_sync='nccl': .* a broadcast, which needs trainer "
+                                                  "rank 0 and every engine inside the same collective at once"):
+        sender("nccl", model_dir="m", dtype=None).publish(trainer, None, version=3)
 
 
 # The trainer's side of the sync: what a trainer process imports to run a sender (rl.cluster.TrainerHost
