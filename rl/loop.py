@@ -83,11 +83,9 @@ class Loop:
             check_tensorboard()  # before anything starts
         source = PromptSource.from_config(cfg.data, seed=cfg.run.seed)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        episodes = None  # multi-turn episodes (rl/episode_step.py, docs/MULTITURN.md): built and checked before any actor
-        if cfg.env.enabled:
-            from rl.episode_step import EpisodeStep
+        from rl.episode_step import EpisodeStep  # multi-turn episodes (docs/MULTITURN.md): checked before any actor
 
-            episodes = EpisodeStep(cfg, tokenizer, model_dir)
+        episodes = EpisodeStep(cfg, tokenizer, model_dir) if cfg.env.enabled else None
         self.scoring = Scoring(cfg, source, tokenizer if cfg.data.chat_template or source.conversational else None,
                                scorer, episodes)
         self.scoring.check_prompt_lengths(tokenizer)
@@ -108,15 +106,13 @@ class Loop:
         cfg, gen = self.cfg, self.generation
         self.actors.where = f"step {self.step + 1}"
         t_step = time.perf_counter()
+        episodes = self.scoring.episodes  # multi-turn: the step's episodes, on-policy (k = 0)
+        queued = gen.pending[-1].step + 1 if gen.pending else self.step
+        ahead = -1 if episodes else min(self.step + cfg.run.max_async_steps, cfg.run.steps - 1)  # the last step queued
+        for s in range(queued, ahead + 1):
+            gen.submit(s, *self.scoring.prompts(s))
         t0 = time.perf_counter()
-        if self.scoring.episodes is not None:  # multi-turn: the step's episodes, on-policy (k = 0)
-            flight = self.scoring.episodes.flight(gen, self.step, *self.scoring.prompts(self.step))
-        else:
-            queued = gen.pending[-1].step + 1 if gen.pending else self.step
-            for s in range(queued, min(self.step + cfg.run.max_async_steps, cfg.run.steps - 1) + 1):
-                gen.submit(s, *self.scoring.prompts(s))
-            t0 = time.perf_counter()
-            flight = gen.pop(self.step)
+        flight = episodes.flight(gen, self.step, *self.scoring.prompts(self.step)) if episodes else gen.pop(self.step)
         t_wait = time.perf_counter() - t0
         scored = self.scoring.score(flight, self.step, gen.generate)
         memory = {}
