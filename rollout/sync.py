@@ -456,7 +456,9 @@ class IpcSender(Sender):
             decision = rank0_decides(rank, lambda c: self.decide(c.ask_plans(metas), metas, dtype), engines)
             slots.decisions[key] = decision
         tensors = len(decision.layout) if decision.format == "kernel" else len(metas)
-        buf = slots.buffer(slot, decision.bytes + ALIGN * (tensors + 2))
+        # The chunks lie one after another, each at most the planned chunk size (the bucket, or the whole
+        # update rounded up to MiB when it is smaller): room for the bytes, their alignment and one chunk.
+        buf = slots.buffer(slot, max(decision.buffer_bytes, decision.bytes + ALIGN * (tensors + 2)))
         out_dtype = getattr(torch, dtype) if dtype else None
         packed, at = [], 0
         for stream in self._streams(weights, decision):

@@ -901,6 +901,22 @@ def test_one_engine_takes_a_published_version_whole_from_the_trainers_buffer(ckp
         assert torch.equal(t, _vllm_tensor(spec, disk, name).to(torch.bfloat16)), name
 
 
+def test_a_version_that_fits_one_bucket_is_published_as_one_chunk(ckpt, published):
+    """rollout.ipc_bucket_bytes larger than the whole update (configs/h200_rl.yaml's 2 GiB for a 1.66 GB model):
+    the planned chunk is the update rounded up to MiB, more than its bytes; the published buffer holds it (a
+    buffer sized by the bytes alone refused the chunk on an H100, 2026-12-07)."""
+    from rollout.sync_interface import LocalClient
+
+    _, spec, state, disk = ckpt
+    make_engine, _, _ = published
+    w = make_engine()
+    pub = _publisher(spec, 1 << 30, depth=1).publish(_StreamTrainer(state), LocalClient(w), version=3).to_wire()
+    assert len(pub["payload"]["chunks"]) == 1
+    assert w.take_weights(pub)["version"] == 3
+    for name, t in w.llm.received.items():
+        assert torch.equal(t, _vllm_tensor(spec, disk, name).to(torch.bfloat16)), name
+
+
 def test_two_engines_each_take_exactly_their_version_after_the_trainer_trained_further(ckpt, published):
     """Lag 1: version 1 is published, the trainer trains and publishes version 2 into the other
     buffer before engine 0 took version 1; engine 0 still gets version 1 bit for bit, engine 1
