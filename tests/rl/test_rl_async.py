@@ -2,7 +2,7 @@
 
     .venv/bin/python -m pytest -q tests/rl/test_rl_async.py
 
-Three `megamoe-rl train` runs of one async config (k=1, 5 steps, the test reward of
+Three `megamoe-rl train` runs of one async config (k=1, 5 steps, routing replay on, the test reward of
 tests/rl/test_rl_loop.py injecting the faults): one whose RolloutWorker is killed with the next
 step's batch queued on it, and one stopped by Ctrl-C after step 2 and resumed. Every result of the
 two must agree value for value (the lag is fixed, the in-flight batches are in the checkpoint, the
@@ -24,7 +24,7 @@ from rl.metrics import read_jsonl
 # ---- async (run.max_async_steps=1): lag, reproducibility, resume, a rollout worker killed ---------
 
 ASYNC = ("run.steps=5", "run.max_async_steps=1", "trainer.checkpoint_every=2", "run.plot=false",
-         "run.export_final=false", "run.tensorboard=false", "run.samples_every=1")
+         "run.export_final=false", "run.tensorboard=false", "run.samples_every=1", "trainer.routing_replay=true")
 # Metrics that are timings, or that count the injected fault, rather than results of the run.
 NOT_RESULTS = ("time/", "throughput/", "rollout/restarts_total")
 
@@ -69,6 +69,14 @@ def test_async_lag_is_fixed_and_a_killed_rollout_worker_regenerates_its_queue(as
     assert len(stale) >= 3, [(r["step"], r["train/grad_norm"]) for r in records]
     assert [s for s, *_ in fp32_mismatch_over_bounds(records)] == stale, \
         [(r["step"], r["mismatch/abs_logp_diff_max"], r["mismatch/k3_kl"]) for r in records]
+    # Routing replay under async (docs/ROUTING_REPLAY.md): every batch carries the routing its sampler captured
+    # while generating it (the replacement worker's regenerated batch too) and the trainer computes with it; a
+    # batch that is not stale routes exactly as the trainer's own routers (fp32 megamoe: bitwise); each sample's
+    # last token, never fed back to the engine, has none (16 a step).
+    for r in records:
+        assert r["routing/unrouted_tokens"] == 16 and r["routing/replayed_tokens"] > 0, (r["step"], r)
+        if r["step"] not in stale:
+            assert r["routing/agree"] == 1.0, (r["step"], r["routing/agree"])
     # samples.jsonl's lag column: each sample's step - 1 - its policy version, 4 prompts x 4 samples a step.
     rows = read_jsonl(async_runs["killed_dir"] / "samples.jsonl")
     assert [(r["step"], r["lag"]) for r in rows] == [(t, int(t > 1)) for t in range(1, 6) for _ in range(16)]
