@@ -193,9 +193,12 @@ def trainable(model: nn.Module) -> Iterator[nn.Parameter]:
 def peft_tensors(factors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The trainer's factors (state-dict names -> full tensors) in PEFT's adapter_model.safetensors names and
     layouts: `base_model.model.<module>.lora_A.weight` [r, in] / `.lora_B.weight` [out, r] for a 2-D weight;
-    for a 3-D expert parameter PEFT's ParamWrapper layout, lora_A.weight [r*E, d1] and lora_B.weight [d2, r*E].
-    PEFT targets two parameters of one experts module with stacked wrappers, the later target outermost:
-    gate_up_proj's factors sit under `<experts>.base_layer.` when down_proj is adapted too."""
+    for a 3-D expert parameter P [E, d1, d2] PEFT's ParamWrapper (peft 0.21): transformers' experts modules
+    carry no `is_transposed`, so PEFT reads P as [experts, out=d1, in=d2], with lora_A.weight [E*r, d2]
+    (viewed [E, r, d2]) and lora_B.weight [d1, r*E] (viewed [d1, r, E]), delta[e] = B_e @ A_e. Ours is
+    delta[e] = A[e]^T @ B[e]^T with A [E, r, d1], B [E, d2, r]: PEFT's A_e is our B[e]^T and its B_e our
+    A[e]^T. PEFT targets two parameters of one experts module with stacked wrappers, the later target
+    outermost: gate_up_proj's factors sit under `<experts>.base_layer.` when down_proj is adapted too."""
     out = {}
     experts_params: dict[str, set[str]] = {}
     for name in factors:
@@ -207,13 +210,13 @@ def peft_tensors(factors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if p == "weight":
             out[f"base_model.model.{mod}.{kind}.weight"] = t.contiguous()
             continue
-        E = t.shape[0]
-        if kind == "lora_A":
-            flat = t.reshape(E * t.shape[1], t.shape[2])
-        else:
-            flat = t.permute(1, 2, 0).reshape(t.shape[1], t.shape[2] * E)
+        E, r = t.shape[0], t.shape[1] if kind == "lora_A" else t.shape[2]
+        if kind == "lora_B":  # ours [E, d2, r] -> PEFT's lora_A [E*r, d2]
+            peft_kind, flat = "lora_A", t.transpose(1, 2).reshape(E * r, t.shape[1])
+        else:  # ours [E, r, d1] -> PEFT's lora_B [d1, r*E]
+            peft_kind, flat = "lora_B", t.permute(2, 1, 0).reshape(t.shape[2], r * E)
         inner = p == "gate_up_proj" and "down_proj" in experts_params[mod]
-        out[f"base_model.model.{mod}.{'base_layer.' if inner else ''}{kind}.weight"] = flat.contiguous()
+        out[f"base_model.model.{mod}.{'base_layer.' if inner else ''}{peft_kind}.weight"] = flat.contiguous()
     return out
 
 

@@ -172,7 +172,9 @@ def test_lora_export_writes_a_peft_adapter_that_rebuilds_the_merged_weights(runs
         for param, prefix in (("down_proj", ""), ("gate_up_proj", "base_layer.")):
             a, b = tensors[f"base_model.model.{ex}.{prefix}lora_A.weight"], tensors[f"base_model.model.{ex}.{prefix}lora_B.weight"]
             E = base[f"{ex}.{param}"].shape[0]
-            delta = torch.einsum("o r e, e r i -> e i o", b.reshape(b.shape[0], -1, E), a.reshape(E, -1, a.shape[1]))
+            # peft 0.21's ParamWrapper.get_delta_weight for an experts module without `is_transposed` (transformers'):
+            # P read as [experts, out, in], delta = einsum("o r e, e r i -> e o i", B as [out, r, E], A as [E, r, in])
+            delta = torch.einsum("o r e, e r i -> e o i", b.reshape(b.shape[0], -1, E), a.reshape(E, -1, a.shape[1]))
             torch.testing.assert_close(base[f"{ex}.{param}"] + scale * delta, merged[f"{ex}.{param}"], rtol=0, atol=1e-6)
             assert not torch.equal(base[f"{ex}.{param}"], merged[f"{ex}.{param}"])
 

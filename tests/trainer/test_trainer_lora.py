@@ -162,9 +162,11 @@ def test_worker_steps_only_the_adapters_and_exports_the_merged_weights(model_dir
 
 
 def test_peft_layout_reconstructs_the_delta_with_peft_formula():
-    """adapter_model.safetensors' tensors, put back together the way PEFT's ParamWrapper computes its delta
-    (einsum 'o r e, e r i -> e i o' over lora_B [d2, r*E] viewed (d2, r, E) and lora_A [r*E, d1] viewed (E, r, d1)),
-    and lora.Linear's (B @ A), give the trainer's delta."""
+    """adapter_model.safetensors' tensors, put back together the way PEFT's ParamWrapper computes its delta (peft
+    0.21, an experts module without `is_transposed`, as transformers' are: the parameter read as [E, out, in],
+    einsum 'o r e, e r i -> e o i' over lora_B [d1, r*E] viewed (d1, r, E) and lora_A [r*E, d2] viewed (E, r, d2)),
+    and lora.Linear's (B @ A), give the trainer's delta. Checked against peft 0.21.2 itself on 2026-12-07: its
+    merge_and_unload of an exported adapter gave the export's merged weights (peft is not a test dependency)."""
     g = torch.Generator().manual_seed(5)
     E, r, d1, d2 = 4, 3, 10, 6
     A, B = torch.randn(E, r, d1, generator=g), torch.randn(E, d2, r, generator=g)
@@ -180,8 +182,8 @@ def test_peft_layout_reconstructs_the_delta_with_peft_formula():
                         "base_model.model.m.self_attn.q_proj.lora_B.weight"}
     pa, pb = out["base_model.model.m.mlp.experts.base_layer.lora_A.weight"], \
         out["base_model.model.m.mlp.experts.base_layer.lora_B.weight"]
-    assert pa.shape == (r * E, d1) and pb.shape == (d2, r * E)
-    peft_delta = torch.einsum("o r e, e r i -> e i o", pb.reshape(d2, -1, E), pa.reshape(E, -1, d1))
+    assert pa.shape == (r * E, d2) and pb.shape == (d1, r * E)
+    peft_delta = torch.einsum("o r e, e r i -> e o i", pb.reshape(d1, -1, E), pa.reshape(E, -1, d2))
     zero = torch.zeros(E, d1, d2)
     torch.testing.assert_close(peft_delta, lora.merge(zero, A, B, 1.0), rtol=1e-6, atol=1e-6)
     lin = out["base_model.model.m.self_attn.q_proj.lora_B.weight"] @ out["base_model.model.m.self_attn.q_proj.lora_A.weight"]
