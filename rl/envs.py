@@ -259,6 +259,11 @@ class VerifiersSession(Session):
                 self.state = value
         return messages
 
+    def _failed(self, status, value, method: str, done: bool) -> Reply:
+        """A user method that raised or timed out: its error as the environment's message, counted."""
+        return Reply([{"role": "user", "content": error_text(status, value, method, self.timeout_s)}], done=done,
+                     tool_errors=status == ERROR, tool_timeouts=status == TIMEOUT)
+
     def respond(self, messages, calls, parse_error) -> Reply:
         self.state["turn"] += 1
         self.state["responses"].append(messages[-1])
@@ -266,17 +271,13 @@ class VerifiersSession(Session):
             status, value = call_all([(self.env.is_completed, {"messages": messages, "state": self.state})],
                                      self.timeout_s)[0]
             if status != OK:
-                msg = error_text(status, value, "is_completed", self.timeout_s)
-                return Reply([{"role": "user", "content": msg}], done=True, tool_errors=status == ERROR,
-                             tool_timeouts=status == TIMEOUT)
+                return self._failed(status, value, "is_completed", done=True)
             if value:
                 return Reply([], done=True)
         status, value = call_all([(self.env.env_response, {"messages": messages, "state": self.state})],
                                  self.timeout_s)[0]
         if status != OK:
-            msg = error_text(status, value, "env_response", self.timeout_s)
-            return Reply([{"role": "user", "content": msg}], done=False, tool_errors=status == ERROR,
-                         tool_timeouts=status == TIMEOUT)
+            return self._failed(status, value, "env_response", done=False)
         if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict):  # older verifiers
             value, self.state = value
         if isinstance(value, dict):
