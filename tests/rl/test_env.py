@@ -114,6 +114,15 @@ def envmod(tmp_path, monkeypatch):
 
             def env_response(self, messages, state, **kwargs):
                 return [{"role": "user", "content": "again"}], {**state, "reward": 1.0}
+
+        class Flaky:  # verifiers' shape whose env_response raises at turn 1 and whose is_completed hangs at turn 2
+            def is_completed(self, messages, state, **kwargs):
+                if state["turn"] >= 2:
+                    time.sleep(30)
+                return False
+
+            def env_response(self, messages, state, **kwargs):
+                raise RuntimeError("backend down")
     '''))
     monkeypatch.syspath_prepend(str(tmp_path))
     sys.modules.pop("user_env", None)
@@ -132,6 +141,14 @@ EOS = "<|im_end|>"
 
 def eos_ids(tok):
     return [tok.convert_tokens_to_ids(EOS), tok.convert_tokens_to_ids("<|endoftext|>")]
+
+
+# The two-turn calculator episode the scripted sampler plays (CALL, then "444"), as chat messages after the prompt.
+CALC_TURNS = [
+    {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+        "name": "calculator", "arguments": {"expression": "37 * 12"}}}]},
+    {"role": "tool", "name": "calculator", "content": "444"},
+    {"role": "assistant", "content": "444"}]
 
 
 class Scripted:
@@ -186,11 +203,7 @@ def test_two_turn_episode_is_the_sampled_tokens_plus_the_templates_tokens(tok):
     prompt = [{"role": "user", "content": "What is 37 * 12?"}]
     gen = Scripted(tok, lambda c, turn, k: CALL if turn == 0 else "444")
     (ep,) = runner.run([{"answer": "444"}], [prompt], 1, gen)
-    messages = prompt + [
-        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
-            "name": "calculator", "arguments": {"expression": "37 * 12"}}}]},
-        {"role": "tool", "name": "calculator", "content": "444"},
-        {"role": "assistant", "content": "444"}]
+    messages = prompt + CALC_TURNS
     want = tok.apply_chat_template(messages, tools=env.schemas, tokenize=True)["input_ids"]
     assert tok.decode(want[-1:]) == "\n"
     assert ep.prompt_ids + ep.completion_ids == want[:-1]
@@ -214,11 +227,7 @@ def test_a_turn_stopped_by_a_stop_string_gets_the_end_of_turn_token_as_context(t
     prompt = [{"role": "user", "content": "What is 37 * 12?"}]
     gen = Scripted(tok, lambda c, turn, k: CALL if turn == 0 else "444", stop_string=True)
     (ep,) = runner.run([{}], [prompt], 1, gen)
-    messages = prompt + [
-        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
-            "name": "calculator", "arguments": {"expression": "37 * 12"}}}]},
-        {"role": "tool", "name": "calculator", "content": "444"},
-        {"role": "assistant", "content": "444"}]
+    messages = prompt + CALC_TURNS
     want = tok.apply_chat_template(messages, tools=env.schemas, tokenize=True)["input_ids"]
     assert ep.prompt_ids + ep.completion_ids == want[:-2]  # less the last turn's end-of-turn token and newline
     (_, _, ids0, _), _ = gen.returned
@@ -429,6 +438,19 @@ def test_verifiers_multiturn_env_runs_unchanged(tok, envmod, cls, rounds):
         rendered = tok.apply_chat_template([{"role": "user", "content": "Hi"}] + ep.messages, tokenize=True)["input_ids"]
         assert ep.prompt_ids + ep.completion_ids == rendered[:-1]
     assert eps[0].handle is not eps[1].handle  # one state per episode
+
+
+def test_a_verifiers_env_that_raises_or_hangs_is_answered_and_counted(tok, envmod):
+    """env_response raising: its error becomes the environment's message and the episode goes on (tool_errors 1);
+    is_completed hanging past env.tool_timeout_s: the episode ends there, the timeout counted (tool_timeouts 1)."""
+    env = Environment(env_cfg(environment=f"{envmod}:Flaky", tool_timeout_s=0.3))
+    fmt = ChatFormat(tok, None, eos_ids(tok), env_role="user")
+    runner = EpisodeRunner(env, fmt, max_turns=5, max_tokens_per_turn=32, max_total_tokens=512)
+    (ep,) = runner.run([{}], [[{"role": "user", "content": "Hi"}]], 1, Scripted(tok, lambda c, turn, k: f"answer {turn}"))
+    # the ending reply's message is not appended: no assistant turn follows it
+    assert [m["role"] for m in ep.messages] == ["assistant", "user", "assistant"]
+    assert ep.messages[1]["content"] == "Error: env_response raised RuntimeError: backend down"
+    assert (ep.turns, ep.tool_errors, ep.tool_timeouts) == (2, 1, 1)
 
 
 # ---- limits ------------------------------------------------------------------------------------
