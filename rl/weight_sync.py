@@ -7,9 +7,10 @@ Every mode (files, ipc, nccl) is one call into every trainer rank's actor
 (`TrainerHost.send_weights(sender, engines)`), which runs the mode's rollout.sync.sender there: its
 GPU tensors cannot leave the process as tensors, and every rank takes part in the gathers. Rank 0
 drives the engines through `RayClient`, whose calls are the engines' typed endpoint
-(rollout.sync_interface.EngineEndpoint, forwarded by rl.cluster.RolloutHost). `publish` makes a
-version once for the engines to take later (RolloutHost.take_weights via `take`, then `release`;
-the pull model, files and ipc).
+(rollout.sync_interface.EngineEndpoint, forwarded by rl.cluster.RolloutHost). The pull model (a
+version published once, taken by each engine behind its generations, then released; files and ipc)
+is driven by rl/pipeline.py's Publication through TrainerHost.publish_weights / release_weights and
+RolloutHost.take_weights.
 """
 
 from __future__ import annotations
@@ -88,30 +89,3 @@ def push(mode: str, trainers: list, rollouts: list, *, dtype: str | None, model_
     sender = sync.sender(mode, model_dir=model_dir, dtype=dtype, bucket_bytes=bucket_bytes)
     engines = RayClient(rollouts)
     return ray.get([t.send_weights.remote(sender, engines) for t in trainers])[0]
-
-
-def publish(mode: str, trainers: list, rollouts: list, version: int, *, dtype: str | None, model_dir: str,
-            bucket_bytes: int, depth: int = 1) -> dict:
-    """Version `version` published once for the engines to take later (rollout.sync_interface.Publication's
-    wire, rank 0's): hand it to each RolloutHost.take_weights when its queue reaches it, then
-    `release` it once every take returned. files and ipc (rollout.sync_interface.Sender.publish);
-    depth: ipc's versions published and not yet released, at most (run.max_async_steps + 1)."""
-    import ray
-
-    sender = sync.sender(mode, model_dir=model_dir, dtype=dtype, bucket_bytes=bucket_bytes, depth=depth)
-    return ray.get([t.publish_weights.remote(sender, RayClient(rollouts), version) for t in trainers])[0]
-
-
-def take(rollouts: list, publication: dict) -> list:
-    """Each engine's take_weights(publication) queued behind the calls this caller already queued on
-    it (Ray runs one caller's calls to an actor in order); the ObjectRefs of their reports."""
-    return [r.take_weights.remote(publication) for r in rollouts]
-
-
-def release(trainers: list, publication: dict, reports: list) -> None:
-    """Every engine's take of `publication` returned (`reports`: their reports, None for an engine
-    whose take failed): every trainer rank may write its buffer again (ipc; files keeps nothing)."""
-    import ray
-
-    ray.get([t.release_weights.remote(publication, reports) for t in trainers])
-
