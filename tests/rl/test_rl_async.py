@@ -9,6 +9,11 @@ two must agree value for value (the lag is fixed, the in-flight batches are in t
 dead worker's queue is replayed from the policy versions it needed). A file of its own, so that
 `make test`'s workers (--dist loadfile) can run it beside tests/rl/test_rl_faults.py.
 The config refusals are pure config tests (tests/rl/test_config.py).
+
+Also here, without a run: the checks every async run goes through (check_sampled_by_version, which
+tests/rl/test_rl_async_gpu.py applies to ipc runs on a GPU in bitwise mode), tested on hand-written records;
+sleep mode's refusal on CPU and its warning at k >= 1; and the nccl publication at k = 1, the driver's half,
+with fake engines (vLLM's NCCL engine cannot receive on CPU: docs/WEIGHT_SYNC.md, "nccl on CPU").
 """
 
 from __future__ import annotations
