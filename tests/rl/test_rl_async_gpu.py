@@ -51,18 +51,17 @@ def test_the_runs_config_loads_as_bitwise_ipc_on_one_gpu():
         assert cfg.rollout.engine_kwargs["enforce_eager"] is True and cfg.model.dtype == "bfloat16"
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The three runs (module docstring). Rewards: the test module's first_char_is_answer (it counts its
-    calls, which times the kill: its 3rd, during step 3) and alnum_share, whose partial credit gives every
-    step's groups a signal, so every update moves the weights and the stale batches are stale."""
-    work = tmp_path_factory.mktemp("rl_async_gpu")
+def train_runs(work, overrides) -> dict:
+    """The three runs (module docstring) under `work` with `overrides` (GPU_IPC here): {name: {"proc", "dir",
+    "records", "rows"}}. Rewards: the test module's first_char_is_answer (it counts its calls, which times the
+    kill: its 3rd, during step 3) and alnum_share, whose partial credit gives every step's groups a signal, so
+    every update moves the weights and the stale batches are stale."""
     first = write_reward_module(work)
     rewards = ("--reward", first, "--reward", "loop_test_rewards:alnum_share")
     out = {}
     for name, k, steps, action in (("on_policy", 0, 4, ""), ("lagged", 1, 5, ""), ("killed", 1, 5, "kill_rollout@3")):
         run_dir = work / name
-        proc = run_train(run_dir, *GPU_IPC, f"run.steps={steps}", f"run.max_async_steps={k}", *rewards,
+        proc = run_train(run_dir, *overrides, f"run.steps={steps}", f"run.max_async_steps={k}", *rewards,
                          action=action, cwd=work)
         records = read_jsonl(run_dir / "metrics.jsonl") if proc.returncode == 0 else []
         for r in records:
@@ -74,10 +73,8 @@ def runs(tmp_path_factory):
     return out
 
 
-@pytest.mark.gpu
-@pytest.mark.slow
-def test_ipc_on_policy_every_batch_bitwise_equal_to_the_trainers(runs):
-    run = runs["on_policy"]
+def check_on_policy(run: dict) -> None:
+    """k = 0: every batch's mismatch exactly 0."""
     assert run["proc"].returncode == 0, explain(run["proc"])
     records = run["records"]
     # Non-vacuous: updates moved the weights, so an engine that missed a take would sample by older ones.
@@ -85,21 +82,16 @@ def test_ipc_on_policy_every_batch_bitwise_equal_to_the_trainers(runs):
     assert check_sampled_by_version(records, run["rows"], 0, bitwise_off_policy, SAMPLES_PER_STEP) == []
 
 
-@pytest.mark.parametrize("name", ["lagged", "killed"])
-@pytest.mark.gpu
-@pytest.mark.slow
-def test_ipc_lag_1_each_batch_sampled_by_exactly_its_version(runs, name):
-    run = runs[name]
+def check_lag_1(run: dict) -> None:
+    """k = 1: mismatch exactly 0 where the batch is not stale, above 0 where it is."""
     assert run["proc"].returncode == 0, explain(run["proc"])
     stale = check_sampled_by_version(run["records"], run["rows"], 1, bitwise_off_policy, SAMPLES_PER_STEP)
     # Non-vacuous: at least steps 3-5 are stale (every update from the first nonzero gradient on moves the weights).
     assert stale[-3:] == [3, 4, 5], [(r["step"], r["train/grad_norm"]) for r in run["records"]]
 
 
-@pytest.mark.gpu
-@pytest.mark.slow
-def test_ipc_rollout_worker_killed_mid_queue_regenerates_its_batch_by_its_version(runs):
-    killed, lagged = runs["killed"], runs["lagged"]
+def check_killed(lagged: dict, killed: dict) -> None:
+    """The run whose rollout worker died mid-queue went on and equals the uninterrupted one."""
     assert killed["proc"].returncode == 0, explain(killed["proc"])
     assert lagged["proc"].returncode == 0, explain(lagged["proc"])
     assert killed["records"][-1]["rollout/restarts_total"] == 1
@@ -111,3 +103,27 @@ def test_ipc_rollout_worker_killed_mid_queue_regenerates_its_batch_by_its_versio
                          "deterministic here, so the replacement's batch cannot be compared by value", early[:5])
     assert differ == [], differ[:5]
     assert [r["completion"] for r in lagged["rows"]] == [r["completion"] for r in killed["rows"]]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return train_runs(tmp_path_factory.mktemp("rl_async_gpu"), GPU_IPC)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_ipc_on_policy_every_batch_bitwise_equal_to_the_trainers(runs):
+    check_on_policy(runs["on_policy"])
+
+
+@pytest.mark.parametrize("name", ["lagged", "killed"])
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_ipc_lag_1_each_batch_sampled_by_exactly_its_version(runs, name):
+    check_lag_1(runs[name])
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_ipc_rollout_worker_killed_mid_queue_regenerates_its_batch_by_its_version(runs):
+    check_killed(runs["lagged"], runs["killed"])
