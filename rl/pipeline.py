@@ -304,6 +304,13 @@ class Training:
     def __init__(self, cfg: Config, actors: Actors):
         self.cfg = cfg
         self.actors = actors
+        level, k = cfg.rollout.sleep_level, cfg.run.max_async_steps
+        if level and k:
+            log.warning("rollout.sleep_level=%d with run.max_async_steps=%d: an engine can sleep only once the "
+                        "generations queued on it are done, and the trainer trains only once it sleeps, so "
+                        "training does not overlap generation (scoring still does); the lag stays %d. Where the "
+                        "trainer and the engines fit the GPU together, rollout.sleep_level=0 keeps the overlap "
+                        "(docs/ASYNC.md)", level, k, k)
 
     def step(self, batch: TrainBatch) -> tuple[dict, dict]:
         """(the trainer's metrics, seconds {sleep, train})."""

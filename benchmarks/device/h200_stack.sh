@@ -4,7 +4,7 @@
 # The vLLM / Ray / RL stages need the bundles built here first (../shared/device): .gpu-vllm/ and
 # .gpu-ray/ (carry both); the kernel stages (kernel_tests, bench, tune) run without them.
 # Stages: versions | rollout (tests/rollout/test_rollout_gpu.py) | sync_tests (tests/rollout/test_rollout_sync_gpu.py: the CUDA IPC
-# weight sync) | bench_sync (benchmarks/bench_weight_sync.py; SYNC_ARGS overrides its arguments) | consistency_tests (gpu tests of the
+# weight sync) | async_gpu (tests/rl/test_rl_async_gpu.py: async RL over ipc at k = 0 and 1, bitwise, a rollout worker killed mid-queue; ~4-6 min) | bench_sync (benchmarks/bench_weight_sync.py; SYNC_ARGS overrides its arguments) | consistency_tests (gpu tests of the
 # consistency issue) | invariance | consistency (the CLI, 8 layers H=1024 E=64 k=8 bf16) | bitwise (run.numerics=bitwise: divergence + consistency at two shapes) | bitwise_families (the same for the tiny OLMoE and Mixtral) | dsv3 (consistency for the tiny DeepSeek-V3, MLA off) | rl_megamoe |
 # rl_reference | kernel_tests (the op's bf16 GPU tests + the trainer's) | kernel_tests_fp32 (the op's fp32
 # and TMA-weight GPU tests) | gpu_tests (both of those and the trainer's, as 8 concurrent pytest processes) | bench (bench_moe.py; carry .whl with the
@@ -35,6 +35,8 @@ for stage in "$@"; do
     rollout) timeout 420 $PY -m pytest -p no:cacheprovider -q -s -m gpu tests/rollout/test_rollout_gpu.py; rc=$? ;;
     sync_tests) timeout 500 $PY -m pytest -p no:cacheprovider -q -s -rA -m gpu tests/rollout/test_rollout_sync_gpu.py \
         > "$LOG/sync_tests.log" 2>&1; rc=$?; grep -E "^\[sync\]|^(PASSED|FAILED|ERROR)|passed|failed|Error" "$LOG/sync_tests.log" | tail -30 ;;
+    async_gpu) timeout 540 $PY -m pytest -p no:cacheprovider -q -s -rA -m gpu tests/rl/test_rl_async_gpu.py \
+        > "$LOG/async_gpu.log" 2>&1; rc=$?; grep -E "^\[async-gpu|^(PASSED|FAILED|ERROR)|passed|failed|Error" "$LOG/async_gpu.log" | tail -40 ;;
     bench_sync) read -r -a SYNC <<< "${SYNC_ARGS:---models h200_rl qwen3_dims --reps 5}"
       timeout 540 $PY benchmarks/bench_weight_sync.py "${SYNC[@]}" --out "$LOG/bench_weight_sync.md"; rc=$? ;;
     consistency_tests) timeout 420 $PY -m pytest -p no:cacheprovider -q -s -m gpu tests/rl/test_consistency.py tests/rl/test_consistency_invariance.py; rc=$? ;;

@@ -9,11 +9,17 @@ two must agree value for value (the lag is fixed, the in-flight batches are in t
 dead worker's queue is replayed from the policy versions it needed). A file of its own, so that
 `make test`'s workers (--dist loadfile) can run it beside tests/rl/test_rl_faults.py.
 The config refusals are pure config tests (tests/rl/test_config.py).
+
+Also here, without a run: the checks every async run goes through (check_sampled_by_version, which
+tests/rl/test_rl_async_gpu.py applies to ipc runs on a GPU in bitwise mode), tested on hand-written records;
+sleep mode's refusal on CPU and its warning at k >= 1; and the nccl publication at k = 1, the driver's half,
+with fake engines (vLLM's NCCL engine cannot receive on CPU: docs/WEIGHT_SYNC.md, "nccl on CPU").
 """
 
 from __future__ import annotations
 
 import json
+from typing import Callable
 
 import pytest
 
@@ -21,12 +27,84 @@ from test_rl_loop import STEP_KEYS, explain, fp32_mismatch_over_bounds, numeric_
 from rl.metrics import read_jsonl
 
 
+# ---- what every async run must show, whatever its transport (tests/rl/test_rl_async_gpu.py: ipc on CUDA) ----
+
+def stale_steps(records: list[dict]) -> list[int]:
+    """The steps whose batch is stale: its version v trained at step t, and an update between them (steps
+    v+1 .. t-1) moved the weights, which every update does from the first nonzero gradient on (Adam's
+    momentum moves the weights after it; before it, an update of zero gradients leaves them)."""
+    moved = [any(x["train/grad_norm"] > 0 for x in records[:i + 1]) for i in range(len(records))]
+    return [r["step"] for r in records if any(moved[r["async/policy_version"]:r["step"] - 1])]
+
+
+def check_sampled_by_version(records: list[dict], rows: list[dict], k: int, off_policy: Callable[[list[dict]], list],
+                             samples_per_step: int) -> list[int]:
+    """Every batch of a run at lag `k` was sampled by exactly its policy version: the schedule (the batch of
+    step t by version max(0, t-1-k), its lag min(t-1, k)), samples.jsonl's lag of every sample, and the
+    sampler-trainer mismatch: `off_policy(records)` (the (step, ...) of every record whose mismatch is above
+    the numerics' bound: fp32 bounds in fast numerics, 0 in bitwise mode) is exactly the stale steps (a
+    batch sampled by other weights than its version's would show up at a step that is not stale, or hide at
+    one that is). Returns the stale steps."""
+    steps = len(records)
+    assert [(r["step"], r["async/policy_version"], r["async/lag"]) for r in records] == \
+        [(t, max(0, t - 1 - k), min(t - 1, k)) for t in range(1, steps + 1)]
+    stale = stale_steps(records)
+    assert [s for s, *_ in off_policy(records)] == stale, \
+        [(r["step"], r["async/policy_version"], r["train/grad_norm"], r["mismatch/abs_logp_diff_max"],
+          r["mismatch/k3_kl"]) for r in records]
+    assert [(r["step"], r["lag"]) for r in rows] == \
+        [(t, min(t - 1, k)) for t in range(1, steps + 1) for _ in range(samples_per_step)]
+    return stale
+
+
+def bitwise_off_policy(records: list[dict]) -> list[tuple]:
+    """(step, max |dlogp|, k3) of every record whose mismatch is not exactly 0: in run.numerics=bitwise the
+    trainer's logprobs equal the sampler's bit for bit when both hold the same weights (docs/BITWISE.md)."""
+    return [(r["step"], r["mismatch/abs_logp_diff_max"], r["mismatch/k3_kl"]) for r in records
+            if not (r["mismatch/abs_logp_diff_max"] == 0.0 and r["mismatch/k3_kl"] == 0.0)]
+
+
+def _record(step: int, version: int, grad_norm: float, diff: float) -> dict:
+    return {"step": step, "async/policy_version": version, "async/lag": step - 1 - version,
+            "train/grad_norm": grad_norm, "mismatch/abs_logp_diff_max": diff, "mismatch/k3_kl": diff * diff / 2}
+
+
+def test_check_sampled_by_version_catches_a_batch_of_other_weights():
+    """The check on hand-written records of k = 1 in bitwise mode (steps 1-5, step 1's update without a
+    gradient, so step 2's batch is not stale): passes on the true pattern; a stale batch at mismatch 0 (sampled
+    by the trainer's newer weights), a fresh one above it (by other weights), a wrong version or a lag missing
+    from samples.jsonl each fail it."""
+    grads, diffs = [0.0, 0.5, 0.4, 0.3, 0.2], [0.0, 0.0, 0.1, 0.2, 0.3]
+    records = [_record(t, max(0, t - 2), g, d) for t, g, d in zip(range(1, 6), grads, diffs)]
+    rows = [{"step": t, "lag": min(t - 1, 1)} for t in range(1, 6) for _ in range(2)]
+    assert check_sampled_by_version(records, rows, 1, bitwise_off_policy, 2) == [3, 4, 5]
+    for step, diff in ((4, 0.0), (2, 1e-7)):
+        bad = [_record(step, r["async/policy_version"], r["train/grad_norm"], diff) if r["step"] == step else r
+               for r in records]
+        with pytest.raises(AssertionError):
+            check_sampled_by_version(bad, rows, 1, bitwise_off_policy, 2)
+    with pytest.raises(AssertionError):
+        check_sampled_by_version([dict(r, **{"async/policy_version": 2}) if r["step"] == 5 else r for r in records],
+                                 rows, 1, bitwise_off_policy, 2)
+    with pytest.raises(AssertionError):
+        check_sampled_by_version(records, rows[:-1], 1, bitwise_off_policy, 2)
+
+
+# Metrics that are timings, or that count the injected fault, rather than results of the run.
+NOT_RESULTS = ("time/", "throughput/", "rollout/restarts_total")
+
+
+def result_differences(a: list[dict], b: list[dict]) -> list[tuple]:
+    """(step, key, a's value, b's value) of every result (NOT_RESULTS aside) that differs between two runs'
+    metrics records."""
+    return [(x["step"], k, x[k], y.get(k)) for x, y in zip(a, b, strict=True) for k in x
+            if not k.startswith(NOT_RESULTS) and x[k] != y.get(k)]
+
+
 # ---- async (run.max_async_steps=1): lag, reproducibility, resume, a rollout worker killed ---------
 
 ASYNC = ("run.steps=5", "run.max_async_steps=1", "trainer.checkpoint_every=2", "run.plot=false",
          "run.export_final=false", "run.tensorboard=false", "run.samples_every=1", "trainer.routing_replay=true")
-# Metrics that are timings, or that count the injected fault, rather than results of the run.
-NOT_RESULTS = ("time/", "throughput/", "rollout/restarts_total")
 
 
 @pytest.fixture(scope="module")
@@ -50,25 +128,19 @@ def test_async_lag_is_fixed_and_a_killed_rollout_worker_regenerates_its_queue(as
     p = async_runs["killed"]
     assert p.returncode == 0, explain(p)
     records = read_jsonl(async_runs["killed_dir"] / "metrics.jsonl")
-    # The batch of step t was sampled by the policy after t-2 updates (t-1: the first step's, by the
-    # initial weights): lag 1 at every step but the first.
-    assert [(r["step"], r["async/policy_version"], r["async/lag"]) for r in records] == \
-        [(1, 0, 0), (2, 0, 1), (3, 1, 1), (4, 2, 1), (5, 3, 1)]
     assert records[-1]["rollout/restarts_total"] == 1
     assert "restarting it with its queue of weights and generations" in \
         (async_runs["killed_dir"] / "train.log").read_text()
     for r in records:
         assert not numeric_finite(r, STEP_KEYS + ("time/rollout_busy_s",)), (r["step"], r)
-    # Step 1 is on-policy: the sampler-trainer mismatch at the fp32 bound. A batch of version v trained
-    # at step t is stale when an update between them (steps v+1 .. t-1) moved the weights: every update
-    # from the first nonzero gradient on (Adam's momentum moves the weights after it; before it, an
-    # update of zero gradients leaves them; this seed's step 1 has no reward signal, so step 2's batch
-    # is not stale). Then its mismatch is far above the bound (k3 2.6e-2 to 4.1e-4 measured, 2026-12-07).
-    moved = [any(x["train/grad_norm"] > 0 for x in records[:i + 1]) for i in range(len(records))]
-    stale = [r["step"] for r in records if any(moved[r["async/policy_version"]:r["step"] - 1])]
+    # The batch of step t was sampled by the policy after t-2 updates (t-1: the first step's, by the
+    # initial weights): lag 1 at every step but the first; samples.jsonl's lag column, 4 prompts x 4
+    # samples a step. Step 1 is on-policy: the sampler-trainer mismatch at the fp32 bound; a stale batch
+    # (this seed's step 1 has no reward signal, so step 2's batch is not stale) far above it (k3 2.6e-2 to
+    # 4.1e-4 measured, 2026-12-07).
+    rows = read_jsonl(async_runs["killed_dir"] / "samples.jsonl")
+    stale = check_sampled_by_version(records, rows, 1, fp32_mismatch_over_bounds, 16)
     assert len(stale) >= 3, [(r["step"], r["train/grad_norm"]) for r in records]
-    assert [s for s, *_ in fp32_mismatch_over_bounds(records)] == stale, \
-        [(r["step"], r["mismatch/abs_logp_diff_max"], r["mismatch/k3_kl"]) for r in records]
     # Routing replay under async (docs/ROUTING_REPLAY.md): every batch carries the routing its sampler captured
     # while generating it (the replacement worker's regenerated batch too) and the trainer computes with it; a
     # batch that is not stale routes exactly as the trainer's own routers (fp32 megamoe: bitwise); each sample's
@@ -77,9 +149,6 @@ def test_async_lag_is_fixed_and_a_killed_rollout_worker_regenerates_its_queue(as
         assert r["routing/unrouted_tokens"] == 16 and r["routing/replayed_tokens"] > 0, (r["step"], r)
         if r["step"] not in stale:
             assert r["routing/agree"] == 1.0, (r["step"], r["routing/agree"])
-    # samples.jsonl's lag column: each sample's step - 1 - its policy version, 4 prompts x 4 samples a step.
-    rows = read_jsonl(async_runs["killed_dir"] / "samples.jsonl")
-    assert [(r["step"], r["lag"]) for r in rows] == [(t, int(t > 1)) for t in range(1, 6) for _ in range(16)]
 
 
 @pytest.mark.slow
@@ -93,8 +162,169 @@ def test_async_run_interrupted_and_resumed_equals_the_uninterrupted_one(async_ru
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
     # Every result of the run equals, value for value, the other run's, the one whose RolloutWorker
     # died with a batch queued on it: one config, one seed, one run, whatever happened to it.
-    differ = [(x["step"], k, x[k], y.get(k)) for x, y in zip(a, b) for k in x
-              if not k.startswith(NOT_RESULTS) and x[k] != y.get(k)]
+    differ = result_differences(a, b)
     assert differ == [], differ[:5]
     assert "resume: 1 batch(es) in flight at the checkpoint (steps [3])" in \
         (async_runs["stopped_dir"] / "train.log").read_text()
+
+
+def test_sleep_mode_is_refused_on_cpu_saying_why_and_at_k_1_says_what_it_costs(caplog):
+    """vLLM's sleep mode (rollout.sleep_level) needs CUDA: refused on CPU at any lag, with the reason. On a GPU it
+    loads at k >= 1 as at k = 0 (tests/rl/test_config.py), and the pipeline's Training says once, when it is made,
+    that an engine sleeps only after the generations queued on it, so training then does not overlap generation."""
+    import logging
+
+    from test_rl_loop import TINY
+
+    from rl import config as C
+    from rl.pipeline import Training
+
+    for k in (0, 1):
+        with pytest.raises(C.ConfigError, match=r"tiny.yaml: rollout.sleep_level: expected 0 on CPU \(vLLM's sleep mode needs "
+                                                r"CUDA: rollout.gpus_per_worker and trainer.gpus_per_rank > 0\), got 1$"):
+            C.load(TINY, ["rollout.sleep_level=1", f"run.max_async_steps={k}"])
+    gpu = ["rollout.gpus_per_worker=1", "trainer.gpus_per_rank=1", "rollout.sleep_level=2"]
+    with caplog.at_level(logging.WARNING, logger="megamoe.rl"):
+        Training(C.load(TINY, gpu), actors=None)
+        assert caplog.messages == []
+        Training(C.load(TINY, gpu + ["run.max_async_steps=1"]), actors=None)
+    (message,) = caplog.messages
+    assert message.startswith("rollout.sleep_level=2 with run.max_async_steps=1: an engine can sleep only once the "
+                              "generations queued on it are done, and the trainer trains only once it sleeps, so "
+                              "training does not overlap generation (scoring still does); the lag stays 1."), message
+
+
+# ---- async with nccl: the driver's half, on CPU (vLLM's NCCL engine cannot receive there: docs/WEIGHT_SYNC.md) ----
+
+class _Call:
+    """A call queued on a fake actor: it runs when a `ray.get` reaches it, after every call queued before it
+    on that actor (Ray runs one caller's calls to an actor in order)."""
+
+    def __init__(self, actor, fn):
+        self.actor, self.fn, self.value = actor, fn, None
+
+
+class _Engine:
+    """A rollout worker whose weights are a policy version: 0, model_dir's, when it starts."""
+
+    def __init__(self):
+        self.weights, self.queue, self.dead, self.made = 0, [], False, []  # made: (stamp, weights) per generate
+        self.generate = self
+
+    def remote(self, prompts, n, sampling, *, offset, policy_version):
+        from records import Sample
+
+        def run():
+            self.made.append((policy_version, self.weights))
+            return [Sample(prompt_index=offset + i, prompt_ids=[1], completion_ids=[2], sampler_logprobs=[-0.5],
+                           text="x", finish_reason="length", policy_version=policy_version)
+                    for i in range(len(prompts)) for _ in range(n)], 0.0
+        call = _Call(self, run)
+        self.queue.append(call)
+        return call
+
+    def run_until(self, call):
+        import ray
+
+        while call in self.queue:
+            if self.dead:
+                raise ray.exceptions.RayActorError()
+            c = self.queue.pop(0)
+            c.value = c.fn()
+        return call.value
+
+
+class _Actors:
+    """rl.actors.Actors as the pipeline's Generation and Publication use it, with rollout.weight_sync=nccl."""
+
+    weight_sync, trainers, model_dir, where = "nccl", ["trainer"], "model", "step"
+
+    def __init__(self, workers: int):
+        self.rollouts = [_Engine() for _ in range(workers)]
+        self.restarts = 0
+
+    def rollout_fault(self, e, j, method):
+        import ray
+
+        assert isinstance(e, ray.exceptions.RayActorError), e
+
+    def replace_rollout(self, j, why, method, what):
+        self.restarts += 1
+        self.rollouts[j] = _Engine()
+
+
+@pytest.fixture
+def nccl_pipeline(monkeypatch):
+    """(Generation, Publication, the trainer's version as a one-item list, the actors) for nccl at k = 1 with
+    two fake engines; the stream (rl.weight_sync.push) sets every targeted engine's weights to the trainer's
+    version, and refuses an engine with a generation still queued (a broadcast needs it idle)."""
+    import ray
+
+    from test_rl_loop import TINY
+
+    from rl import config as C
+    from rl import weight_sync
+    from rl.pipeline import Generation, Publication
+
+    monkeypatch.setattr(ray, "get", lambda call: call.actor.run_until(call) if call.actor else call.value)
+    monkeypatch.setattr(ray, "put", lambda value: _Call(None, None))
+    trainer = [0]
+
+    def push(mode, trainers, rollouts, **kw):
+        assert mode == "nccl"
+        for w in rollouts:
+            assert not w.queue, "streamed into an engine with generations queued"
+            w.weights = trainer[0]
+        return {"seconds": {"send": 0.0, "total": 0.0}, "format": "checkpoint", "why": {}}
+
+    monkeypatch.setattr(weight_sync, "push", push)
+    cfg = C.load(TINY, ["rollout.num_workers=2", "rollout.n=2", "run.steps=5", "run.max_async_steps=1"])
+    actors = _Actors(2)
+    gen = Generation(cfg, actors)
+    return gen, Publication(cfg, actors, gen), trainer, actors
+
+
+def _step(gen, pub, trainer, s, steps=5, k=1, scoring=lambda: None):
+    """rl/loop.py's run_step, its Scoring aside (`scoring` runs in its place): queue steps s .. s+k, pop step s,
+    train, publish s + 1."""
+    queued = gen.pending[-1].step + 1 if gen.pending else s
+    for t in range(queued, min(s + k, steps - 1) + 1):
+        gen.submit(t, None, ["p0", "p1", "p2"], {"seed": t})
+    flight = gen.pop(s)
+    scoring()
+    trainer[0] += 1
+    pub.trained()
+    pub.publish(s + 1)
+    return flight
+
+
+def test_nccl_at_lag_1_streams_once_the_engines_are_idle_and_each_batch_is_made_by_its_version(nccl_pipeline):
+    gen, pub, trainer, actors = nccl_pipeline
+    flights = [_step(gen, pub, trainer, s) for s in range(5)]
+    assert [f.version for f in flights] == [0, 0, 1, 2, 3]
+    assert all(s.policy_version == f.version for f in flights for s in f.samples)
+    for w in actors.rollouts:  # every generate ran on the weights of the version it was stamped with
+        assert [stamp for stamp, _ in w.made] == [0, 0, 1, 2, 3] and all(a == b for a, b in w.made), w.made
+
+
+def test_nccl_engine_killed_mid_queue_regenerates_a_generation_of_the_held_version_else_the_run_ends(nccl_pipeline):
+    """A generation of the version the trainer still holds (queued behind its publication: evaluation, dynamic
+    sampling's extra call) is streamed onto the replacement and made again; one of an older version cannot be
+    (the trainer holds only its current weights), and the run ends saying so."""
+    from rl.failures import RolloutFailed
+
+    gen, pub, trainer, actors = nccl_pipeline
+    _step(gen, pub, trainer, 0)
+    actors.rollouts[1].dead = True
+    samples = gen.generate(None, ["q0", "q1"], {"seed": 99})
+    assert actors.restarts == 1 and actors.rollouts[1].made == [(1, 1)]
+    assert [s.policy_version for s in samples] == [1] * 4
+    _step(gen, pub, trainer, 1)
+
+    def die():  # while step 3 is scored, with step 4's batch (version 2) queued on it
+        actors.rollouts[0].dead = True
+
+    with pytest.raises(RolloutFailed, match=r"needs policy version 2, which rollout.weight_sync=nccl no longer "
+                                            r"holds .*--resume"):
+        _step(gen, pub, trainer, 2, scoring=die)  # the publication of version 3 waits for that batch first
+    assert actors.restarts == 2
