@@ -14,7 +14,8 @@ loaded into it in place (RolloutWorker.update_weights), so they must share its a
 The config: the run's config.yaml with --run, else --config, else the defaults; KEY=VALUE overrides
 after it; eval.every is ignored. rollout.max_model_len / kv_cache_bytes / engine_kwargs, model.dtype
 and run.seed shape the engine and the seeds (rl/evaluation.py: the same seeds as the run's own
-evaluations, so a checkpoint evaluated here gives the eval/* metrics its run logged at that step).
+evaluations, so a checkpoint evaluated here gives the eval/* metrics its run logged at that step). With an
+`env` section every sample is a multi-turn episode, one engine call per turn (docs/MULTI_TURN.md).
 
 Writes: the JSON report (--out, default eval_report.json: the targets with their eval/* metrics, the
 eval section, moe_impl), a table on stdout, and with --samples-out every completion with its rewards
