@@ -77,6 +77,9 @@ class RolloutConfig:
     temperature: float = field(1.0, "sampling temperature; logprobs are taken after it (processed logprobs)")
     top_p: float = field(1.0, "nucleus sampling mass in (0, 1]")
     max_tokens: int = field(64, "completion length limit in tokens")
+    stop: list[str] = field(doc="stop strings (vLLM's SamplingParams.stop): a completion, or an episode's assistant "
+                                "turn, ends at the first one; its text drops the string, its token ids keep it",
+                            factory=list)
     max_model_len: int = field(512, "vLLM max_model_len: prompt + completion tokens")
     kv_cache_bytes: int = field(256 * 2**20, "KV-cache size per engine in bytes (vLLM kv_cache_memory_bytes; "
                                              "vLLM on CPU needs it explicit)")
@@ -111,6 +114,7 @@ class RolloutConfig:
         check(self.temperature > 0, f"{at}.temperature", "a float > 0", self.temperature)
         check(0 < self.top_p <= 1, f"{at}.top_p", "a float in (0, 1]", self.top_p)
         check(self.max_tokens >= 1, f"{at}.max_tokens", "an int >= 1", self.max_tokens)
+        check(all(isinstance(x, str) and x for x in self.stop), f"{at}.stop", "a list of non-empty strings", self.stop)
         check(self.max_model_len > self.max_tokens, f"{at}.max_model_len",
                f"an int > {at}.max_tokens ({self.max_tokens})", self.max_model_len)
         check(self.kv_cache_bytes > 0, f"{at}.kv_cache_bytes", "an int > 0", self.kv_cache_bytes)
@@ -264,7 +268,7 @@ class EvalConfig:
 
 @dataclass
 class EnvConfig:
-    """Multi-turn, tool-using episodes (rl/envs.py, rl/episodes.py; docs/MULTITURN.md); off while neither
+    """Multi-turn, tool-using episodes (rl/envs.py, rl/episodes.py; docs/MULTI_TURN.md); off while neither
     `tools` nor `environment` is set."""
     tools: list[str] = field(doc="tool functions as TRL's `tools=` takes them (type hints and a Google-style "
                                  "docstring), each `module:function`; their JSON schemas reach the chat template",
@@ -388,7 +392,7 @@ class Config:
     run: RunConfig = field(doc="the run: folder, length, seed, batch", factory=RunConfig)
     eval: EvalConfig = field(doc="evaluation between steps (off by default) and `megamoe-rl eval`",
                              factory=EvalConfig)
-    env: EnvConfig = field(doc="multi-turn, tool-using episodes (off by default; docs/MULTITURN.md)",
+    env: EnvConfig = field(doc="multi-turn, tool-using episodes (off by default; docs/MULTI_TURN.md)",
                            factory=EnvConfig)
 
 
@@ -413,8 +417,9 @@ def validate(cfg: Config) -> Config:
                           f"rollout.gpus_per_worker and trainer.gpus_per_rank > 0), got {cfg.rollout.sleep_level}")
     if cfg.run.numerics == BITWISE:
         check_bitwise(cfg)
-    if cfg.reward.overlong_buffer > cfg.rollout.max_tokens:
-        raise ConfigError(f"reward.overlong_buffer: expected an int <= rollout.max_tokens ({cfg.rollout.max_tokens}), "
+    limit, what = overlong_limit(cfg)
+    if cfg.reward.overlong_buffer > limit:
+        raise ConfigError(f"reward.overlong_buffer: expected an int <= {what} ({limit}), "
                           f"got {cfg.reward.overlong_buffer}")
     if cfg.trainer.loss == "dr_grpo" and cfg.reward.scale_by_std:
         raise ConfigError("reward.scale_by_std: expected null or false with trainer.loss='dr_grpo' (Dr. GRPO's "
@@ -461,6 +466,14 @@ def env_limits(cfg: Config) -> tuple[int, int]:
             room if e.max_total_tokens is None else e.max_total_tokens)
 
 
+def overlong_limit(cfg: Config) -> tuple[int, str]:
+    """(L, its name) of the overlong shaping (rl/overlong.py): the most tokens a sample may sample, rollout.max_tokens;
+    with multi-turn episodes the most assistant tokens of an episode, env.max_turns x the per-turn limit."""
+    if not cfg.env.enabled:
+        return cfg.rollout.max_tokens, "rollout.max_tokens"
+    return cfg.env.max_turns * env_limits(cfg)[0], "env.max_turns x env.max_tokens_per_turn"
+
+
 def check_env(cfg: Config) -> None:
     """Multi-turn episodes (env.tools / env.environment) and what they do not combine with yet; ConfigError
     naming the key."""
@@ -472,19 +485,14 @@ def check_env(cfg: Config) -> None:
     check(total <= room, "env.max_total_tokens", f"an int <= min(rollout.max_model_len, trainer.max_seq_len) "
           f"= {room} (the model length both sides hold)", e.max_total_tokens)
     check(per_turn < total, "env.max_tokens_per_turn", f"an int < the episode's token limit ({total})", per_turn)
-    for key, value, why in (
-            ("run.max_async_steps", cfg.run.max_async_steps, "episodes are generated on-policy, turn by turn"),
-            ("eval.every", cfg.eval.every, "the evaluation generates single completions"),
-            ("trainer.routing_replay", cfg.trainer.routing_replay, "the sampler's experts are captured per "
-             "completion, not per episode"),
-            ("trainer.routing_metrics", cfg.trainer.routing_metrics, "the sampler's experts are captured per "
-             "completion, not per episode"),
-            ("reward.overlong_buffer", cfg.reward.overlong_buffer, "its length is one completion's; "
-             "env.max_total_tokens limits an episode"),
-            ("data.dynamic_sampling", cfg.data.dynamic_sampling, "its extra draws generate single completions")):
-        if value:
-            raise ConfigError(f"{key}: expected 0/false with multi-turn episodes (env.tools or env.environment "
-                              f"set: {why}; docs/MULTITURN.md), got {value!r}")
+    if cfg.run.max_async_steps:
+        raise ConfigError(
+            "run.max_async_steps: expected 0 with multi-turn episodes (env.tools or env.environment set): an episode "
+            "needs the driver between its turns (the environment's reply), so a step's episodes are not one call "
+            "queued on the rollout workers ahead of the next weights; running them in flight needs a driver thread "
+            "per step whose every turn reaches every worker before the next publication, a per-turn replay after a "
+            "worker death, and the environments' state in inflight.json (docs/MULTI_TURN.md), got "
+            f"{cfg.run.max_async_steps!r}")
 
 
 def check_bitwise(cfg: Config) -> None:

@@ -1,5 +1,5 @@
 """Environments of multi-turn episodes, written the way TRL and verifiers users write them
-(docs/MULTITURN.md); rl/episodes.py drives them turn by turn.
+(docs/MULTI_TURN.md); rl/episodes.py drives them turn by turn.
 
 Three shapes, named in the config (`env`, rl/config.py EnvConfig):
     env.tools: [module:function, ...]   TRL's `tools=`: plain functions with type hints and a Google-style

@@ -1,19 +1,20 @@
-"""The RL loop's multi-turn hook (docs/MULTITURN.md): one step's generate call as episodes, and their scoring.
+"""The RL loop's multi-turn hook (docs/MULTI_TURN.md): one step's generate call as episodes, and their scoring.
 
 With `env.tools` or `env.environment` set, the driver (rl/loop.py) takes a step's generation from
 `EpisodeStep.flight` instead of rl/pipeline.py's Generation.submit (episodes run on-policy, k = 0: the
-config refuses run.max_async_steps with them), and Scoring scores it with `EpisodeStep.rewards`. `flight`
-runs rl/episodes.py's EpisodeRunner with a `generate` that sends every turn's token-id contexts to the
-rollout workers in one call each (each worker gets a contiguous slice, as Generation splits prompts), turns the episodes into Samples (completion =
-assistant and environment tokens, loss_mask 1 on the sampled ones), and scores them: reward functions get
-the completion as a message list including the tool messages (TRL's conversational convention) and, as
-TRL's `environments` keyword, each episode's environment instance (or verifiers state); the environment's
-own reward is added with env.reward_weight (reward/env/mean). The env/* metrics ride in the reward metrics.
+config refuses run.max_async_steps with them), dynamic sampling's extra draws too, and Scoring scores them
+with `EpisodeStep.rewards`; the evaluation (rl/evaluation.py) runs its episodes with `EpisodeStep.run`.
+`on_workers` sends every turn's token-id contexts to the rollout workers in one call each (each worker gets
+a contiguous slice, as Generation splits prompts); `samples` turns the episodes into Samples (completion =
+assistant and environment tokens, loss_mask 1 on the sampled ones, the routing merged over the turns);
+`rewards` scores them: reward functions get the completion as a message list including the tool messages
+(TRL's conversational convention) and, as TRL's `environments` keyword, each episode's environment instance
+(or verifiers state); the environment's own reward is added with env.reward_weight (reward/env/mean). The
+env/* metrics ride in the reward metrics.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from rl.envs import Environment
@@ -50,39 +51,53 @@ class EpisodeStep:
         self.runner = EpisodeRunner(self.env, self.fmt, max_turns=cfg.env.max_turns, max_tokens_per_turn=per_turn,
                                     max_total_tokens=total)
         self.episodes: list[Episode] = []  # the last draw's
+        self.busy_s = 0.0  # the rollout workers' seconds in the last draw's generate calls
 
-    def generate(self, gen, batch, sampling: dict, version: int) -> list[Episode]:
-        """The episodes of `batch`'s prompts on the rollout workers of `gen` (rl.pipeline.Generation), every
-        turn one generate call per worker, by policy version `version` (the one last published)."""
-        rows = [{"prompt": p, **{k: v[i] for k, v in batch.columns.items()}} for i, p in enumerate(batch.prompts)]
-        busy = [0.0]
+    def on_workers(self, gen, version: int):
+        """`generate(prompts, sampling, n, max_tokens) -> samples` (RolloutWorker.generate's dict fields) on the
+        rollout workers of `gen` (rl.pipeline.Generation), one call each on a contiguous slice (as Generation
+        splits prompts), each slice's seed offset by its start as one engine would offset it, stamped with policy
+        version `version` (the one last published); self.busy_s adds the slowest worker's seconds of each call."""
         actors = gen.actors
 
-        def one_turn(ctx: list[list[int]], budgets: list[int], turn: int) -> list[dict]:
-            bounds = gen.bounds(len(ctx))
+        def generate(prompts: list[list[int]], sampling: dict, n: int, max_tokens: list[int]) -> list[dict]:
             refs = []
-            for w, (a, b) in zip(actors.rollouts, bounds):
+            for w, (a, b) in zip(actors.rollouts, gen.bounds(len(prompts))):
                 if a == b:
                     refs.append(None)
                     continue
-                s = {**sampling, "seed": sampling["seed"] + turn * TURN_SEED_STRIDE + a}
-                refs.append(w.generate.remote(ctx[a:b], 1, s, offset=a, policy_version=version,
-                                              max_tokens=budgets[a:b]))
+                s = {**sampling, "seed": sampling["seed"] + a * n}
+                refs.append(w.generate.remote(prompts[a:b], n, s, offset=a, policy_version=version,
+                                              max_tokens=max_tokens[a:b]))
             live = [(j, r) for j, r in enumerate(refs) if r is not None]
             outs = actors.get([r for _, r in live], [f"RolloutWorker {j}" for j, _ in live], "generate")
-            busy[0] += max(sec for _, sec in outs)
+            self.busy_s += max(sec for _, sec in outs)
             return [{"completion_ids": x.completion_ids, "logprobs": x.sampler_logprobs, "text": x.text,
-                     "finish_reason": x.finish_reason} for out, _ in outs for x in out]
+                     "finish_reason": x.finish_reason, "routed_experts": x.routed_experts} for out, _ in outs for x in out]
+        return generate
 
-        self.episodes = self.runner.run(rows, batch.prompts, self.cfg.rollout.n, one_turn)
-        self.busy_s = busy[0]
+    def run(self, batch, n: int, sampling: dict, generate) -> list[Episode]:
+        """n episodes of each of `batch`'s prompts (rl.data's batch: prompts and reward columns), every turn one
+        `generate(prompts, sampling, 1, max_tokens)` call holding every live episode; turn t samples with
+        sampling's seed + t * TURN_SEED_STRIDE (+ the episode's index, as one engine gives it)."""
+        rows = [{"prompt": p, **{k: v[i] for k, v in batch.columns.items()}} for i, p in enumerate(batch.prompts)]
+
+        def one_turn(ctx: list[list[int]], budgets: list[int], turn: int) -> list[dict]:
+            return generate(ctx, {**sampling, "seed": sampling["seed"] + turn * TURN_SEED_STRIDE}, 1, budgets)
+
+        return self.runner.run(rows, batch.prompts, n, one_turn)
+
+    def generate(self, gen, batch, sampling: dict, version: int) -> list[Episode]:
+        """The step's episodes of `batch`'s prompts on the rollout workers of `gen`, by policy version `version`."""
+        self.busy_s = 0.0
+        self.episodes = self.run(batch, self.cfg.rollout.n, sampling, self.on_workers(gen, version))
         return self.episodes
 
     def samples(self, episodes: list[Episode], version: int) -> list[Sample]:
         return [Sample(prompt_index=e.prompt_index, prompt_ids=e.prompt_ids, completion_ids=e.completion_ids,
                        sampler_logprobs=e.sampler_logprobs, text=e.text,
                        finish_reason="truncated" if e.truncated else e.finish_reason, policy_version=version,
-                       loss_mask=e.loss_mask) for e in episodes]
+                       loss_mask=e.loss_mask, routed_experts=e.routed_experts) for e in episodes]
 
     def rewards(self, scorer, batch, episodes: list[Episode], trainer_state):
         """The reward functions on message-list completions, plus the environment's reward; env/* metrics."""
@@ -105,6 +120,11 @@ class EpisodeStep:
         errors = {**res.errors, **({"env": 0} if "env" in per_fn else {})}
         return RewardResult(total=total, per_fn=per_fn, errors=errors,
                             logged={**res.logged, **episode_metrics(episodes)})
+
+    def extra_draws(self, gen):
+        """Dynamic sampling's extra draws (Scoring.score's `generate(batch, prompts, sampling) -> samples`): episodes
+        too, by the version last published."""
+        return lambda batch, prompts, sampling: self.flight(gen, None, batch, prompts, sampling).samples
 
     def flight(self, gen, step: int, batch, prompts: list, sampling: dict):
         """Step `step`'s generation as episodes: an rl.pipeline.Flight whose samples are the episodes'

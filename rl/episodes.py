@@ -1,4 +1,4 @@
-"""Multi-turn episodes, token-exact (docs/MULTITURN.md): the sequence the trainer sees is the sampler's own
+"""Multi-turn episodes, token-exact (docs/MULTI_TURN.md): the sequence the trainer sees is the sampler's own
 token ids for every assistant turn plus the chat template's tokens for every environment turn, never
 re-tokenised assistant text.
 
@@ -21,7 +21,13 @@ assistant's turn t as parsed) and the environment's messages E,
 and the tokens appended after the sampled ones are (what the template writes after the assistant's
 end-of-turn token in render(H)) + (render(H + E) minus render(H)). The assistant's own tokens are never
 rendered into the sequence: they are the sampled ones, ending with the end-of-turn token the sampler stopped on
-(a turn that stopped on a stop string, `sampling['stop']`, gets the template's end-of-turn token as context).
+(a turn that stopped on a stop string, rollout.stop, gets the template's end-of-turn token as context).
+
+Routing (trainer.routing_replay / routing_metrics): each turn's generate call returns, per episode, the experts
+the engine routed the call's tokens to (rollout/capture.py: [context + completion tokens, layers, k], -1 rows
+for the prompt tokens the engine's prefix cache served and for the last sampled token, never fed back). An
+episode's routing is `merge_routing` over its turns: a token's row from the latest turn that computed it, else
+from the earlier turn that did (the prefix cache hands later turns that turn's keys and values).
 """
 
 from __future__ import annotations
@@ -208,6 +214,7 @@ class Episode:
     env_reward: float | None = None
     handle: Any = None  # the environment instance (TRL) or state (verifiers) reward functions may read
     text: str = ""
+    routed_experts: Any = None  # [prompt + completion tokens, layers, k] int16 over the turns (module docstring)
 
     def append(self, ids: list[int], logprobs: list[float] | None) -> None:
         self.completion_ids += ids
@@ -257,6 +264,8 @@ class EpisodeRunner:
                 ep = episodes[e]
                 ids = list(out["completion_ids"])
                 ep.append(ids, list(out["logprobs"]))
+                if out.get("routed_experts") is not None:
+                    ep.routed_experts = merge_routing(ep.routed_experts, out["routed_experts"])
                 ep.turns += 1
                 ep.finish_reason = out.get("finish_reason")
                 closed = bool(ids) and ids[-1] in self.fmt.eos_ids
@@ -305,6 +314,22 @@ class EpisodeRunner:
         with ThreadPoolExecutor(max_workers=min(32, len(answering)), thread_name_prefix="env") as pool:
             futures = [pool.submit(sessions[e].respond, list(history[e]), calls, err) for e, calls, err, _ in answering]
             return [f.result() for f in futures]
+
+
+def merge_routing(earlier, turn):
+    """An episode's routing so far (None before its first turn) with the capture of its next turn, which covers
+    the whole context and the turn's tokens: the turn's rows where it computed the token, the earlier rows where
+    it did not (-1: served by the prefix cache)."""
+    if earlier is None:
+        return turn
+    if turn.shape[0] < earlier.shape[0] or turn.shape[1:] != earlier.shape[1:]:
+        raise RuntimeError(f"routing: a turn's capture {tuple(turn.shape)} does not extend the episode's "
+                           f"{tuple(earlier.shape)}")
+    out = turn.copy()
+    head = out[:earlier.shape[0]]
+    missing = (head < 0).all(axis=(1, 2))
+    head[missing] = earlier[missing]
+    return out
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:

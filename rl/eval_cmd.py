@@ -14,7 +14,8 @@ loaded into it in place (RolloutWorker.update_weights), so they must share its a
 The config: the run's config.yaml with --run, else --config, else the defaults; KEY=VALUE overrides
 after it; eval.every is ignored. rollout.max_model_len / kv_cache_bytes / engine_kwargs, model.dtype
 and run.seed shape the engine and the seeds (rl/evaluation.py: the same seeds as the run's own
-evaluations, so a checkpoint evaluated here gives the eval/* metrics its run logged at that step).
+evaluations, so a checkpoint evaluated here gives the eval/* metrics its run logged at that step). With an
+`env` section every sample is a multi-turn episode, one engine call per turn (docs/MULTI_TURN.md).
 
 Writes: the JSON report (--out, default eval_report.json: the targets with their eval/* metrics, the
 eval section, moe_impl), a table on stdout, and with --samples-out every completion with its rewards
@@ -74,14 +75,11 @@ def resolve(args: argparse.Namespace):
         for o in overrides:
             C.apply_override(data, o)
         cfg = C.from_dict(data)
-        for name in ("rollout", "run", "eval"):
+        for name in ("rollout", "run", "eval", "env"):
             getattr(cfg, name).validate(name)
+        C.check_env(cfg)
     else:
         cfg = C.load(config, overrides)
-    if cfg.env.enabled:  # docs/MULTITURN.md: the evaluation generates single completions
-        raise C.ConfigError("env: expected no env.tools / env.environment for `megamoe-rl eval` (it generates single "
-                            f"completions, not multi-turn episodes), got tools={cfg.env.tools!r}, "
-                            f"environment={cfg.env.environment!r}")
     if cfg.eval.data is None:
         raise C.ConfigError("eval.data: expected an eval dataset (e.g. eval.data.task=digit or eval.data.path=FILE), "
                             "got null")
@@ -102,6 +100,7 @@ def resolve(args: argparse.Namespace):
 def run_eval(args: argparse.Namespace) -> int:
     from rl import config as C
     from rl.data import DataError
+    from rl.envs import EnvError
     from rl.export import ExportError
     from rl.rewards import RewardLoadError
 
@@ -115,7 +114,7 @@ def run_eval(args: argparse.Namespace) -> int:
         args.parser.error(str(e))
     try:
         return evaluate(args, cfg, targets)
-    except (C.ConfigError, ExportError, RewardLoadError, DataError) as e:
+    except (C.ConfigError, ExportError, RewardLoadError, DataError, EnvError) as e:
         args.parser.error(str(e))
 
 
@@ -135,7 +134,12 @@ def evaluate(args: argparse.Namespace, cfg, targets: list) -> int:
             folders.append(folder)
         _check_same_architecture(folders, [t[0] for t in targets])
         tokenizer = AutoTokenizer.from_pretrained(folders[0])
-        evaluator = Evaluator(cfg, tokenizer)  # every refusal of the eval section before the engine starts
+        episodes = None
+        if cfg.env.enabled:  # multi-turn episodes (docs/MULTI_TURN.md): the environment and template checked here
+            from rl.episode_step import EpisodeStep
+
+            episodes = EpisodeStep(cfg, tokenizer, folders[0])
+        evaluator = Evaluator(cfg, tokenizer, episodes=episodes)  # every refusal of the eval section before the engine starts
         from rollout.worker import RolloutWorker
 
         r = cfg.rollout
@@ -148,7 +152,7 @@ def evaluate(args: argparse.Namespace, cfg, targets: list) -> int:
                 if i > 0:
                     worker.update_weights(_read_weights(folder))
                 step = step if step is not None else _export_step(folder)
-                metrics, rows = evaluator.run(lambda p, s, n: worker.generate(p, n, s), step or 0)
+                metrics, rows = evaluator.run(lambda p, s, n, m=None: worker.generate(p, n, s, max_tokens=m), step or 0)
                 results.append({"target": label, "step": step, "metrics": metrics})
                 all_rows += [{"target": label, **row} for row in rows]
         finally:

@@ -1,8 +1,8 @@
 """Evaluation of a policy on a held-out dataset: between RL steps on the rollout engines, and in
 `megamoe-rl eval` (rl/eval_cmd.py) on one engine of its own.
 
-    ev = Evaluator.from_config(cfg, tokenizer)           # checks the eval section and dataset first
-    metrics, samples = ev.run(generate, step)             # generate(prompts, sampling, n) -> samples
+    ev = Evaluator(cfg, tokenizer)                        # checks the eval section and dataset first
+    metrics, samples = ev.run(generate, step)             # generate(prompts, sampling, n[, max_tokens]) -> samples
     pass_at_k(n=4, c=1, k=2)                              # 0.5
 
 What one evaluation does: every prompt of the eval dataset (`eval.data`, the first `eval.prompts`
@@ -12,6 +12,11 @@ training reward functions). Its sampler seeds are the same at every evaluation o
 EVAL_SEED_OFFSET, vLLM's per-request seeds), so two evaluations differ by the policy only, and no
 evaluation draws from a training step's seeds or from an engine's own generator: a run's training
 stream is the same with evaluation on and off (tests/rl/test_rl_loop.py checks its metrics).
+
+With multi-turn episodes (`episodes`, an rl.episode_step.EpisodeStep) every sample is an episode of the
+training environment and limits: `generate(prompts, sampling, 1, max_tokens)` is called once per turn with
+the token ids of every live episode (docs/MULTI_TURN.md); the rewards get the message lists, and the env/*
+metrics are reported as eval/env/*.
 
 Metrics (also in metrics.jsonl, TensorBoard, W&B and the plot):
     eval/reward_mean        mean summed reward over the scored samples
@@ -71,7 +76,7 @@ class Evaluator:
     """One run's evaluation: its prompts (rendered as the sampler gets them), sampling and rewards,
     all resolved and checked when it is built (before any actor or engine starts)."""
 
-    def __init__(self, cfg, tokenizer, rewards: list | None = None):
+    def __init__(self, cfg, tokenizer, rewards: list | None = None, episodes=None):
         from rl.config import ConfigError
         from rl.data import PromptSource, apply_chat_template, check_prompt_lengths
         from rl.rewards import RewardScorer, load_rewards
@@ -79,6 +84,11 @@ class Evaluator:
         e = cfg.eval
         if e.data is None:
             raise ConfigError("eval.data: expected an eval dataset (task or path), got null")
+        if episodes is not None and e.max_tokens is not None:
+            raise ConfigError(f"eval.max_tokens: expected null with multi-turn episodes (env.tools or env.environment "
+                              "set: the evaluation's episodes have the training episodes' limits, env.max_tokens_per_turn "
+                              f"and env.max_total_tokens; docs/MULTI_TURN.md), got {e.max_tokens!r}")
+        self.episodes = episodes  # rl.episode_step.EpisodeStep: the evaluation runs episodes (docs/MULTI_TURN.md)
         self.cfg = cfg
         self.every = e.every
         self.n = e.n
@@ -99,7 +109,7 @@ class Evaluator:
         if count > source.n:
             raise ConfigError(f"eval.prompts: expected at most the {source.n} rows of the eval dataset "
                               f"({source.origin}) left after dropping long prompts, got {e.prompts}")
-        batch = source.batch(0, count)
+        batch = self.batch = source.batch(0, count)
         self.raw_prompts = batch.prompts             # what reward functions get (strings or message lists)
         self.columns = batch.columns
         wants_template = e.data.chat_template or source.conversational
@@ -107,7 +117,8 @@ class Evaluator:
                         if wants_template else list(batch.prompts))  # what the sampler gets
         self.scorer = RewardScorer(load_rewards(e.reward_config(cfg.reward), "eval.functions" if e.functions is not None else "reward.functions") if rewards is None else rewards)
         self.sampling = {"temperature": e.temperature, "top_p": 1.0, "max_tokens": self.max_tokens,
-                         "seed": cfg.run.seed * 1_000_003 + EVAL_SEED_OFFSET}
+                         "seed": cfg.run.seed * 1_000_003 + EVAL_SEED_OFFSET,
+                         **({"stop": list(cfg.rollout.stop)} if cfg.rollout.stop else {})}
         log.info("eval: %d prompts x %d samples from %s%s", len(self.prompts), self.n, source.origin,
                  f", every {self.every} steps" if self.every else "")
 
@@ -118,24 +129,33 @@ class Evaluator:
 
     def run(self, generate: Callable[[list[str], dict, int], list[dict]], step: int) -> tuple[dict, list[dict]]:
         """Sample, score and summarise; (eval/* metrics, one row per sample). `generate(prompts,
-        sampling, n)` returns prompt-major samples (RolloutWorker.generate's dicts) from one policy."""
+        sampling, n)` returns prompt-major samples (RolloutWorker.generate's dicts) from one policy; with
+        episodes it also takes per-prompt `max_tokens` and is called once per turn (module docstring)."""
         from rl.rewards import TrainerState
 
         t0 = time.perf_counter()
-        samples = generate(self.prompts, dict(self.sampling), self.n)
-        idx = [s["prompt_index"] for s in samples]
+        before = dict(self.scorer.errors_total)
+        state = TrainerState(global_step=step, max_steps=self.cfg.run.steps)
+        if self.episodes is not None:  # one generate call per turn, every live episode in it
+            episodes = self.episodes.run(self.batch, self.n, dict(self.sampling), generate)
+            idx, texts = [e.prompt_index for e in episodes], [e.text for e in episodes]
+            lengths = [len(e.completion_ids) for e in episodes]
+            rewards = self.episodes.rewards(self.scorer, self.batch, episodes, state)
+        else:
+            samples = generate(self.prompts, dict(self.sampling), self.n)
+            idx, texts = [s["prompt_index"] for s in samples], [s["text"] for s in samples]
+            lengths = [len(s["completion_ids"]) for s in samples]
         if idx != [i for i in range(len(self.prompts)) for _ in range(self.n)]:
             raise RuntimeError(f"eval: generate returned samples for prompts {idx}, expected {self.n} of each "
                                f"of {len(self.prompts)} in order")
-        texts = [s["text"] for s in samples]
-        before = dict(self.scorer.errors_total)
-        rewards = self.scorer([self.raw_prompts[i] for i in idx], texts,
-                              {k: [v[i] for i in idx] for k, v in self.columns.items()},
-                              completion_ids=[s["completion_ids"] for s in samples],
-                              trainer_state=TrainerState(global_step=step, max_steps=self.cfg.run.steps))
+        if self.episodes is None:
+            rewards = self.scorer([self.raw_prompts[i] for i in idx], texts,
+                                  {k: [v[i] for i in idx] for k, v in self.columns.items()},
+                                  completion_ids=[s["completion_ids"] for s in samples], trainer_state=state)
         errors = sum(self.scorer.errors_total.values()) - sum(before.values())
-        m = eval_metrics(rewards.total, rewards.per_fn, [len(s["completion_ids"]) for s in samples], n=self.n,
-                         ks=self.ks, correct_at=self.correct_at, errors=errors)
+        m = eval_metrics(rewards.total, rewards.per_fn, lengths, n=self.n, ks=self.ks, correct_at=self.correct_at,
+                         errors=errors)
+        m.update({f"eval/{k}": v for k, v in rewards.logged.items() if k.startswith("env/")})
         m["eval/time_s"] = time.perf_counter() - t0
         rows = [{"step": step, "prompt_index": i, "prompt": self.prompts[i], "completion": t,
                  "reward": r, "rewards": {name: v[j] for name, v in rewards.per_fn.items()},

@@ -60,7 +60,7 @@ MARKER_FILE = "make_model.json"
 # ChatML, the format of the Qwen family: one <|im_start|>role\n...<|im_end|>\n block per message. With
 # tools (apply_chat_template(tools=...)), Qwen3's tool format: the tools' JSON schemas in a system block,
 # an assistant's calls as <tool_call>{"name": ..., "arguments": ...}</tool_call> lines, and consecutive
-# tool results as <tool_response> blocks of one user turn (multi-turn episodes, docs/MULTITURN.md).
+# tool results as <tool_response> blocks of one user turn (multi-turn episodes, docs/MULTI_TURN.md).
 CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\n' }}"

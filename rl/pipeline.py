@@ -243,7 +243,8 @@ class Scoring:
             prompts = apply_chat_template(self.tokenizer, prompts, strings=cfg.data.chat_template)
         sampling = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
                     "max_tokens": cfg.rollout.max_tokens,
-                    "seed": cfg.run.seed * 1_000_003 + step + call * 1_000_000_007}
+                    "seed": cfg.run.seed * 1_000_003 + step + call * 1_000_000_007,
+                    **({"stop": list(cfg.rollout.stop)} if cfg.rollout.stop else {})}
         return batch, prompts, sampling
 
     def rewards(self, batch, samples: list[Sample], step: int):
@@ -251,19 +252,21 @@ class Scoring:
         from rl.rewards import TrainerState
 
         cfg = self.cfg
+        state = TrainerState(global_step=step, max_steps=cfg.run.steps)
         if self.episodes is not None:  # multi-turn: message-list completions, the environment's reward
-            return self.episodes.rewards(self.scorer, batch, self.episodes.episodes,
-                                         TrainerState(global_step=step, max_steps=cfg.run.steps))
-        idx = [s.prompt_index for s in samples]
-        columns = {k: [v[i] for i in idx] for k, v in batch.columns.items()}
-        rewards = self.scorer([batch.prompts[i] for i in idx], [s.text for s in samples], columns,
-                              completion_ids=[s.completion_ids for s in samples],
-                              trainer_state=TrainerState(global_step=step, max_steps=cfg.run.steps))
-        if cfg.reward.overlong_buffer:
+            rewards = self.episodes.rewards(self.scorer, batch, self.episodes.episodes, state)
+        else:
+            idx = [s.prompt_index for s in samples]
+            columns = {k: [v[i] for i in idx] for k, v in batch.columns.items()}
+            rewards = self.scorer([batch.prompts[i] for i in idx], [s.text for s in samples], columns,
+                                  completion_ids=[s.completion_ids for s in samples], trainer_state=state)
+        if cfg.reward.overlong_buffer:  # length: the sampled tokens (an episode's assistant tokens)
+            from rl.config import overlong_limit
             from rl.overlong import shape
 
-            rewards = shape(rewards, [len(s.completion_ids) for s in samples], max_tokens=cfg.rollout.max_tokens,
-                            buffer=cfg.reward.overlong_buffer, penalty=cfg.reward.overlong_penalty)
+            lengths = [len(s.completion_ids) if s.loss_mask is None else sum(s.loss_mask) for s in samples]
+            rewards = shape(rewards, lengths, max_tokens=overlong_limit(cfg)[0], buffer=cfg.reward.overlong_buffer,
+                            penalty=cfg.reward.overlong_penalty)
         return rewards
 
     def score(self, f: Flight, step: int, generate: Callable) -> Scored:

@@ -22,7 +22,7 @@ and must then be learnable in a few dozen steps:
   conversational form, graded by math-verify (the `math` reward); realistic prompt lengths for CI
   and configs/tiny_math.yaml, not something a random tiny model can learn.
 - `tool_arith` (rl/tool_task.py): arithmetic with a calculator tool, multi-turn episodes
-  (configs/tiny_tools.yaml, docs/MULTITURN.md).
+  (configs/tiny_tools.yaml, docs/MULTI_TURN.md).
 """
 
 from __future__ import annotations

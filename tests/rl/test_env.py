@@ -308,8 +308,8 @@ def test_config_env_section_refusals():
     cfg = load(base)
     assert cfg.env.enabled and cfg.env.tools == ["rl.tool_task:calculator"]
     for over, msg in [
-        (["run.max_async_steps=1"], r"run.max_async_steps: expected 0/false with multi-turn episodes"),
-        (["trainer.routing_replay=true"], r"trainer.routing_replay: expected 0/false with multi-turn"),
+        (["run.max_async_steps=1"], r"run.max_async_steps: expected 0 with multi-turn episodes .*an episode needs "
+                                    r"the driver between its turns"),
         (["env.max_total_tokens=100000"], r"env.max_total_tokens: expected an int <= min\(rollout.max_model_len"),
         (["env.environment=a:B"], r"env: set at most one of env.tools and env.environment"),
         (["env.max_turns=0"], r"env.max_turns: expected an int >= 1"),
@@ -317,18 +317,92 @@ def test_config_env_section_refusals():
     ]:
         with pytest.raises(ConfigError, match=msg):
             load(base, over)
+    # What combines with episodes (each tested below and in tests/rl/test_rl_faults.py's run).
+    both = load(base, ["trainer.routing_replay=true", "trainer.routing_metrics=true", "eval.every=1",
+                       "eval.data.task=tool_arith", "reward.overlong_buffer=8", "data.dynamic_sampling=true"])
+    assert both.trainer.routing_replay and both.eval.every == 1 and both.data.dynamic_sampling
 
 
-def test_megamoe_rl_eval_refuses_an_env_config():
+class EvalEngine:
+    """A stand-in for RolloutWorker.generate (prompts, n, sampling, max_tokens) in the evaluation of episodes: turn 0
+    calls the calculator, turn 1 answers; records every call's sizes, seeds and budgets."""
+
+    def __init__(self, tok):
+        self.calls = []
+        self.scripted = Scripted(tok, lambda c, turn, k: "The answer is 2." if turn else
+                                 '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 1"}}\n</tool_call>')
+
+    def generate(self, prompts, n, sampling, max_tokens=None):
+        self.calls.append((len(prompts), n, sampling["seed"], sampling["temperature"], max_tokens))
+        turn = len(self.calls) - 1
+        return [{"prompt_index": i, **o} for i, o in enumerate(self.scripted(prompts, max_tokens, turn))]
+
+
+EVAL_ENV = ["eval.data.task=tool_arith", "eval.data.task_size=3", "eval.n=2", "rollout.max_model_len=2048",
+            "trainer.max_seq_len=2048", "env.max_tokens_per_turn=200", "eval.temperature=0.5"]
+
+
+def check_eval_of_episodes(engine, metrics, rows, base_seed):
+    """3 prompts x 2 episodes of two turns: one engine call per turn with every live episode (seeds: the run's
+    eval seed + turn * TURN_SEED_STRIDE, budgets: env.max_tokens_per_turn), scored on the message lists
+    (tool_used pays 1 x 0.5 for the calculator's result, numeric 0: "2" is no answer), env/* metrics under eval/."""
+    from rl.episode_step import TURN_SEED_STRIDE
+
+    assert [c[:4] for c in engine.calls] == [(6, 1, base_seed, 0.5), (6, 1, base_seed + TURN_SEED_STRIDE, 0.5)]
+    assert engine.calls[0][4] == [200] * 6
+    assert metrics["eval/env/turns_mean"] == 2.0 and metrics["eval/env/tool_calls"] == 6.0
+    assert metrics["eval/reward/tool_used/mean"] == 1.0 and metrics["eval/reward/numeric/mean"] == 0.0
+    assert metrics["eval/reward_mean"] == 0.5  # tool_used and numeric weigh 0.5 each
+    assert metrics["eval/samples"] == 6 and metrics["eval/prompts"] == 3
+    assert [r["prompt_index"] for r in rows] == [0, 0, 1, 1, 2, 2]
+    assert all("<tool_response>" in r["completion"] and "The answer is 2." in r["completion"] for r in rows), rows[0]
+
+
+def test_the_evaluation_runs_episodes(tok, tmp_path):
+    """eval.every with an env section (rl/evaluation.py): the eval prompts as episodes, scored like training's."""
+    from rl import config as C
+    from rl.episode_step import EpisodeStep
+    from rl.evaluation import EVAL_SEED_OFFSET, Evaluator
+
+    cfg = C.load("configs/tiny_tools.yaml", ["eval.every=1", *EVAL_ENV])
+    step = EpisodeStep(cfg, tok, tmp_path)
+    engine = EvalEngine(tok)
+    m, rows = Evaluator(cfg, tok, episodes=step).run(lambda p, s, n, b: engine.generate(p, n, s, b), 1)
+    check_eval_of_episodes(engine, m, rows, cfg.run.seed * 1_000_003 + EVAL_SEED_OFFSET)
+    with pytest.raises(C.ConfigError, match=r"eval.max_tokens: expected null with multi-turn episodes"):
+        Evaluator(C.load("configs/tiny_tools.yaml", ["eval.every=1", *EVAL_ENV, "eval.max_tokens=8"]), tok,
+                  episodes=step)
+
+
+def test_megamoe_rl_eval_runs_episodes(tok, tmp_path, monkeypatch):
+    """`megamoe-rl eval` on a config with an env section: the same episodes on its one engine."""
     import argparse
+    import json
 
-    from rl.config import ConfigError
-    from rl.eval_cmd import resolve
+    import rollout.worker
+    from rl.eval_cmd import evaluate, resolve
+    from rl.evaluation import EVAL_SEED_OFFSET
 
-    args = argparse.Namespace(config="configs/tiny_tools.yaml", overrides=["eval.data.task=tool_arith"], run=None,
-                              step=[], latest=False, model=["/nonexistent"], moe_impl=None)
-    with pytest.raises(ConfigError, match=r"env: expected no env.tools / env.environment for `megamoe-rl eval`"):
-        resolve(args)
+    engine = EvalEngine(tok)
+
+    class Worker:
+        def __init__(self, *a, **kw):
+            pass
+
+        generate = staticmethod(engine.generate)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(rollout.worker, "RolloutWorker", Worker)
+    args = argparse.Namespace(config="configs/tiny_tools.yaml", overrides=EVAL_ENV, run=None, step=[], latest=False,
+                              model=[tok.name_or_path], moe_impl=None, out=str(tmp_path / "r.json"),
+                              samples_out=str(tmp_path / "s.jsonl"))
+    cfg, targets = resolve(args)
+    assert evaluate(args, cfg, targets) == 0
+    metrics = json.loads((tmp_path / "r.json").read_text())["targets"][0]["metrics"]
+    rows = [json.loads(x) for x in (tmp_path / "s.jsonl").read_text().splitlines()]
+    check_eval_of_episodes(engine, metrics, rows, cfg.run.seed * 1_000_003 + EVAL_SEED_OFFSET)
 
 
 # ---- parsing, tools, timeouts -------------------------------------------------------------------
@@ -650,48 +724,55 @@ def check_engine_episodes(model_dir, episodes, calls, temperature: float) -> dic
     return out
 
 
+class Ref:
+    def __init__(self, value):
+        self.value = value
+
+
+class FakeWorker:
+    """A rollout worker's host as the driver calls it (`w.generate.remote(...)`), answering with `gen` (a
+    Scripted; its `turn` argument: the call's seed, which tells the turns and the draws apart)."""
+
+    def __init__(self, gen):
+        self.gen, self.seen = gen, []
+        self.generate = self
+
+    def remote(self, ctx, n, sampling, offset, policy_version, max_tokens):
+        from records import Sample
+
+        self.seen.append((len(ctx), n, sampling["seed"], list(max_tokens), offset, policy_version))
+        outs = [Sample(prompt_index=offset + i, prompt_ids=list(c), completion_ids=o["completion_ids"],
+                       sampler_logprobs=o["logprobs"], text=o["text"], finish_reason=o["finish_reason"],
+                       policy_version=policy_version)
+                for i, (c, o) in enumerate(zip(ctx, self.gen(ctx, max_tokens, sampling["seed"])))]
+        return Ref((outs, 0.5))
+
+
+class FakeActors:
+    def __init__(self, workers):
+        self.rollouts = workers
+
+    def get(self, refs, names, method):
+        return [r.value for r in refs]
+
+
 def test_the_loop_hook_splits_each_turn_over_the_rollout_workers(tok, tmp_path):
     """EpisodeStep.flight (what the driver takes a step's generation from with an env section): each turn is
     one call per rollout worker on its contiguous slice of the live episodes, with per-episode token budgets
     and a seed offset by the slice's start (so no two episodes share a seed), stamped with the version last
     published; the Flight holds masked Samples, and Scoring's rewards the env/* metrics."""
-    from records import Sample
     from rl import config as C
     from rl.data import Batch
     from rl.episode_step import TURN_SEED_STRIDE, EpisodeStep
     from rl.pipeline import Generation, Scoring
     from rl.rewards import RewardScorer, load_rewards
 
-    class Ref:
-        def __init__(self, value):
-            self.value = value
-
-    class Worker:
-        def __init__(self, gen):
-            self.gen, self.seen = gen, []
-            self.generate = self
-
-        def remote(self, ctx, n, sampling, offset, policy_version, max_tokens):
-            self.seen.append((len(ctx), n, sampling["seed"], list(max_tokens), offset, policy_version))
-            outs = [Sample(prompt_index=offset + i, prompt_ids=list(c), completion_ids=o["completion_ids"],
-                           sampler_logprobs=o["logprobs"], text=o["text"], finish_reason=o["finish_reason"],
-                           policy_version=policy_version)
-                    for i, (c, o) in enumerate(zip(ctx, self.gen(ctx, max_tokens, 0)))]
-            return Ref((outs, 0.5))
-
     cfg = C.load("configs/tiny_tools.yaml", ["rollout.n=2", "rollout.max_model_len=2048", "trainer.max_seq_len=2048",
                                              "env.max_tokens_per_turn=200", "rollout.num_workers=2"])
     step = EpisodeStep(cfg, tok, tmp_path)
-    gen = Scripted(tok, lambda c, turn, k: "444" if "<tool_response>" in tok.decode(c) else CALL)
-    workers = [Worker(gen), Worker(gen)]
-
-    class FakeActors:
-        rollouts = workers
-
-        def get(self, refs, names, method):
-            return [r.value for r in refs]
-
-    generation = Generation(cfg, FakeActors())
+    gen = Scripted(tok, lambda c, seed, k: "444" if "<tool_response>" in tok.decode(c) else CALL)
+    workers = [FakeWorker(gen), FakeWorker(gen)]
+    generation = Generation(cfg, FakeActors(workers))
     generation.version = 4
     batch = Batch(prompts=[[{"role": "user", "content": "What is 37 * 12?"}]] * 3, columns={"answer": ["444"] * 3})
     flight = step.flight(generation, 3, batch, ["p"] * 3, {"temperature": 1.0, "seed": 100})
@@ -705,6 +786,107 @@ def test_the_loop_hook_splits_each_turn_over_the_rollout_workers(tok, tmp_path):
     assert rewards.total == [1.0] * 6  # a tool result and the right number
     m = rewards.metrics(2)
     assert m["env/turns_mean"] == 2.0 and m["env/tool_calls"] == 6.0 and m["env/truncated"] == 0.0
+
+
+def arith_episodes(tok, tmp_path, *overrides):
+    """The tool_arith task's episodes on two fake rollout workers: turn 0 calls the calculator on the question's
+    expression; turn 1 answers the tool's result, except in the first draw of a step (seed below
+    1_000_000_007: Scoring.prompts' stride of the extra draws) and in the odd episodes of a later draw."""
+    import re
+
+    from rl import config as C
+    from rl.data import PromptSource
+    from rl.episode_step import EpisodeStep
+    from rl.pipeline import Generation, Scoring
+    from rl.rewards import RewardScorer, load_rewards
+
+    cfg = C.load("configs/tiny_tools.yaml", ["rollout.n=2", "run.prompts_per_step=2", "rollout.max_model_len=2048",
+                                             "trainer.max_seq_len=2048", "env.max_tokens_per_turn=200",
+                                             "rollout.num_workers=2", *overrides])
+
+    def script(c, seed, k):
+        text = tok.decode(c)
+        if "<tool_response>" not in text:
+            expr = re.findall(r"What is (\d+ [+*] \d+)\?", text)[-1]
+            return '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n</tool_call>' % expr
+        result = re.findall(r"<tool_response>\n(\d+)\n</tool_response>", text)[-1]
+        return result if seed >= 1_000_000_007 and k % 2 == 0 else "0"
+
+    step = EpisodeStep(cfg, tok, tmp_path)
+    generation = Generation(cfg, FakeActors([FakeWorker(Scripted(tok, script)), FakeWorker(Scripted(tok, script))]))
+    source = PromptSource.from_config(cfg.data, seed=cfg.run.seed)
+    scoring = Scoring(cfg, source, tok, RewardScorer(load_rewards(cfg.reward)), step)
+    return cfg, step, generation, scoring
+
+
+def test_dynamic_sampling_draws_episodes(tok, tmp_path):
+    """data.dynamic_sampling with episodes: the first draw (every answer wrong: no signal) is dropped, the extra
+    draw is episodes too (other prompts, the extra call's seeds) and fills the batch."""
+    cfg, step, generation, scoring = arith_episodes(tok, tmp_path, "data.dynamic_sampling=true")
+    flight = step.flight(generation, 0, *scoring.prompts(0))
+    scored = scoring.score(flight, 0, step.extra_draws(generation))  # what the driver passes (rl/loop.py)
+    assert scored.metrics["dynamic_sampling/generate_calls"] == 2 and scored.metrics["dynamic_sampling/kept_groups"] == 2
+    assert scored.rewards.total == [1.0, 0.5] * 2  # tool_used 0.5 each, numeric 0.5 for the right answers
+    assert all(0 in s.loss_mask and 1 in s.loss_mask for s in scored.samples)
+    assert scored.prompts == scoring.prompts(0, 1)[1]  # the extra draw's prompts
+    assert scored.batch.loss_mask == [s.loss_mask for s in scored.samples]
+
+
+def test_overlong_shaping_counts_an_episodes_assistant_tokens(tok, tmp_path):
+    """reward.overlong_buffer with episodes: the length is the episode's assistant tokens (its loss mask), the limit
+    L = env.max_turns x env.max_tokens_per_turn (2 x 200 here), B = 390: the ramp starts at 10 tokens."""
+    from rl import config as C
+
+    cfg, step, generation, scoring = arith_episodes(tok, tmp_path, "env.max_turns=2", "reward.overlong_buffer=390",
+                                                    "reward.overlong_penalty=2.0")
+    flight = step.flight(generation, 0, *scoring.prompts(0))
+    rewards = scoring.rewards(flight.batch, flight.samples, 0)
+    sampled = [sum(s.loss_mask) for s in flight.samples]
+    assert all(len(s.completion_ids) > n > 10 for s, n in zip(flight.samples, sampled))
+    assert rewards.per_fn["overlong"] == [-2.0 * (n - 10) / 390 for n in sampled]
+    with pytest.raises(C.ConfigError, match=r"reward.overlong_buffer: expected an int <= env.max_turns x "
+                                            r"env.max_tokens_per_turn \(400\), got 401"):
+        C.load("configs/tiny_tools.yaml", ["env.max_turns=2", "env.max_tokens_per_turn=200",
+                                           "reward.overlong_buffer=401", "rollout.max_model_len=2048",
+                                           "trainer.max_seq_len=2048"])
+
+
+def test_an_episodes_routing_is_merged_over_its_turns(tok, tmp_path):
+    """Routing replay with episodes: each turn's capture covers its context and its tokens, with -1 rows where the
+    prefix cache served the context (here: every token an earlier turn computed) and for its last token; the
+    episode's routing takes each token's row from the turn that computed it, and reaches the Sample."""
+    import numpy as np
+
+    from rl.episodes import merge_routing
+
+    gen = Scripted(tok, lambda c, turn, k: "444" if "<tool_response>" in tok.decode(c) else CALL)
+    computed = {}  # episode -> tokens an earlier turn computed
+
+    def routed(ctx, budgets, turn):
+        outs = gen(ctx, budgets, turn)
+        for k, (c, o) in enumerate(zip(ctx, outs)):
+            r = np.full((len(c) + len(o["completion_ids"]), 2, 2), turn, dtype=np.int16)
+            r[:computed.get(k, 0)] = -1  # served by the prefix cache
+            r[-1] = -1  # sampled, never fed back
+            computed[k] = r.shape[0] - 1
+            o["routed_experts"] = r
+        return outs
+
+    *_, runner = tools_runner(tok, max_tokens_per_turn=200)
+    (ep,) = runner.run([{}], [[{"role": "user", "content": "What is 37 * 12?"}]], 1, routed)
+    assert ep.turns == 2
+    first = len(ep.prompt_ids) + ep.loss_mask.index(0) - 1  # the first turn computed up to its last sampled token
+    r = ep.routed_experts
+    assert r.shape == (len(ep.prompt_ids) + len(ep.completion_ids), 2, 2)
+    assert (r[:first] == 0).all() and (r[first:-1] == 1).all() and (r[-1] == -1).all()
+    with pytest.raises(RuntimeError, match=r"routing: a turn's capture \(2, 2, 2\) does not extend the episode's"):
+        merge_routing(r, r[:2])
+    from rl import config as C
+    from rl.episode_step import EpisodeStep
+
+    step = EpisodeStep(C.load("configs/tiny_tools.yaml", ["trainer.routing_replay=true"]), tok, tmp_path)
+    (sample,) = step.samples([ep], version=0)
+    assert sample.routed_experts is r  # what TrainBatch.from_samples hands the trainer
 
 
 def test_the_gsm8k_shaped_variant_scores_the_last_assistant_message():

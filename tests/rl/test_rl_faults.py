@@ -1,10 +1,13 @@
-"""Faults of the RL loop on the CPU stack: a TrainerWorker killed mid-step, `--resume`, Ctrl-C.
+"""Faults of the RL loop on the CPU stack: a TrainerWorker killed mid-step, `--resume`, Ctrl-C; the run is
+one of multi-turn episodes (docs/MULTI_TURN.md), so these are also its resume and evaluation tests.
 
     .venv/bin/python -m pytest -q tests/rl/test_rl_faults.py
 
 Two runs of `megamoe-rl train` in one run folder, the faults injected by the test's reward
-function (tests/rl/test_rl_loop.py, REWARD_MODULE) at exact points:
-1. checkpoint every 2 steps, samples.jsonl and an evaluation every step; during step 4 the
+function (tests/rl/test_rl_loop.py, REWARD_MODULE) at exact points. Every completion is an episode of up to
+three assistant turns (EPISODES: the test module's verifiers-shape environment asks back "Sure?"; a turn ends
+on the stop string "e", which the random model writes often, or at 8 tokens, which ends the episode):
+1. checkpoint every 2 steps, samples.jsonl and an evaluation (of episodes) every step; during step 4 the
    trainer's process is killed (SIGKILL): the run ends with exit 1 and one paragraph, in train.log
    and on the terminal, naming the actor, the step, the cause, the last checkpoint (step 2, intact)
    and the command that continues the run. Step 3 was done and logged but not checkpointed.
@@ -14,9 +17,12 @@ function (tests/rl/test_rl_loop.py, REWARD_MODULE) at exact points:
    checkpoint is written, every actor is stopped, exit 130, and the run is resumable from step 4.
    Its new RolloutWorker starts from the base model, so the step after the resume checks that the
    checkpoint's weights reached it: the sampler-trainer mismatch at the fp32 bound at every step.
+   Step 3 ran twice, uninterrupted in run 1 and resumed from step 2's checkpoint in run 2: every result of
+   it (metrics, the transcripts in samples.jsonl, the evaluation after it) must be equal.
 The paragraph's root cause for an actor that raises (rather than dies) is tested on Ray's own
 exception objects below, without a cluster.
 """
+
 
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ import sys
 
 import pytest
 
-from test_rl_loop import (EVAL, STEP_KEYS, explain, fp32_mismatch_over_bounds, numeric_finite, run_cli,  # noqa: F401
+from test_rl_loop import (EVAL, STEP_KEYS, TIMING, explain, fp32_mismatch_over_bounds, numeric_finite, run_cli,  # noqa: F401
                           run_train, train_records, two_checkpoints, wandb_offline_history, write_reward_module)
 from rl.metrics import read_jsonl
 
@@ -44,6 +50,13 @@ def _latest(run_dir):
     return json.loads((run_dir / "checkpoints" / "latest.json").read_text())
 
 
+# Multi-turn episodes (docs/MULTI_TURN.md) of up to 3 turns of up to 8 tokens, each turn ending on "e".
+# Routing replay on: each episode's routing is merged over its turns' captures (rl/episodes.py, merge_routing).
+EPISODES = ("env.environment=loop_test_rewards:AskAgain", "env.max_turns=3", "rollout.stop=[e]",
+            "rollout.max_tokens=8", "rollout.max_model_len=128", "trainer.max_seq_len=128",
+            "trainer.routing_replay=true")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("rl_faults")
@@ -51,7 +64,8 @@ def runs(tmp_path_factory):
     run_dir = work / "run"
     # Killed in step 4 (the reward's 4th call): step 3 is logged (metrics, samples, evaluation) after
     # the last checkpoint (step 2), so the resume has stale lines to drop.
-    common = ("trainer.checkpoint_every=2", "run.wandb.mode=offline", "run.samples_every=1", *EVAL, "--reward", reward)
+    common = ("trainer.checkpoint_every=2", "run.wandb.mode=offline", "run.samples_every=1", *EVAL, *EPISODES,
+              "--reward", reward)
     killed = run_train(run_dir, "run.steps=6", *common, action="kill_trainer@4", cwd=work)
     after_kill = {"metrics": read_jsonl(run_dir / "metrics.jsonl"), "latest": _latest(run_dir),
                   "pids": json.loads((run_dir / "actors.json").read_text()),
@@ -131,6 +145,43 @@ def test_resume_drops_the_samples_files_stale_steps(runs):
         [(i, j) for i in range(4) for j in range(4)]
     # Steps 1-2 are the killed run's lines, kept as they were.
     assert samples[:32] == a["samples"][:32] and evals[:96] == a["eval_samples"][:96]
+
+
+@pytest.mark.slow
+def test_a_multi_turn_run_resumed_mid_way_equals_the_uninterrupted_run(runs):
+    """Step 3 of the killed run (uninterrupted since step 1) and of the resumed run (from step 2's checkpoint):
+    the same episodes, rewards, update and evaluation, value for value. What a resume needs beyond the trainer's
+    checkpoint is a function of the config and the step: the data position (the prompts of step s), the
+    sampler's seeds (of step s and turn t) and the environment (one instance per run, no state across steps)."""
+    a = runs["after_kill"]
+    before = {r["step"]: r for r in a["metrics"]}[3]
+    after = {r["step"]: r for r in read_jsonl(runs["dir"] / "metrics.jsonl")}[3]
+    # Multi-turn indeed: episodes of more than one turn, environment tokens in the trainer's sequences, and the
+    # evaluation's episodes too.
+    assert before["env/turns_mean"] > 1.5 and before["env/env_token_frac"] > 0.2, before
+    assert before["eval/env/turns_mean"] > 1.5 and before["eval/env/env_token_frac"] > 0.2, before
+    timing = TIMING + ("eval/time_s",)
+    differ = [(k, before[k], after.get(k)) for k in before if not k.startswith(timing) and before[k] != after.get(k)]
+    assert differ == [], differ
+    assert [r for r in a["samples"] if r["step"] == 3] == \
+        [r for r in read_jsonl(runs["dir"] / "samples.jsonl") if r["step"] == 3]
+    assert [r for r in a["eval_samples"] if r["step"] == 3] == \
+        [r for r in read_jsonl(runs["dir"] / "eval_samples.jsonl") if r["step"] == 3]
+    # samples.jsonl holds the whole transcript: the environment's turns between the assistant's.
+    assert any("Sure?" in r["completion"] for r in a["samples"]), a["samples"][0]
+    print("multi-turn run by step (turns, env token share, max |dlogp|, routing agree, step s):",
+          [(r["step"], r["env/turns_mean"], round(r["env/env_token_frac"], 3), r["mismatch/abs_logp_diff_max"],
+            r["routing/agree"], round(r["time/step_s"], 1)) for r in train_records(runs["dir"])])
+
+
+@pytest.mark.slow
+def test_routing_replay_of_episodes_is_the_trainers_own_routing(runs):
+    """Every episode's routing, merged over its turns' captures, covers its whole sequence (sampled and
+    environment tokens) but the last token (sampled, never fed back: one per episode, 16 a step), and on-policy
+    in fp32 megamoe it is exactly the routing the trainer's own routers pick (docs/ROUTING_REPLAY.md)."""
+    for r in runs["after_kill"]["metrics"][1:] + train_records(runs["dir"]):
+        assert r["routing/unrouted_tokens"] == 16 and r["routing/replayed_tokens"] > 0, (r["step"], r)
+        assert r["routing/agree"] == 1.0, (r["step"], r["routing/agree"])
 
 
 @pytest.mark.slow

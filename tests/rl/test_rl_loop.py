@@ -71,15 +71,30 @@ REWARD_MODULE = textwrap.dedent('''
                 raise ValueError(what)
 
 
+    def _text(c):
+        """A completion's text: the string, or a multi-turn episode's last assistant message (its messages)."""
+        return c if isinstance(c, str) else [m for m in c if m["role"] == "assistant"][-1]["content"]
+
+
     def first_char_is_answer(prompts, completions, answer):
         CALLS["n"] += 1
         _act()
-        return [float(c.strip()[:1] == str(a)) for c, a in zip(completions, answer)]
+        return [float(_text(c).strip()[:1] == str(a)) for c, a in zip(completions, answer)]
 
 
     def alnum_share(prompts, completions, **kwargs):
         """Partial credit: the share of the completion's characters that are ASCII letters or digits."""
-        return [sum(ch.isascii() and ch.isalnum() for ch in c) / max(len(c), 1) for c in completions]
+        return [sum(ch.isascii() and ch.isalnum() for ch in _text(c)) / max(len(_text(c)), 1) for c in completions]
+
+
+    class AskAgain:
+        """A verifiers-shape environment (multi-turn episodes): asks back until the assistant has spoken 3 times."""
+
+        def is_completed(self, messages, state, **kwargs):
+            return state["turn"] >= 3
+
+        def env_response(self, messages, state, **kwargs):
+            return [{"role": "user", "content": "Sure?"}]
 ''')
 
 
