@@ -58,7 +58,7 @@ class EpisodeStep:
         busy = [0.0]
         actors = gen.actors
 
-        def one_turn(ctx: list[list[int]], budgets: list[int], turn: int) -> list[dict]:
+        def one_turn(ctx: list[list[int]], budgets: list[int], turn: int) -> list[Sample]:
             bounds = gen.bounds(len(ctx))
             refs = []
             for w, (a, b) in zip(actors.rollouts, bounds):
@@ -71,8 +71,7 @@ class EpisodeStep:
             live = [(j, r) for j, r in enumerate(refs) if r is not None]
             outs = actors.get([r for _, r in live], [f"RolloutWorker {j}" for j, _ in live], "generate")
             busy[0] += max(sec for _, sec in outs)
-            return [{"completion_ids": x.completion_ids, "logprobs": x.sampler_logprobs, "text": x.text,
-                     "finish_reason": x.finish_reason} for out, _ in outs for x in out]
+            return [x for out, _ in outs for x in out]
 
         self.episodes = self.runner.run(rows, batch.prompts, self.cfg.rollout.n, one_turn)
         self.busy_s = busy[0]

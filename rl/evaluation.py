@@ -2,7 +2,7 @@
 `megamoe-rl eval` (rl/eval_cmd.py) on one engine of its own.
 
     ev = Evaluator.from_config(cfg, tokenizer)           # checks the eval section and dataset first
-    metrics, samples = ev.run(generate, step)             # generate(prompts, sampling, n) -> samples
+    metrics, rows = ev.run(generate, step)                # generate(prompts, sampling, n) -> records.Sample list
     pass_at_k(n=4, c=1, k=2)                              # 0.5
 
 What one evaluation does: every prompt of the eval dataset (`eval.data`, the first `eval.prompts`
@@ -30,6 +30,8 @@ import logging
 import math
 import time
 from typing import Any, Callable
+
+from records import Sample
 
 log = logging.getLogger("megamoe.rl.eval")
 
@@ -116,25 +118,25 @@ class Evaluator:
         steps, and after the last one (run.steps)."""
         return bool(self.every) and (step % self.every == 0 or step == self.cfg.run.steps)
 
-    def run(self, generate: Callable[[list[str], dict, int], list[dict]], step: int) -> tuple[dict, list[dict]]:
+    def run(self, generate: Callable[[list[str], dict, int], list[Sample]], step: int) -> tuple[dict, list[dict]]:
         """Sample, score and summarise; (eval/* metrics, one row per sample). `generate(prompts,
-        sampling, n)` returns prompt-major samples (RolloutWorker.generate's dicts) from one policy."""
+        sampling, n)` returns prompt-major records.Sample (RolloutWorker.generate's) from one policy."""
         from rl.rewards import TrainerState
 
         t0 = time.perf_counter()
         samples = generate(self.prompts, dict(self.sampling), self.n)
-        idx = [s["prompt_index"] for s in samples]
+        idx = [s.prompt_index for s in samples]
         if idx != [i for i in range(len(self.prompts)) for _ in range(self.n)]:
             raise RuntimeError(f"eval: generate returned samples for prompts {idx}, expected {self.n} of each "
                                f"of {len(self.prompts)} in order")
-        texts = [s["text"] for s in samples]
+        texts = [s.text for s in samples]
         before = dict(self.scorer.errors_total)
         rewards = self.scorer([self.raw_prompts[i] for i in idx], texts,
                               {k: [v[i] for i in idx] for k, v in self.columns.items()},
-                              completion_ids=[s["completion_ids"] for s in samples],
+                              completion_ids=[s.completion_ids for s in samples],
                               trainer_state=TrainerState(global_step=step, max_steps=self.cfg.run.steps))
         errors = sum(self.scorer.errors_total.values()) - sum(before.values())
-        m = eval_metrics(rewards.total, rewards.per_fn, [len(s["completion_ids"]) for s in samples], n=self.n,
+        m = eval_metrics(rewards.total, rewards.per_fn, [len(s.completion_ids) for s in samples], n=self.n,
                          ks=self.ks, correct_at=self.correct_at, errors=errors)
         m["eval/time_s"] = time.perf_counter() - t0
         rows = [{"step": step, "prompt_index": i, "prompt": self.prompts[i], "completion": t,

@@ -243,11 +243,10 @@ class Loop:
         self.actors.where = f"the evaluation after step {self.step}"
         versions = set()
 
-        def generate(prompts, sampling, n):  # the Evaluator reads RolloutWorker.generate's dict fields
+        def generate(prompts, sampling, n):
             samples = self.generation.generate(None, prompts, sampling, n)
             versions.update(x.policy_version for x in samples)
-            return [{"prompt_index": x.prompt_index, "prompt_ids": x.prompt_ids, "completion_ids": x.completion_ids,
-                     "logprobs": x.sampler_logprobs, "text": x.text} for x in samples]
+            return samples
 
         m, rows = self.evaluator.run(generate, self.step)
         append_rows(self.run_dir, rows, EVAL_SAMPLES_FILE)

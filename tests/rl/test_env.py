@@ -10,6 +10,7 @@ bitwise) runs on tests/rl/test_divergence.py's bitwise engine (test_multi_turn_e
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
 import textwrap
@@ -17,6 +18,7 @@ import time
 
 import pytest
 
+from records import Sample
 from rl.envs import Environment, EnvError, ToolSession, call_all
 from rl.episodes import ChatFormat, EpisodeRunner, TemplateError, parse_hermes
 from rl.tool_task import calculator, tool_arith, tool_used
@@ -177,9 +179,10 @@ class Scripted:
                 ids = ids + [self.tok.convert_tokens_to_ids(EOS)]
             lps = [-self.rng.uniform(0.01, 5.0) for _ in ids]
             self.returned.append((turn, k, ids, lps))
-            outs.append({"completion_ids": ids, "logprobs": lps, "text": self.tok.decode(ids, skip_special_tokens=True),
-                         "finish_reason": "stop" if (ids[-1] == self.tok.convert_tokens_to_ids(EOS) or self.stop_string)
-                         else "length"})
+            outs.append(Sample(prompt_index=k, prompt_ids=list(c), completion_ids=ids, sampler_logprobs=lps,
+                               text=self.tok.decode(ids, skip_special_tokens=True),
+                               finish_reason="stop" if (ids[-1] == self.tok.convert_tokens_to_ids(EOS) or self.stop_string)
+                               else "length", policy_version=0))
         return outs
 
 
@@ -544,29 +547,31 @@ def test_the_trainer_masks_environment_tokens():
     logprobs (placeholders) or the trainer's values at environment tokens."""
     import torch
 
-    from trainer.batch import BatchError, collate, validate_batch
+    from records import RecordError, TrainBatch
+    from trainer.batch import collate, train_rows
     from trainer.loss import policy_loss
 
     g = torch.Generator().manual_seed(0)
-    batch = {"prompt_ids": [[5, 6, 7], [8, 9]], "completion_ids": [[10, 11, 12, 13, 14], [15, 16, 17]],
-             "sampler_logprobs": [[-1.0, 0.0, 0.0, -2.0, -0.5], [-0.3, -0.2, -0.1]], "advantages": [1.0, -0.5],
-             "loss_mask": [[1, 0, 0, 1, 1], [1, 1, 1]]}
-    seqs, _ = validate_batch(batch, vocab_size=100, max_seq_len=16, truncate=False)
+    batch = dict(prompt_ids=[[5, 6, 7], [8, 9]], completion_ids=[[10, 11, 12, 13, 14], [15, 16, 17]],
+                 sampler_logprobs=[[-1.0, 0.0, 0.0, -2.0, -0.5], [-0.3, -0.2, -0.1]], advantages=[1.0, -0.5],
+                 policy_versions=[0, 0], loss_mask=[[1, 0, 0, 1, 1], [1, 1, 1]])
+    seqs, _ = train_rows(TrainBatch(**batch), vocab_size=100, max_seq_len=16, truncate=False)
     mb = collate(seqs, 0, torch.device("cpu"))
     assert mb.mask.tolist() == [[True, False, False, True, True], [True, True, True, False, False]]
     assert [s.loss_tokens for s in seqs] == [3, 3]
     logp = -torch.rand(2, 5, generator=g) * 3
-    base = policy_loss(logp, logp, mb.sampler_logp, mb.advantages, mb.mask)
-    logp2, samp2 = logp.clone(), mb.sampler_logp.clone()
+    base = policy_loss(logp, logp, mb.sampler_logprobs, mb.advantages, mb.mask)
+    logp2, samp2 = logp.clone(), mb.sampler_logprobs.clone()
     logp2[0, 1:3] = -50.0
     samp2[0, 1:3] = 7.0
     other = policy_loss(logp2, logp2, samp2, mb.advantages, mb.mask)
     assert float(base[0]) == float(other[0]) and base[1]["abs_logp_diff_max"] == other[1]["abs_logp_diff_max"]
-    for bad, msg in [([[1, 0, 1], [1, 1, 1]], r"loss_mask'\]\[0\]: expected 5 values 0 or 1"),
+    # refused where the record is built (records/samples.py), before any trainer sees it
+    for bad, msg in [([[1, 0, 1], [1, 1, 1]], r"loss_mask\[0\]: expected 5 values 0 or 1"),
                      ([[0, 0, 0, 0, 0], [1, 1, 1]], r"expected at least one 1"),
                      ([[1, 0, 0, 1, 2], [1, 1, 1]], r"expected 5 values 0 or 1")]:
-        with pytest.raises(BatchError, match=msg):
-            validate_batch({**batch, "loss_mask": bad}, vocab_size=100, max_seq_len=16, truncate=False)
+        with pytest.raises(RecordError, match=msg):
+            TrainBatch(**{**batch, "loss_mask": bad})
 
 
 def test_train_batch_carries_the_loss_mask():
@@ -574,9 +579,8 @@ def test_train_batch_carries_the_loss_mask():
 
     s = [Sample(0, [1, 2], [3, 4, 5], [-1.0, 0.0, -1.0], "t", "stop", 0, loss_mask=[1, 0, 1]),
          Sample(0, [1, 2], [6], [-0.5], "t", "stop", 0)]
-    cols = TrainBatch.from_samples(s, [1.0, -1.0]).columns()
-    assert cols["loss_mask"] == [[1, 0, 1], [1]]
-    assert "loss_mask" not in TrainBatch.from_samples(s[1:], [0.0]).columns()
+    assert TrainBatch.from_samples(s, [1.0, -1.0]).loss_mask == [[1, 0, 1], [1]]
+    assert TrainBatch.from_samples(s[1:], [0.0]).loss_mask is None
     with pytest.raises(RecordError, match=r"TrainBatch.loss_mask\[0\]: expected 3 values"):
         TrainBatch.from_samples([Sample(0, [1], [3, 4, 5], [0.0] * 3, "t", "stop", 0, loss_mask=[1])], [0.0])
 
@@ -631,14 +635,13 @@ def check_engine_episodes(model_dir, episodes, calls, temperature: float) -> dic
     three = [e for e in episodes if e.turns == 3]
     assert three, [e.turns for e in episodes]
     assert all(0 in e.loss_mask and 1 in e.loss_mask for e in three)
-    batch = {"prompt_ids": [e.prompt_ids for e in episodes], "completion_ids": [e.completion_ids for e in episodes]}
     out = {}
     for numerics in ("bitwise", "fast"):
         w = TrainerWorker(0, 1, "127.0.0.1", free_port(), str(model_dir), "megamoe",
                           {"dtype": "float32", "device": "cpu", "numerics": numerics, "temperature": temperature,
                            "max_seq_len": 128})
         try:
-            lps = w.logprobs(batch)
+            lps = w.logprobs([e.prompt_ids for e in episodes], [e.completion_ids for e in episodes])
         finally:
             w.close()
         diffs = [abs(t - s) for e, lp in zip(episodes, lps) for t, s, m in zip(lp, e.sampler_logprobs, e.loss_mask)
@@ -655,7 +658,6 @@ def test_the_loop_hook_splits_each_turn_over_the_rollout_workers(tok, tmp_path):
     one call per rollout worker on its contiguous slice of the live episodes, with per-episode token budgets
     and a seed offset by the slice's start (so no two episodes share a seed), stamped with the version last
     published; the Flight holds masked Samples, and Scoring's rewards the env/* metrics."""
-    from records import Sample
     from rl import config as C
     from rl.data import Batch
     from rl.episode_step import TURN_SEED_STRIDE, EpisodeStep
@@ -673,10 +675,8 @@ def test_the_loop_hook_splits_each_turn_over_the_rollout_workers(tok, tmp_path):
 
         def remote(self, ctx, n, sampling, offset, policy_version, max_tokens):
             self.seen.append((len(ctx), n, sampling["seed"], list(max_tokens), offset, policy_version))
-            outs = [Sample(prompt_index=offset + i, prompt_ids=list(c), completion_ids=o["completion_ids"],
-                           sampler_logprobs=o["logprobs"], text=o["text"], finish_reason=o["finish_reason"],
-                           policy_version=policy_version)
-                    for i, (c, o) in enumerate(zip(ctx, self.gen(ctx, max_tokens, 0)))]
+            outs = [dataclasses.replace(o, prompt_index=offset + o.prompt_index, policy_version=policy_version)
+                    for o in self.gen(ctx, max_tokens, 0)]
             return Ref((outs, 0.5))
 
     cfg = C.load("configs/tiny_tools.yaml", ["rollout.n=2", "rollout.max_model_len=2048", "trainer.max_seq_len=2048",
