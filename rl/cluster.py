@@ -58,7 +58,7 @@ class TrainerHost(WorkerHost):
         return [ray.put(self.worker.export_weights(dtype))]
 
     def publish_weights(self, sender, engines, version: int) -> dict | None:
-        """`sender.publish` on this rank (rollout.sync_interface.Publication, for the engines to take
+        """`sender.publish` on this rank (records.weights.Publication, for the engines to take
         later); rank 0's Publication as a dict, None on the others."""
         pub = sender.publish(self.worker, engines, version)
         return None if pub is None else pub.to_wire()

@@ -37,8 +37,9 @@ import torch
 
 from megamoe.contract import BITWISE, FAST, HOST_IMPLS, MEGAMOE, NUMERICS
 from records import Sample
+from records.weights import FORMATS
 from rollout import kernel_format, moe_method, plugin, weights
-from rollout.sync import FORMATS, STREAMED
+from rollout.sync import STREAMED
 from rollout.sync_engine import EnginePlan, EngineUpdate, State, check_publication
 
 logger = logging.getLogger(__name__)
@@ -217,7 +218,7 @@ class RolloutWorker:
         self._weight_update = EngineUpdate()  # every fact of the streamed update (rollout/sync_engine.py)
         self._engine_params: dict | None = None  # megamoe_engine_params (the model's parameters do not change)
         self.tensor_parallel_size = tensor_parallel_size
-        # The layout of a streamed update (rollout.sync.FORMATS; plan_weight_update): "auto" takes the
+        # The layout of a streamed update (records.weights.FORMATS; plan_weight_update): "auto" takes the
         # most direct one this engine can load, and the sync report says which and why not a more
         # direct one. Tests and benchmarks set one to compare them.
         self.sync_format = "auto"
@@ -490,7 +491,7 @@ class RolloutWorker:
                 **{k: v for k, v in results[0].items() if k.startswith("worker_")}}
 
     def take_weights(self, publication: dict) -> dict:
-        """Take a published version of the trainer's weights (rollout.sync_interface.Publication's
+        """Take a published version of the trainer's weights (records.weights.Publication's
         wire), all or nothing, between two generate calls: files, its shared export through
         update_weights; ipc, the whole streamed update run here from the trainer's published
         buffer (`_take_published`). Returns the update's report with the version taken."""
@@ -505,7 +506,7 @@ class RolloutWorker:
                          "docs/WEIGHT_SYNC.md)")
 
     def _take_published(self, version: int, published: dict) -> dict:
-        """An ipc publication (rollout.sync_interface.published_ipc) applied as one streamed update
+        """An ipc publication (records.weights.published_ipc) applied as one streamed update
         with this engine driving it: plan (E1, cached), the plan against the trainer's format and
         layout and every chunk checked (E4) before it starts, then the chunks read in place from
         the trainer's buffer. A refusal changes nothing; a failure while applying leaves the engine
@@ -545,7 +546,7 @@ class RolloutWorker:
                                f"the streamed protocol needs weight_sync in {STREAMED}")
 
     def init_weight_transfer_engine(self, join: dict) -> None:
-        """Join the trainer's NCCL group (rollout.sync_interface.nccl_join), through vLLM's NCCL
+        """Join the trainer's NCCL group (records.weights.nccl_join), through vLLM's NCCL
         weight-transfer engine; returns once this engine's workers joined. (An ipc engine makes its
         own init handshake before its first update session.)"""
         from rollout import adapter
@@ -564,8 +565,8 @@ class RolloutWorker:
         bad tensor, changes nothing.
 
         Returns {"tensors", "bytes", "format", "why", "layout", "workers", "transfer_group"} (the wire
-        form of rollout.sync_interface.EngineAnswer): format is the layout the chunks must come in
-        (rollout.sync.FORMATS: `sync_format`, or with "auto" the most direct one this engine can
+        form of records.weights.EngineAnswer): format is the layout the chunks must come in
+        (records.weights.FORMATS: `sync_format`, or with "auto" the most direct one this engine can
         load), why says why each more direct one was not taken, layout (format "kernel") lists each
         engine parameter as [name, shape, dtype name, the trainer tensors it is made of,
         concatenated along dim 0] (rollout/kernel_format.py); kernel-format shapes and dtypes are
@@ -691,7 +692,7 @@ class RolloutWorker:
             pass
 
     def update_weight_chunk(self, chunk: dict) -> dict | None:
-        """One chunk (rollout.sync_interface.ipc_chunk / nccl_chunk: names, shapes, dtypes, and for
+        """One chunk (records.weights.ipc_chunk / nccl_chunk: names, shapes, dtypes, and for
         ipc the sizes and the buffer's handle; for nccl the call receives the broadcast while the
         trainer sends; vLLM's update info is built from it here, rollout.adapter.vllm_update_info), checked
         against the plan (rollout/sync_engine.py, E2), then loaded: a chunk of kernel-format tensors
