@@ -30,9 +30,9 @@ class Sample:
     Built where the sampler returns it (rollout.worker.RolloutWorker.generate; multi-turn episodes:
     rl/episode_step.py). prompt_index: the prompt's position in its step's batch; the GRPO group is
     the samples of one prompt_index (rollout.n of them, consecutive). sampler_logprobs: the sampler's
-    processed logprob of each completion token (rollout/worker.py). reward: the weighted total of the reward functions,
-    set when the step scores it (None before, or where no function scored it). routed_experts: the
-    sampler's expert choices for rollout routing replay, None where not recorded.
+    processed logprob of each completion token (rollout/worker.py). reward: the weighted total of
+    the reward functions, set when the step scores it (None before, or where no function scored it).
+    routed_experts: the sampler's expert choices for rollout routing replay, None where not recorded.
     """
     prompt_index: int
     prompt_ids: list[int]

@@ -106,7 +106,8 @@ LOGP_DIFF_TOL = 1e-3
 """A token counts as mismatched when |Δlogp| exceeds this (mismatch/logp_diff_gt_1e-3_frac)."""
 
 
-def mismatch_sums(trainer_logp: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def mismatch_sums(trainer_logp: torch.Tensor, sampler_logprobs: torch.Tensor,
+                  mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """Additive / extremal statistics of the mismatch (fp64 scalars), so ranks can all-reduce them.
 
     Keys ending in _sum and `tokens` add; `_max` take the max; `_min` the min. The probability
@@ -171,7 +172,8 @@ def finish_mismatch(sums: dict[str, torch.Tensor | float]) -> dict[str, float]:
     return out
 
 
-def mismatch_metrics(trainer_logp: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def mismatch_metrics(trainer_logp: torch.Tensor, sampler_logprobs: torch.Tensor,
+                     mask: torch.Tensor) -> dict[str, float]:
     """k3 KL, |Δlogp| mean/max and the fraction above LOGP_DIFF_TOL, |Δp| mean/max, the Pearson
     correlation of the token probabilities, importance ratio mean/min/max, over the real tokens."""
     return finish_mismatch(mismatch_sums(trainer_logp, sampler_logprobs, mask))
@@ -283,7 +285,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, sampler_logprobs: to
     default to this shard's own (single-process use). ref_logp: the reference policy's logprobs of
     the same tokens (needed when kl_coef > 0; measured in the stats whenever given).
     """
-    weights, keep = mismatch_correction(old_logp, sampler_logprobs, mask, is_correction, cap=is_cap, low=is_low, high=is_high)
+    weights, keep = mismatch_correction(old_logp, sampler_logprobs, mask, is_correction, cap=is_cap, low=is_low,
+                                        high=is_high)
     per_token, was_clipped, ratio = objective_terms(objective, logp, old_logp, advantages_B, mask,
                                                     clip_low=clip_low, clip_high=clip_high)
     per_token = per_token * weights

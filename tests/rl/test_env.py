@@ -179,10 +179,10 @@ class Scripted:
                 ids = ids + [self.tok.convert_tokens_to_ids(EOS)]
             lps = [-self.rng.uniform(0.01, 5.0) for _ in ids]
             self.returned.append((turn, k, ids, lps))
+            stopped = ids[-1] == self.tok.convert_tokens_to_ids(EOS) or self.stop_string
             outs.append(Sample(prompt_index=k, prompt_ids=list(c), completion_ids=ids, sampler_logprobs=lps,
                                text=self.tok.decode(ids, skip_special_tokens=True),
-                               finish_reason="stop" if (ids[-1] == self.tok.convert_tokens_to_ids(EOS) or self.stop_string)
-                               else "length", policy_version=0))
+                               finish_reason="stop" if stopped else "length", policy_version=0))
         return outs
 
 

@@ -69,8 +69,8 @@ def _hf_logprobs(model, samples, temperature, top_p=None):
 
 def _assert_same_samples(a, b, what):
     assert [s.completion_ids for s in a] == [s.completion_ids for s in b], f"{what}: completions differ"
-    assert [s.sampler_logprobs for s in a] == [s.sampler_logprobs for s in b], \
-        f"{what}: logprobs not bitwise equal (max diff {max_abs_diff([s.sampler_logprobs for s in a], [s.sampler_logprobs for s in b])})"
+    la, lb = [s.sampler_logprobs for s in a], [s.sampler_logprobs for s in b]
+    assert la == lb, f"{what}: logprobs not bitwise equal (max diff {max_abs_diff(la, lb)})"
 
 
 def _disk_state(model_dir):

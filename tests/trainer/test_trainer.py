@@ -206,7 +206,8 @@ def test_batch_too_long_rejected_or_truncated():
     b = _with(make_batch(4), 1, prompt_ids=list(range(3, 13)),      # 10 prompt tokens
               completion_ids=list(range(3, 11)),                     # 8 completion tokens: 18 > 16
               sampler_logprobs=[-1.0 * i for i in range(8)])
-    with pytest.raises(BatchError, match=r"sequence 1: prompt \+ completion = 10 \+ 8 = 18 tokens, expected <= max_seq_len=16"):
+    with pytest.raises(BatchError,
+                       match=r"sequence 1: prompt \+ completion = 10 \+ 8 = 18 tokens, expected <= max_seq_len=16"):
         _check(b)
     seqs, n = _check(b, truncate=True)
     assert n == 1 and seqs[1].truncated
