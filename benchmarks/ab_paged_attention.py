@@ -28,8 +28,8 @@ def main() -> None:
         for name, fn in (("new", new_fn), ("old", old.paged_causal_attention)):
             invariant.paged_causal_attention = fn
             t0 = time.perf_counter(); s = w.generate(prompts, 8, sp); dt = time.perf_counter() - t0
-            res[name].append(sum(len(x["completion_ids"]) for x in s) / dt)
-            outs.setdefault(name, [x["logprobs"] for x in s])
+            res[name].append(sum(len(x.completion_ids) for x in s) / dt)
+            outs.setdefault(name, [x.sampler_logprobs for x in s])
     w.close()
     print({k: [round(v) for v in vs] for k, vs in res.items()}, "same samples:", outs["old"] == outs["new"])
 if __name__ == "__main__":

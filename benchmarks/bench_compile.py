@@ -54,7 +54,7 @@ def run_case(model_dir: str, impl: str, eager: bool, args, prompts: list[str], d
         status = w.status()[0]
     finally:
         w.close()
-    tokens = sum(len(s["completion_ids"]) for s in samples)
+    tokens = sum(len(s.completion_ids) for s in samples)
     return {"start_s": start_s, "tok_s": tokens / best, "samples": samples, "compilation": status["compilation"]}
 
 
@@ -100,9 +100,9 @@ def main(argv=None) -> int:
             if ref is None:
                 ref = r["samples"]
             for a, b in zip(ref, r["samples"]):
-                if a["completion_ids"] == b["completion_ids"]:
+                if a.completion_ids == b.completion_ids:
                     same += 1
-                    worst = max([worst] + [abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])])
+                    worst = max([worst] + [abs(x - y) for x, y in zip(a.sampler_logprobs, b.sampler_logprobs)])
             rows.append((impl, "eager" if eager else "compiled", r["start_s"], r["tok_s"],
                          same / len(ref), worst, r["compilation"]))
             print(f"{impl:9s} {rows[-1][1]:9s} start {r['start_s']:7.1f} s  {r['tok_s']:10.1f} tok/s  "

@@ -39,15 +39,14 @@ def training_pass(model_dir, numerics, prompts, completions, micro_batch: int, d
     (TrainerWorker's forward), with a model loaded in `numerics`."""
     import torch
 
-    from trainer.batch import collate, micro_batches, validate_batch
+    from trainer.batch import collate, micro_batches, score_rows
     from trainer.loss import token_logprobs
     from trainer.model import load_model
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = load_model(model_dir, "megamoe", dtype=dtype, device=device, numerics=numerics).train()
-    seqs, _ = validate_batch({"prompt_ids": prompts, "completion_ids": completions}, vocab_size=model.config.vocab_size,
-                             max_seq_len=max(len(p) + len(c) for p, c in zip(prompts, completions)), truncate=False,
-                             need_training_fields=False)
+    seqs = score_rows(prompts, completions, vocab_size=model.config.vocab_size,
+                      max_seq_len=max(len(p) + len(c) for p, c in zip(prompts, completions)), truncate=False)
     tokens = sum(len(p) + len(c) for p, c in zip(prompts, completions))
 
     def one_pass():
@@ -141,14 +140,14 @@ def main() -> None:
         finally:
             w.close()
         sampled[numerics] = samples
-        rollout.append((numerics, sum(len(x["completion_ids"]) for x in samples) / best))
+        rollout.append((numerics, sum(len(x.completion_ids) for x in samples) / best))
         print(f"{numerics}: rollout {rollout[-1][1]:.0f} tok/s", flush=True)
 
     passes, tokens, times, profiles = {}, {}, {}, []
     for numerics in ("fast", "bitwise"):
         s = sampled[numerics]
-        passes[numerics], tokens[numerics] = training_pass(model_dir, numerics, [x["prompt_ids"] for x in s],
-                                                 [x["completion_ids"] for x in s], args.micro_batch, device)
+        passes[numerics], tokens[numerics] = training_pass(model_dir, numerics, [x.prompt_ids for x in s],
+                                                 [x.completion_ids for x in s], args.micro_batch, device)
         passes[numerics]()  # compiles the Triton kernels (CUDA) and warms the allocator
         times[numerics] = []
     for _ in range(args.reps):  # in turns, so that a drift of the machine reaches both alike
@@ -167,9 +166,9 @@ def main() -> None:
 
     s = sampled["bitwise"]
     model = load_model(model_dir, "megamoe", dtype=getattr(torch, dtype), device=device, numerics="bitwise").eval()
-    got, _ = score(model, [x["prompt_ids"] for x in s], [x["completion_ids"] for x in s], temperature=0.8,
+    got, _ = score(model, [x.prompt_ids for x in s], [x.completion_ids for x in s], temperature=0.8,
                    micro_batch_size=args.micro_batch, numerics="bitwise")
-    same = got == [x["logprobs"] for x in s]
+    same = got == [x.sampler_logprobs for x in s]
     fast_rollout = statistics.mean(r for n, r in rollout if n == "fast")
     bw_rollout = [r for n, r in rollout if n == "bitwise"][0]
     machine = torch.cuda.get_device_name() if device == "cuda" else f"{platform.processor() or platform.machine()}"

@@ -36,7 +36,7 @@ def main() -> None:
 
     from rl.make_model import make_model
     from trainer import packing
-    from trainer.batch import micro_batches, validate_batch
+    from trainer.batch import micro_batches, train_rows
     from trainer.testing import make_batch
     from trainer.worker import TrainerWorker
 
@@ -62,7 +62,7 @@ def main() -> None:
                 times[name].append(time.perf_counter() - t0)
         for name, extra in runs:
             w = workers[name]
-            seqs, _ = validate_batch(batch, vocab_size=w.vocab_size, max_seq_len=512, truncate=False)
+            seqs, _ = train_rows(batch, vocab_size=w.vocab_size, max_seq_len=512, truncate=False)
             if name == "padded":
                 groups = micro_batches(seqs, len(seqs), args.micro_batch_size)
             else:

@@ -144,7 +144,8 @@ def main() -> None:
 
     from rl.make_model import make_model
     from rollout.worker import RolloutWorker
-    from trainer.batch import validate_batch
+    from records import TrainBatch
+    from trainer.batch import train_rows
     from trainer.loss import k3_kl
     from trainer.model import load_model
     from trainer.replay import routing_load
@@ -178,12 +179,10 @@ def main() -> None:
             capture = dict(w.last_capture)
         finally:
             w.close()
-        routed = [s["routed_experts"] for s in samples]
-        comp = sum(len(s["completion_ids"]) for s in samples)
-        batch = {"prompt_ids": [s["prompt_ids"] for s in samples], "completion_ids": [s["completion_ids"] for s in samples],
-                 "routed_experts": routed}
-        seqs, _ = validate_batch(batch, vocab_size=trainer.config.vocab_size, max_seq_len=10**6, truncate=False,
-                                 need_training_fields=False)
+        routed = [s.routed_experts for s in samples]
+        comp = sum(len(s.completion_ids) for s in samples)
+        batch = TrainBatch.from_samples(samples, [0.0] * len(samples))
+        seqs, _ = train_rows(batch, vocab_size=trainer.config.vocab_size, max_seq_len=10**6, truncate=False)
         tokens = sum(len(s.prompt) + len(s.completion) for s in seqs)
         t0 = time.perf_counter()
         load = routing_load(routed, a.experts)
@@ -196,8 +195,8 @@ def main() -> None:
                 sec, logps, routing = train_pass(trainer, seqs, a.micro_batch, replay)
                 best = sec if best is None else min(best, sec)
             mask = torch.ones(1, dtype=torch.bool)
-            k3 = [k3_kl(lp, torch.tensor(s["logprobs"]), mask.expand(len(lp))) for lp, s in zip(logps, samples)]
-            dlogp = max(float((lp - torch.tensor(s["logprobs"])).abs().max()) for lp, s in zip(logps, samples))
+            k3 = [k3_kl(lp, torch.tensor(s.sampler_logprobs), mask.expand(len(lp))) for lp, s in zip(logps, samples)]
+            dlogp = max(float((lp - torch.tensor(s.sampler_logprobs)).abs().max()) for lp, s in zip(logps, samples))
             rows.append((impl, {None: "no metrics", False: "off", True: "on"}[replay],
                          routing.get("routing/agree", float("nan")),
                          float(torch.cat(k3).mean()), dlogp, comp / gen_s, comp / route_s, gen_s / route_s,

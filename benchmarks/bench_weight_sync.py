@@ -10,7 +10,7 @@ RolloutWorker (megamoe, eager: the sync does not depend on CUDA graphs). Each mo
 times after one warm-up (files: once, it is ~100x slower); GB/s = bytes on the wire / seconds.
 Phases: rollout.sync.send_ipc's, each the median over the timed syncs; the warm-up sync's time is
 listed apart (the engine maps the trainer's IPC buffer once, at its first kernel-format chunk).
-Three IPC layouts (rollout.sync.FORMATS): `ipc/kernel` (every tensor as the engine's own parameter,
+Three IPC layouts (records.weights.FORMATS): `ipc/kernel` (every tensor as the engine's own parameter,
 copied in place, no vLLM reload; what `auto` picks for moe_impl megamoe on CUDA), `ipc/experts` (the
 routed experts so, the rest through vLLM's layer-wise reload) and `ipc/checkpoint` (everything, each
 expert's tensors included, through vLLM's reload, as moe_impl stock needs). Memory: the trainer's

@@ -2,6 +2,7 @@
 import them (docs/ARCHITECTURE.md).
 
     Sample, TrainBatch, RecordError    records/samples.py
+    EngineAnswer, PackedChunk, SyncReport, Publication, ...   records/weights.py (the weight sync's)
 """
 
 from records.samples import RecordError, Sample, TrainBatch

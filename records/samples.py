@@ -27,11 +27,12 @@ class RecordError(ValueError):
 class Sample:
     """One completion of one prompt.
 
-    prompt_index: the prompt's position in its step's batch; the GRPO group is the samples of one
-    prompt_index (rollout.n of them, consecutive). sampler_logprobs: the sampler's processed logprob
-    of each completion token (rollout/worker.py). reward: the weighted total of the reward functions,
-    set when the step scores it (None before, or where no function scored it). routed_experts: the
-    sampler's expert choices for rollout routing replay, None where not recorded.
+    Built where the sampler returns it (rollout.worker.RolloutWorker.generate; multi-turn episodes:
+    rl/episode_step.py). prompt_index: the prompt's position in its step's batch; the GRPO group is
+    the samples of one prompt_index (rollout.n of them, consecutive). sampler_logprobs: the sampler's
+    processed logprob of each completion token (rollout/worker.py). reward: the weighted total of
+    the reward functions, set when the step scores it (None before, or where no function scored it).
+    routed_experts: the sampler's expert choices for rollout routing replay, None where not recorded.
     """
     prompt_index: int
     prompt_ids: list[int]
@@ -47,15 +48,6 @@ class Sample:
     @property
     def group(self) -> int:
         return self.prompt_index
-
-    @classmethod
-    def from_worker(cls, out: dict, *, offset: int, policy_version: int) -> Sample:
-        """RolloutWorker.generate's dict (prompt_index relative to the worker's slice, which starts
-        at `offset` of the step's prompts)."""
-        return cls(prompt_index=offset + out["prompt_index"], prompt_ids=list(out["prompt_ids"]),
-                   completion_ids=list(out["completion_ids"]), sampler_logprobs=list(out["logprobs"]),
-                   text=out["text"], finish_reason=out.get("finish_reason"), policy_version=policy_version,
-                   routed_experts=out.get("routed_experts"))
 
     def to_json(self) -> dict:
         """A JSON-ready dict; from_json inverts it exactly (Python floats round-trip through repr;
@@ -76,11 +68,18 @@ class Sample:
 
 @dataclass(frozen=True)
 class TrainBatch:
-    """One step's training data in columns (one entry per sequence), validated where it is built.
+    """One step's training data in columns (one entry per sequence), validated where it is built; what
+    the trainer's train_step takes (trainer/worker.py), as itself.
 
-    The trainer's train_step takes `columns()`; prompt_ids / completion_ids / sampler_logprobs /
-    advantages are the trainer's batch fields (trainer/batch.py), policy_versions rides along for the
-    metrics, routed_experts (optional) for routing replay and loss_mask (optional) for multi-turn episodes.
+    prompt_ids, completion_ids (non-empty each), sampler_logprobs (one per completion token), advantages
+    (one finite float per sequence) and policy_versions (the version that sampled each, for the
+    metrics) are always there; optional: routed_experts (per sequence the sampler's experts, integer
+    [len(prompt) + len(completion), L MoE layers, k], for routing replay), loss_mask (per completion
+    token 0 or 1, at least one 1: multi-turn episodes mark their environment tokens 0) and
+    old_logprobs (per completion token the trainer policy's logprobs when the batch was sampled, for
+    several train_steps on one batch; default: each step's own). What depends on the model (token ids
+    against its vocabulary, lengths against trainer.max_seq_len, the routing's L and k) the trainer
+    checks (trainer/batch.py).
     """
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
@@ -89,6 +88,7 @@ class TrainBatch:
     policy_versions: list[int]
     routed_experts: list | None = field(default=None)
     loss_mask: list[list[int]] | None = field(default=None)
+    old_logprobs: list[list[float]] | None = field(default=None)
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
@@ -96,26 +96,28 @@ class TrainBatch:
             raise RecordError("TrainBatch.prompt_ids: expected at least one sequence, got 0")
         cols = {"completion_ids": self.completion_ids, "sampler_logprobs": self.sampler_logprobs,
                 "advantages": self.advantages, "policy_versions": self.policy_versions}
-        if self.routed_experts is not None:
-            cols["routed_experts"] = self.routed_experts
-        if self.loss_mask is not None:
-            cols["loss_mask"] = self.loss_mask
+        for name in ("routed_experts", "loss_mask", "old_logprobs"):
+            if getattr(self, name) is not None:
+                cols[name] = getattr(self, name)
         for name, col in cols.items():
             if len(col) != n:
                 raise RecordError(f"TrainBatch.{name}: expected {n} entries (as prompt_ids), got {len(col)}")
         for i in range(n):
-            p, c, lp = self.prompt_ids[i], self.completion_ids[i], self.sampler_logprobs[i]
+            p, c = self.prompt_ids[i], self.completion_ids[i]
             if not p:
                 raise RecordError(f"TrainBatch.prompt_ids[{i}]: expected at least one token, got an empty prompt")
             if not c:
                 raise RecordError(f"TrainBatch.completion_ids[{i}]: expected at least one token, got an empty "
                                   "completion")
-            if len(lp) != len(c):
-                raise RecordError(f"TrainBatch.sampler_logprobs[{i}]: expected {len(c)} values (one per completion "
-                                  f"token), got {len(lp)}")
-            if self.loss_mask is not None and len(self.loss_mask[i]) != len(c):
-                raise RecordError(f"TrainBatch.loss_mask[{i}]: expected {len(c)} values (one per completion token), "
-                                  f"got {len(self.loss_mask[i])}")
+            for name in ("sampler_logprobs", "old_logprobs"):
+                col = getattr(self, name)
+                if col is not None and len(col[i]) != len(c):
+                    raise RecordError(f"TrainBatch.{name}[{i}]: expected {len(c)} values (one per completion "
+                                      f"token), got {len(col[i])}")
+            if self.loss_mask is not None:
+                _check_loss_mask(self.loss_mask[i], i, len(c))
+            if self.routed_experts is not None:
+                _check_routed(self.routed_experts[i], i, len(p) + len(c))
             a = self.advantages[i]
             if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a):
                 raise RecordError(f"TrainBatch.advantages[{i}]: expected one finite float per sequence, got {a!r}")
@@ -133,13 +135,20 @@ class TrainBatch:
                    policy_versions=[s.policy_version for s in samples],
                    routed_experts=None if all(r is None for r in routed) else routed, loss_mask=masks)
 
-    def columns(self) -> dict[str, list]:
-        """The dict of lists the trainer's train_step takes (routed_experts only where recorded)."""
-        out = {"prompt_ids": self.prompt_ids, "completion_ids": self.completion_ids,
-               "sampler_logprobs": self.sampler_logprobs, "advantages": self.advantages,
-               "policy_versions": self.policy_versions}
-        if self.routed_experts is not None:
-            out["routed_experts"] = self.routed_experts
-        if self.loss_mask is not None:
-            out["loss_mask"] = self.loss_mask
-        return out
+
+def _check_loss_mask(mask: list, i: int, tokens: int) -> None:
+    if len(mask) != tokens or any(v not in (0, 1) or isinstance(v, float) for v in mask):
+        raise RecordError(f"TrainBatch.loss_mask[{i}]: expected {tokens} values 0 or 1 (one per completion token), "
+                          f"got {len(mask)} values {sorted(set(map(repr, mask)))[:4]}")
+    if not any(mask):
+        raise RecordError(f"TrainBatch.loss_mask[{i}]: expected at least one 1 (a token the loss counts), got all 0")
+
+
+def _check_routed(routed, i: int, tokens: int) -> None:
+    """An integer array [tokens, L, k] (numpy's, as the sampler records it; anything numpy reads)."""
+    import numpy as np
+
+    r = np.asarray(routed)
+    if r.ndim != 3 or r.shape[0] != tokens or r.dtype.kind not in "iu":
+        raise RecordError(f"TrainBatch.routed_experts[{i}]: expected integer expert ids of shape [{tokens} (prompt + "
+                          f"completion tokens), L, k], got {r.dtype} {tuple(r.shape)}")

@@ -41,7 +41,7 @@ class TrainerHost(WorkerHost):
     """The actor of one trainer rank: the calls the driver makes (trainer/worker.py's interface)."""
 
     def train_step(self, batch: TrainBatch) -> dict:
-        return self.worker.train_step(batch.columns())
+        return self.worker.train_step(batch)
 
     def save_checkpoint(self, path: str) -> str:
         return self.worker.save_checkpoint(path)
@@ -58,7 +58,7 @@ class TrainerHost(WorkerHost):
         return [ray.put(self.worker.export_weights(dtype))]
 
     def publish_weights(self, sender, engines, version: int) -> dict | None:
-        """`sender.publish` on this rank (rollout.sync_interface.Publication, for the engines to take
+        """`sender.publish` on this rank (records.weights.Publication, for the engines to take
         later); rank 0's Publication as a dict, None on the others."""
         pub = sender.publish(self.worker, engines, version)
         return None if pub is None else pub.to_wire()
@@ -82,19 +82,16 @@ class RolloutHost(WorkerHost):
 
     def generate(self, prompts: list, n: int, sampling: dict, *, offset: int, policy_version: int,
                  max_tokens: list[int] | None = None) -> tuple[list, float]:
-        """RolloutWorker.generate's samples as records.Sample (prompt_index counted from `offset`, the
-        position of this worker's slice in the step's prompts; stamped with `policy_version`, the
-        version the driver queued last), and the seconds this actor spent in generate (its busy time);
-        max_tokens (one per prompt: multi-turn episodes) is passed only when given."""
+        """RolloutWorker.generate's records.Sample list (prompt_index counted from `offset`, the position of
+        this worker's slice in the step's prompts; stamped with `policy_version`, the version the driver
+        queued last), and the seconds this actor spent in generate (its busy time); max_tokens (one per
+        prompt: multi-turn episodes) is passed only when given."""
         import time
-
-        from records import Sample
 
         t0 = time.perf_counter()
         extra = {} if max_tokens is None else {"max_tokens": max_tokens}
-        out = self.worker.generate(prompts, n, sampling, **extra)
-        seconds = time.perf_counter() - t0
-        return [Sample.from_worker(s, offset=offset, policy_version=policy_version) for s in out], seconds
+        samples = self.worker.generate(prompts, n, sampling, offset=offset, policy_version=policy_version, **extra)
+        return samples, time.perf_counter() - t0
 
     def update_weights(self, named) -> dict:
         return self.worker.update_weights(named)

@@ -264,16 +264,16 @@ def run(plan: Plan) -> dict:
     try:
         samples = engine.generate(plan.prompts, plan.n, sampling)
         for s in samples:
-            if s["prompt_ids"] != plan.prompt_ids[s["prompt_index"]]:
-                raise RuntimeError(f"prompt {s['prompt_index']}: vLLM tokenised it to {len(s['prompt_ids'])} tokens, "
-                                   f"the preflight check to {len(plan.prompt_ids[s['prompt_index']])}; the length "
+            if s.prompt_ids != plan.prompt_ids[s.prompt_index]:
+                raise RuntimeError(f"prompt {s.prompt_index}: vLLM tokenised it to {len(s.prompt_ids)} tokens, "
+                                   f"the preflight check to {len(plan.prompt_ids[s.prompt_index])}; the length "
                                    "check does not hold")
-        samples = [s for s in samples if s["completion_ids"]]
+        samples = [s for s in samples if s.completion_ids]
         if not samples:
             raise RuntimeError("every completion is empty: nothing to score")
-        prompt_ids = [s["prompt_ids"] for s in samples]
-        completion_ids = [s["completion_ids"] for s in samples]
-        gen_logprobs = [s["logprobs"] for s in samples]
+        prompt_ids = [s.prompt_ids for s in samples]
+        completion_ids = [s.completion_ids for s in samples]
+        gen_logprobs = [s.sampler_logprobs for s in samples]
 
         # Trainer side first: it records the hidden states that both sides' MoE blocks are fed.
         hidden = None

@@ -60,7 +60,7 @@ class EpisodeStep:
         version `version` (the one last published); self.busy_s adds the slowest worker's seconds of each call."""
         actors = gen.actors
 
-        def generate(prompts: list[list[int]], sampling: dict, n: int, max_tokens: list[int]) -> list[dict]:
+        def generate(prompts: list[list[int]], sampling: dict, n: int, max_tokens: list[int]) -> list[Sample]:
             refs = []
             for w, (a, b) in zip(actors.rollouts, gen.bounds(len(prompts))):
                 if a == b:
@@ -72,8 +72,7 @@ class EpisodeStep:
             live = [(j, r) for j, r in enumerate(refs) if r is not None]
             outs = actors.get([r for _, r in live], [f"RolloutWorker {j}" for j, _ in live], "generate")
             self.busy_s += max(sec for _, sec in outs)
-            return [{"completion_ids": x.completion_ids, "logprobs": x.sampler_logprobs, "text": x.text,
-                     "finish_reason": x.finish_reason, "routed_experts": x.routed_experts} for out, _ in outs for x in out]
+            return [x for out, _ in outs for x in out]
         return generate
 
     def run(self, batch, n: int, sampling: dict, generate) -> list[Episode]:

@@ -39,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from records import Sample
 from rl.envs import EnvError, Environment, Reply
 
 
@@ -222,8 +223,9 @@ class Episode:
         self.sampler_logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
 
 
-# generate(prompt_ids, max_tokens, turn) -> per prompt {"completion_ids", "logprobs", "text", "finish_reason"}
-Generate = Callable[[list[list[int]], list[int], int], list[dict]]
+# generate(prompt_ids, max_tokens, turn) -> per prompt a records.Sample (completion_ids, sampler_logprobs, text,
+# finish_reason are read)
+Generate = Callable[[list[list[int]], list[int], int], list[Sample]]
 
 
 class EpisodeRunner:
@@ -262,20 +264,20 @@ class EpisodeRunner:
             answering = []
             for e, c, budget, out in zip(live, ctx, budgets, outs):
                 ep = episodes[e]
-                ids = list(out["completion_ids"])
-                ep.append(ids, list(out["logprobs"]))
-                if out.get("routed_experts") is not None:
-                    ep.routed_experts = merge_routing(ep.routed_experts, out["routed_experts"])
+                ids = list(out.completion_ids)
+                ep.append(ids, list(out.sampler_logprobs))
+                if out.routed_experts is not None:
+                    ep.routed_experts = merge_routing(ep.routed_experts, out.routed_experts)
                 ep.turns += 1
-                ep.finish_reason = out.get("finish_reason")
+                ep.finish_reason = out.finish_reason
                 closed = bool(ids) and ids[-1] in self.fmt.eos_ids
                 # Cut by a token limit (not an end-of-turn token, nor a stop string): the episode ends there.
-                if not ids or (not closed and out.get("finish_reason") != "stop"):
+                if not ids or (not closed and out.finish_reason != "stop"):
                     ep.truncated = True
-                    msg, _, _ = self.fmt.parse(out["text"], c)
+                    msg, _, _ = self.fmt.parse(out.text, c)
                     ep.messages.append(msg)
                     continue
-                msg, calls, err = self.fmt.parse(out["text"], c)
+                msg, calls, err = self.fmt.parse(out.text, c)
                 ep.messages.append(msg)
                 history[e].append(msg)
                 ep.parse_errors += err is not None

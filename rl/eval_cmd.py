@@ -152,7 +152,9 @@ def evaluate(args: argparse.Namespace, cfg, targets: list) -> int:
                 if i > 0:
                     worker.update_weights(_read_weights(folder))
                 step = step if step is not None else _export_step(folder)
-                metrics, rows = evaluator.run(lambda p, s, n, m=None: worker.generate(p, n, s, max_tokens=m), step or 0)
+                version = step or 0  # the checkpoint's step counts the train steps that made its weights
+                metrics, rows = evaluator.run(lambda p, s, n, m=None: worker.generate(p, n, s, policy_version=version,
+                                                                                      max_tokens=m), version)
                 results.append({"target": label, "step": step, "metrics": metrics})
                 all_rows += [{"target": label, **row} for row in rows]
         finally:

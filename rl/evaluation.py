@@ -2,7 +2,7 @@
 `megamoe-rl eval` (rl/eval_cmd.py) on one engine of its own.
 
     ev = Evaluator(cfg, tokenizer)                        # checks the eval section and dataset first
-    metrics, samples = ev.run(generate, step)             # generate(prompts, sampling, n[, max_tokens]) -> samples
+    metrics, rows = ev.run(generate, step)                # generate(prompts, sampling, n[, max_tokens]) -> Samples
     pass_at_k(n=4, c=1, k=2)                              # 0.5
 
 What one evaluation does: every prompt of the eval dataset (`eval.data`, the first `eval.prompts`
@@ -35,6 +35,8 @@ import logging
 import math
 import time
 from typing import Any, Callable
+
+from records import Sample
 
 log = logging.getLogger("megamoe.rl.eval")
 
@@ -127,9 +129,9 @@ class Evaluator:
         steps, and after the last one (run.steps)."""
         return bool(self.every) and (step % self.every == 0 or step == self.cfg.run.steps)
 
-    def run(self, generate: Callable[[list[str], dict, int], list[dict]], step: int) -> tuple[dict, list[dict]]:
+    def run(self, generate: Callable[[list[str], dict, int], list[Sample]], step: int) -> tuple[dict, list[dict]]:
         """Sample, score and summarise; (eval/* metrics, one row per sample). `generate(prompts,
-        sampling, n)` returns prompt-major samples (RolloutWorker.generate's dicts) from one policy; with
+        sampling, n)` returns prompt-major records.Sample (RolloutWorker.generate's) from one policy; with
         episodes it also takes per-prompt `max_tokens` and is called once per turn (module docstring)."""
         from rl.rewards import TrainerState
 
@@ -143,15 +145,15 @@ class Evaluator:
             rewards = self.episodes.rewards(self.scorer, self.batch, episodes, state)
         else:
             samples = generate(self.prompts, dict(self.sampling), self.n)
-            idx, texts = [s["prompt_index"] for s in samples], [s["text"] for s in samples]
-            lengths = [len(s["completion_ids"]) for s in samples]
+            idx, texts = [s.prompt_index for s in samples], [s.text for s in samples]
+            lengths = [len(s.completion_ids) for s in samples]
         if idx != [i for i in range(len(self.prompts)) for _ in range(self.n)]:
             raise RuntimeError(f"eval: generate returned samples for prompts {idx}, expected {self.n} of each "
                                f"of {len(self.prompts)} in order")
         if self.episodes is None:
             rewards = self.scorer([self.raw_prompts[i] for i in idx], texts,
                                   {k: [v[i] for i in idx] for k, v in self.columns.items()},
-                                  completion_ids=[s["completion_ids"] for s in samples], trainer_state=state)
+                                  completion_ids=[s.completion_ids for s in samples], trainer_state=state)
         errors = sum(self.scorer.errors_total.values()) - sum(before.values())
         m = eval_metrics(rewards.total, rewards.per_fn, lengths, n=self.n, ks=self.ks, correct_at=self.correct_at,
                          errors=errors)

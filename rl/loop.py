@@ -243,11 +243,10 @@ class Loop:
         self.actors.where = f"the evaluation after step {self.step}"
         versions = set()
 
-        def generate(prompts, sampling, n):  # the Evaluator reads RolloutWorker.generate's dict fields
+        def generate(prompts, sampling, n):
             samples = self.generation.generate(None, prompts, sampling, n)
             versions.update(x.policy_version for x in samples)
-            return [{"prompt_index": x.prompt_index, "prompt_ids": x.prompt_ids, "completion_ids": x.completion_ids,
-                     "logprobs": x.sampler_logprobs, "text": x.text} for x in samples]
+            return samples
 
         if self.scoring.episodes is not None:  # episodes (nothing in flight: k = 0), one call per turn
             generate = self.scoring.episodes.on_workers(self.generation, self.generation.version)

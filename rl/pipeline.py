@@ -430,7 +430,7 @@ class Publication:
             self._stream([dead])
             rest = [i for i in targets if i != dead]
             return self._stream(rest) if rest else {}
-        if info.get("format") != self.format:  # the layout the engines load (rollout.sync.FORMATS), once
+        if info.get("format") != self.format:  # the layout the engines load (records.weights.FORMATS), once
             self.format = info.get("format")
             why = "; ".join(f"not {k}: {v}" for k, v in (info.get("why") or {}).items())
             log.info("weight sync %s: format %s%s", self.actors.weight_sync, self.format, f" ({why})" if why else "")

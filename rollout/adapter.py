@@ -571,7 +571,7 @@ def ipc_init_info() -> dict | None:
 
 def vllm_update_info(chunk: dict) -> dict:
     """vLLM's update info (what its weight-transfer engine's update parses) for one chunk as the
-    trainer sent it (rollout.sync_interface.ipc_chunk / nccl_chunk): built here, in the engine's
+    trainer sent it (records.weights.ipc_chunk / nccl_chunk): built here, in the engine's
     process, so that no trainer process imports vLLM."""
     transport = chunk.get("transport")
     meta = {k: chunk[k] for k in ("names", "shapes", "dtype_names")}
@@ -617,7 +617,7 @@ def _packed_wire(sent: dict) -> dict:
 
 def nccl_init_info(join: dict) -> dict:
     """vLLM's init info for its NCCL weight-transfer engine from the trainer's invitation
-    (rollout.sync_interface.nccl_join): the rendezvous, this engine's first rank, the group's size,
+    (records.weights.nccl_join): the rendezvous, this engine's first rank, the group's size,
     and the packed wire where this vLLM reads it at init (0.32; 0.26: in each update)."""
     if not VLLM.nccl_engine:
         raise VLLM.missing("nccl_engine", "no NCCL weight-transfer engine (vllm.distributed.weight_transfer)")

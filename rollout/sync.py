@@ -13,7 +13,7 @@ Transports (`rollout.weight_sync`; `sender` is the one place a mode becomes an i
   its tensors, cast to the sampler's dtype in the copy, into one GPU buffer it exported once
   (`IPCBuffer`) and hands vLLM's packed update info (names, shapes, dtypes, sizes, the buffer's
   IPC handle) to the engine, which reads the bytes in place; nothing leaves the GPU. The engine's
-  plan picks the layout (`FORMATS`): where no layer of the engine computes from its weights after
+  plan picks the layout (records.weights.FORMATS): where no layer of the engine computes from its weights after
   loading (megamoe's experts, unquantized linears on CUDA, one GPU per engine), every tensor comes
   in kernel format, as the engine's own parameter (q/k/v packed into qkv_proj, the experts whole),
   and is copied in place, with no vLLM reload (rollout/kernel_format.py); else the routed experts
@@ -40,14 +40,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from rollout.sync_interface import FORMATS, EngineAnswer, Engines, LocalClient, PackedChunk, Publication, Sender, \
-    SyncReport, TrainerWeights, ipc_chunk, published_ipc
+from records.weights import EngineAnswer, PackedChunk, Publication, SyncReport, ipc_chunk, published_ipc
+from rollout.sync_interface import Engines, LocalClient, Sender, TrainerWeights
 from rollout.sync_stream import (DEFAULT_IPC_BUCKET_BYTES, Clock, StreamDecision, abort_on_failure, agreed_format,
                                  checked_and_started, checkpoint_spec, finished_report, plan_buffer_bytes,
                                  rank0_decides, refuse_nonfinite)
 
 # Names the transports' callers and tests import from here, though defined beside the code they serve.
-__all__ = ["AUTO", "DEFAULT_IPC_BUCKET_BYTES", "FORMATS", "MODES", "STREAMED", "Clock", "IPCBuffer", "IpcSender",
+__all__ = ["AUTO", "DEFAULT_IPC_BUCKET_BYTES", "MODES", "STREAMED", "Clock", "IPCBuffer", "IpcSender",
            "LocalClient", "PublishedSlots", "checked_and_started", "ipc_buffer", "push_ipc_local", "release",
            "resolve", "send_ipc", "sender"]
 

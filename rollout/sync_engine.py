@@ -80,7 +80,7 @@ class IllegalTransition(RuntimeError):
 class EnginePlan:
     """An engine's checked plan of one update (RolloutWorker.plan_weight_update makes it).
 
-    format: rollout.sync.FORMATS; tensors: {update name: (shape, dtype name)}, what the chunks must
+    format: records.weights.FORMATS; tensors: {update name: (shape, dtype name)}, what the chunks must
     bring; kernel_names: {update name: engine parameter} of the tensors copied in place (kernel
     format); layout: for format "kernel", [engine parameter, shape, dtype name, its trainer
     tensors]; why: {more direct format: why it was not taken}."""

@@ -22,7 +22,8 @@ engines finishing their own update). A dead engine is the caller's to restart an
 
 from __future__ import annotations
 
-from rollout.sync_interface import Engines, Publication, Sender, SyncReport, TrainerWeights
+from records.weights import Publication, SyncReport
+from rollout.sync_interface import Engines, Sender, TrainerWeights
 from rollout.sync_stream import Clock
 
 # What one engine's update_weights reports, as its seconds per phase (the engine's own, engine_*).

@@ -15,7 +15,8 @@ from __future__ import annotations
 from rollout.sync_stream import (DEFAULT_IPC_BUCKET_BYTES, Clock, StreamDecision, abort_on_failure, agreed_format,
                                  checked_and_started, checkpoint_spec, finished_report, plan_buffer_bytes,
                                  rank0_decides)
-from rollout.sync_interface import EngineAnswer, Engines, Sender, SyncReport, TrainerWeights, nccl_chunk, nccl_join
+from records.weights import EngineAnswer, SyncReport, nccl_chunk, nccl_join
+from rollout.sync_interface import Engines, Sender, TrainerWeights
 
 # vLLM's packed broadcast keeps this many buffers in flight on each side (its default).
 NCCL_NUM_BUFFERS = 2

@@ -35,7 +35,8 @@ import functools
 import time
 from collections.abc import Iterable
 
-from rollout.sync_interface import EngineAnswer, Engines, SyncReport, TrainerWeights
+from records.weights import EngineAnswer, SyncReport
+from rollout.sync_interface import Engines, TrainerWeights
 
 # The packed IPC buffer: vLLM's default for its packed transfer (1 GiB). Larger buffers mean fewer
 # round trips per sync (each costs a Ray call and an engine RPC) at the price of GPU memory held

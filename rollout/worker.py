@@ -5,9 +5,10 @@
     w.update_weights(trainer_state_dict_items)      # transformers names or on-disk names
     w.moe_calls()                                   # {"megamoe": ...}, counted in vLLM's worker process
 
-A plain class; rl/ wraps it with `ray.remote` (one actor per engine). Each sample is a dict:
-prompt_index, prompt_ids, completion_ids, text, logprobs (of the sampled tokens, after temperature /
-top-k / top-p: vLLM's "processed_logprobs", what the trainer must reproduce), finish_reason.
+A plain class; rl/ wraps it with `ray.remote` (one actor per engine). Each sample is a records.Sample:
+prompt_index, prompt_ids, completion_ids, text, sampler_logprobs (of the sampled tokens, after
+temperature / top-k / top-p: vLLM's "processed_logprobs", what the trainer must reproduce),
+finish_reason, policy_version, and with return_routing its routed_experts.
 
 How the pieces meet: RolloutWorker sets MEGAMOE_MOE_IMPL before it creates the engine, so every
 process vLLM spawns runs rollout.plugin.register() with it; the plugin swaps vLLM's unquantized MoE
@@ -35,8 +36,10 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from megamoe.contract import BITWISE, FAST, HOST_IMPLS, MEGAMOE, NUMERICS
+from records import Sample
+from records.weights import FORMATS
 from rollout import kernel_format, moe_method, plugin, weights
-from rollout.sync import FORMATS, STREAMED
+from rollout.sync import STREAMED
 from rollout.sync_engine import EnginePlan, EngineUpdate, State, check_publication
 
 logger = logging.getLogger(__name__)
@@ -215,7 +218,7 @@ class RolloutWorker:
         self._weight_update = EngineUpdate()  # every fact of the streamed update (rollout/sync_engine.py)
         self._engine_params: dict | None = None  # megamoe_engine_params (the model's parameters do not change)
         self.tensor_parallel_size = tensor_parallel_size
-        # The layout of a streamed update (rollout.sync.FORMATS; plan_weight_update): "auto" takes the
+        # The layout of a streamed update (records.weights.FORMATS; plan_weight_update): "auto" takes the
         # most direct one this engine can load, and the sync report says which and why not a more
         # direct one. Tests and benchmarks set one to compare them.
         self.sync_format = "auto"
@@ -361,11 +364,13 @@ class RolloutWorker:
         return params
 
     def generate(self, prompts: list[str] | list[list[int]], n: int = 1, sampling: Mapping | None = None,
-                 max_tokens: list[int] | None = None) -> list[dict]:
-        """n samples per prompt, prompt-major; see the module docstring for the keys. Prompts are strings, or
-        token-id lists given to the engine as they are (vLLM's TokensPrompt: multi-turn episodes, whose
-        context holds the sampler's own earlier tokens, rl/episodes.py); max_tokens: one limit per prompt,
-        overriding sampling['max_tokens']."""
+                 max_tokens: list[int] | None = None, *, offset: int = 0, policy_version: int = 0) -> list[Sample]:
+        """n samples per prompt, prompt-major, as records.Sample: prompt_index counts from `offset` (the
+        position of these prompts in the caller's batch), policy_version is `policy_version` (the version
+        of the weights this engine holds, as the caller counts them; 0: model_dir's). Prompts are
+        strings, or token-id lists given to the engine as they are (vLLM's TokensPrompt: multi-turn
+        episodes, whose context holds the sampler's own earlier tokens, rl/episodes.py); max_tokens:
+        one limit per prompt, overriding sampling['max_tokens']."""
         from vllm import TokensPrompt
 
         self._refuse_while_updating("sample")
@@ -374,6 +379,9 @@ class RolloutWorker:
                   and all(isinstance(p, (list, tuple)) and p and all(type(t) is int for t in p) for p in prompts))
         if isinstance(prompts, str) or not (as_ids or all(isinstance(p, str) for p in prompts)):
             raise TypeError("prompts: expected a list of str or a list of non-empty token-id lists")
+        for name, value in (("offset", offset), ("policy_version", policy_version)):
+            if type(value) is not int or value < 0:
+                raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
         params = self._sampling_params(n, sampling or {}, len(prompts))
         if max_tokens is not None:
             if len(max_tokens) != len(prompts) or any(type(m) is not int or m < 1 for m in max_tokens):
@@ -388,34 +396,26 @@ class RolloutWorker:
             got = self.llm.collective_rpc("megamoe_routing_capture", args=("take",))[0] if self.return_routing else None
         from rollout import adapter
 
-        samples = []
-        for i, out in enumerate(outputs):
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                samples.append({
-                    "prompt_index": i,
-                    "prompt_ids": list(out.prompt_token_ids),
-                    "completion_ids": list(c.token_ids),
-                    "text": c.text,
-                    "logprobs": adapter.sampled_logprobs(c),
-                    "finish_reason": c.finish_reason,
-                })
-        if got is not None:
-            self._attach_routing(outputs, n, samples, got)
-        return samples
+        done = [(i, out, c) for i, out in enumerate(outputs) for c in sorted(out.outputs, key=lambda c: c.index)]
+        routed = self._routing(done, n, got) if got is not None else [None] * len(done)
+        return [Sample(prompt_index=offset + i, prompt_ids=list(out.prompt_token_ids), completion_ids=list(c.token_ids),
+                       sampler_logprobs=adapter.sampled_logprobs(c), text=c.text, finish_reason=c.finish_reason,
+                       policy_version=policy_version, routed_experts=r)
+                for (i, out, c), r in zip(done, routed, strict=True)]
 
-    def _attach_routing(self, outputs, n: int, samples: list[dict], got: dict) -> None:
-        """Each sample's "routed_experts": the routing its tokens got while this engine generated them (numpy
+    def _routing(self, done: list, n: int, got: dict) -> list:
+        """Each sample's routed_experts: the routing its tokens got while this engine generated them (numpy
         int16 [prompt + completion tokens, L MoE layers in layer order, k], rollout/capture.py; -1 rows for
-        the last completion token, which is never fed back, and for prefix-cached prompt tokens)."""
+        the last completion token, which is never fed back, and for prefix-cached prompt tokens). `done`:
+        (prompt position, vLLM's RequestOutput, its CompletionOutput) per sample, prompt-major."""
         from rollout import capture
 
         # vLLM's request id of the j-th of n samples of a prompt is "<j>_<prompt's id>" (one request each).
-        keys = [out.request_id if n == 1 else f"{c.index}_{out.request_id}"
-                for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
-        lengths = [len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples]
-        for sample, ids in zip(samples, capture.split_requests(got, keys, lengths), strict=True):
-            sample["routed_experts"] = ids
+        keys = [out.request_id if n == 1 else f"{c.index}_{out.request_id}" for _, out, c in done]
+        lengths = [len(out.prompt_token_ids) + len(c.token_ids) for _, out, c in done]
+        routed = capture.split_requests(got, keys, lengths)
         self.last_capture = {"steps": got["steps"], "read_s": got["read_s"]}
+        return routed
 
     def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
         """Log-probabilities (temperature 1, no filtering) of given completions under the engine."""
@@ -491,7 +491,7 @@ class RolloutWorker:
                 **{k: v for k, v in results[0].items() if k.startswith("worker_")}}
 
     def take_weights(self, publication: dict) -> dict:
-        """Take a published version of the trainer's weights (rollout.sync_interface.Publication's
+        """Take a published version of the trainer's weights (records.weights.Publication's
         wire), all or nothing, between two generate calls: files, its shared export through
         update_weights; ipc, the whole streamed update run here from the trainer's published
         buffer (`_take_published`). Returns the update's report with the version taken."""
@@ -506,7 +506,7 @@ class RolloutWorker:
                          "docs/WEIGHT_SYNC.md)")
 
     def _take_published(self, version: int, published: dict) -> dict:
-        """An ipc publication (rollout.sync_interface.published_ipc) applied as one streamed update
+        """An ipc publication (records.weights.published_ipc) applied as one streamed update
         with this engine driving it: plan (E1, cached), the plan against the trainer's format and
         layout and every chunk checked (E4) before it starts, then the chunks read in place from
         the trainer's buffer. A refusal changes nothing; a failure while applying leaves the engine
@@ -546,7 +546,7 @@ class RolloutWorker:
                                f"the streamed protocol needs weight_sync in {STREAMED}")
 
     def init_weight_transfer_engine(self, join: dict) -> None:
-        """Join the trainer's NCCL group (rollout.sync_interface.nccl_join), through vLLM's NCCL
+        """Join the trainer's NCCL group (records.weights.nccl_join), through vLLM's NCCL
         weight-transfer engine; returns once this engine's workers joined. (An ipc engine makes its
         own init handshake before its first update session.)"""
         from rollout import adapter
@@ -565,8 +565,8 @@ class RolloutWorker:
         bad tensor, changes nothing.
 
         Returns {"tensors", "bytes", "format", "why", "layout", "workers", "transfer_group"} (the wire
-        form of rollout.sync_interface.EngineAnswer): format is the layout the chunks must come in
-        (rollout.sync.FORMATS: `sync_format`, or with "auto" the most direct one this engine can
+        form of records.weights.EngineAnswer): format is the layout the chunks must come in
+        (records.weights.FORMATS: `sync_format`, or with "auto" the most direct one this engine can
         load), why says why each more direct one was not taken, layout (format "kernel") lists each
         engine parameter as [name, shape, dtype name, the trainer tensors it is made of,
         concatenated along dim 0] (rollout/kernel_format.py); kernel-format shapes and dtypes are
@@ -692,7 +692,7 @@ class RolloutWorker:
             pass
 
     def update_weight_chunk(self, chunk: dict) -> dict | None:
-        """One chunk (rollout.sync_interface.ipc_chunk / nccl_chunk: names, shapes, dtypes, and for
+        """One chunk (records.weights.ipc_chunk / nccl_chunk: names, shapes, dtypes, and for
         ipc the sizes and the buffer's handle; for nccl the call receives the broadcast while the
         trainer sends; vLLM's update info is built from it here, rollout.adapter.vllm_update_info), checked
         against the plan (rollout/sync_engine.py, E2), then loaded: a chunk of kernel-format tensors

@@ -111,3 +111,10 @@ def test_megamoe_imports_neither_vllm_ray_nor_the_layers_above_it():
 def test_records_import_no_layer_and_nothing_heavy():
     """records/ (the records rollout/, trainer/ and rl/ all import) stands alone and torch-free."""
     assert _imports_of("records", {"megamoe", "rollout", "trainer", "rl", "torch", "vllm", "ray", "transformers"}) == []
+
+
+def test_trainer_imports_neither_vllm_nor_rollout():
+    """No trainer process imports vLLM (its weight sync reaches the engines in the project's own records,
+    records/weights.py; the engine builds vLLM's wire format) and trainer/ never imports rollout/ (layers
+    meet only in rl/), even inside a function."""
+    assert _imports_of("trainer", {"vllm", "rollout"}) == []

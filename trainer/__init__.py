@@ -8,7 +8,8 @@
     bitwise.py     numerics="bitwise": InvariantLinear and the batch-invariant attention function (the
                    kernels vLLM's side shares, megamoe.invariant)
     replay.py      rollout routing replay (R3): the sampler's experts in Fp32Router, routing and load metrics
-    batch.py       batch validation / truncation, rank shards, padded micro-batches
+    batch.py       a records.TrainBatch's rows checked against the model (vocabulary, max_seq_len, truncation),
+                   rank shards, padded micro-batches
     packing.py     packed micro-batches (trainer.packing): one row, position ids restarting per sequence
     lora.py        LoRA (trainer.lora): factors beside the frozen weights, the merge the forward and every
                    export share, PEFT's adapter format

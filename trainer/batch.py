@@ -1,20 +1,12 @@
-"""Batches: validation (with optional truncation), sharding across ranks, micro-batch tensors.
+"""The trainer's rows of a batch, sharding across ranks, micro-batch tensors.
 
-A batch is a dict of lists, one entry per sequence (docs/CONTRIBUTING.md):
-    prompt_ids        list[list[int]]
-    completion_ids    list[list[int]]    non-empty
-    sampler_logprobs  list[list[float]]  one per completion token (train_step only)
-    advantages        list[float]        one per sequence (train_step only)
-    old_logprobs      list[list[float]]  optional: the trainer policy's logprobs when the batch was
-                                         sampled (e.g. `logprobs(batch)` before several train_steps
-                                         on one batch, PPO epochs); default: this step's own
-    loss_mask         list[list[int]]    optional: one 0/1 per completion token, 1 where the loss (and the
-                                         mismatch metrics) count it: multi-turn episodes (rl/episodes.py)
-                                         mark their environment tokens 0 (context the sampler never sampled;
-                                         their sampler_logprobs are placeholders); default all 1
-    routed_experts    list[array]        optional: per sequence the sampler's experts, int [len(prompt) +
-                                         len(completion), L MoE layers, k], -1 rows for tokens without
-                                         routing (trainer/replay.py; trainer.routing_replay / routing_metrics)
+train_step takes a records.TrainBatch (records/samples.py), whose own invariants (columns of equal
+length, non-empty prompts and completions, one sampler logprob per completion token, finite
+advantages, the loss mask's and the routing's shapes) were checked where it was built. Here only
+what depends on this trainer is checked, once per row: token ids against the model's vocabulary and
+lengths against max_seq_len (cut or refused), while the rows (`Seq`: one sequence, cut to fit) are
+made; the routing's L and k against the model where it is replayed (trainer/replay.py). `score_rows`
+does the same for bare (prompt, completion) pairs (TrainerWorker.logprobs, trainer/probe.py).
 Every rank receives the whole batch and takes its own contiguous shard, so global normalisers
 (token and sequence counts) are known everywhere without communication.
 """
@@ -26,9 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from records import TrainBatch
+
 
 class BatchError(ValueError):
-    """A batch the trainer cannot use; the message names the field and the sequence index."""
+    """A batch this trainer cannot use; the message names the field and the sequence index."""
 
 
 @dataclass
@@ -36,10 +30,10 @@ class Seq:
     index: int  # position in the caller's batch
     prompt: list[int]
     completion: list[int]
-    sampler_logp: list[float] | None
+    sampler_logprobs: list[float] | None
     advantage: float
     truncated: bool = False
-    old_logp: list[float] | None = None
+    old_logprobs: list[float] | None = None
     routed: torch.Tensor | None = None  # [len(prompt) + len(completion), L, k] int16, the sampler's experts
     loss_mask: list[bool] | None = None  # per completion token; None: every token counts
 
@@ -48,113 +42,69 @@ class Seq:
         return len(self.completion) if self.loss_mask is None else sum(self.loss_mask)
 
 
-def _int_list(value, field: str, i: int) -> list[int]:
-    try:
-        out = [int(t) for t in value]
-    except (TypeError, ValueError):
-        raise BatchError(f"batch[{field!r}][{i}]: expected a list of token ids, got {type(value).__name__}") from None
-    return out
+def _check_ids(ids: list[int], field: str, i: int, vocab_size: int) -> None:
+    lo, hi = min(ids), max(ids)
+    if lo < 0 or hi >= vocab_size:
+        raise BatchError(f"{field}[{i}]: expected token ids in [0, {vocab_size}) (the model's vocabulary), got min "
+                         f"{lo}, max {hi}")
 
 
-def validate_batch(batch: dict, *, vocab_size: int, max_seq_len: int, truncate: bool,
-                   need_training_fields: bool = True) -> tuple[list[Seq], int]:
-    """Check every field and sequence; return (sequences, number truncated).
+def _fit(s: Seq, max_seq_len: int, truncate: bool) -> bool:
+    """Cut `s`'s completion (and what runs along it) to max_seq_len, or refuse it; whether it was cut."""
+    p, c = len(s.prompt), len(s.completion)
+    if p + c <= max_seq_len:
+        return False
+    room = max_seq_len - p
+    if not truncate or room < 1:
+        why = "set truncate=True to cut the completion" if not truncate else f"the prompt alone has {p} tokens"
+        raise BatchError(f"batch sequence {s.index}: prompt + completion = {p} + {c} = {p + c} tokens, "
+                         f"expected <= max_seq_len={max_seq_len} ({why})")
+    s.completion = s.completion[:room]
+    for name in ("sampler_logprobs", "old_logprobs", "loss_mask"):
+        if getattr(s, name) is not None:
+            setattr(s, name, getattr(s, name)[:room])
+    if s.routed is not None:
+        s.routed = s.routed[:max_seq_len]
+    s.truncated = True
+    return True
 
-    Empty completions are always rejected (there is nothing to score). A sequence longer than
-    max_seq_len is rejected, or with truncate=True its completion (and sampler logprobs) is cut to
-    fit; a prompt that alone leaves no room for one completion token is rejected either way.
-    """
-    if not isinstance(batch, dict):
-        raise BatchError(f"batch: expected a dict of lists, got {type(batch).__name__}")
-    fields = ["prompt_ids", "completion_ids"] + (["sampler_logprobs", "advantages"] if need_training_fields else [])
-    for f in fields:
-        if f not in batch:
-            raise BatchError(f"batch: missing field {f!r}; expected fields {fields}, got {sorted(batch)}")
-    n = len(batch["prompt_ids"])
-    if n == 0:
-        raise BatchError("batch['prompt_ids']: expected at least one sequence, got 0")
-    for f in fields:
-        if len(batch[f]) != n:
-            raise BatchError(f"batch[{f!r}]: expected {n} entries (as prompt_ids), got {len(batch[f])}")
+
+def train_rows(batch: TrainBatch, *, vocab_size: int, max_seq_len: int, truncate: bool) -> tuple[list[Seq], int]:
+    """The rows of a TrainBatch, checked against this trainer; (rows, number truncated). A sequence
+    longer than max_seq_len is refused, or with truncate=True its completion (and what runs along
+    it) is cut to fit; a prompt that alone leaves no room for one completion token is refused either way."""
+    if not isinstance(batch, TrainBatch):
+        raise BatchError(f"batch: expected a records.TrainBatch, got {type(batch).__name__}")
     seqs, n_trunc = [], 0
-    for i in range(n):
-        prompt = _int_list(batch["prompt_ids"][i], "prompt_ids", i)
-        comp = _int_list(batch["completion_ids"][i], "completion_ids", i)
-        if not prompt:
-            raise BatchError(f"batch['prompt_ids'][{i}]: expected at least one token, got an empty prompt")
-        if not comp:
-            raise BatchError(f"batch['completion_ids'][{i}]: expected at least one token, got an empty completion")
-        for f, ids in (("prompt_ids", prompt), ("completion_ids", comp)):
-            lo, hi = min(ids), max(ids)
-            if lo < 0 or hi >= vocab_size:
-                raise BatchError(f"batch[{f!r}][{i}]: expected token ids in [0, {vocab_size}), got min {lo}, max {hi}")
-        samp = None
-        adv = 0.0
-        if need_training_fields:
-            samp = [float(x) for x in batch["sampler_logprobs"][i]]
-            if len(samp) != len(comp):
-                raise BatchError(f"batch['sampler_logprobs'][{i}]: expected {len(comp)} values (one per completion "
-                                 f"token), got {len(samp)}")
-            adv = batch["advantages"][i]
-            if isinstance(adv, (list, tuple)) or not isinstance(adv, (int, float)):
-                raise BatchError(f"batch['advantages'][{i}]: expected one float per sequence, got {adv!r}")
-            adv = float(adv)
-        old = None
-        if need_training_fields and batch.get("old_logprobs") is not None:
-            if len(batch["old_logprobs"]) != n:
-                raise BatchError(f"batch['old_logprobs']: expected {n} entries (as prompt_ids), got {len(batch['old_logprobs'])}")
-            old = [float(x) for x in batch["old_logprobs"][i]]
-            if len(old) != len(comp):
-                raise BatchError(f"batch['old_logprobs'][{i}]: expected {len(comp)} values (one per completion "
-                                 f"token), got {len(old)}")
-        loss_mask = None
-        if batch.get("loss_mask") is not None:
-            loss_mask = _loss_mask(batch["loss_mask"], n, i, len(comp))
-        # --- routing replay (docs/ROUTING_REPLAY.md) ---
-        routed = None
-        if batch.get("routed_experts") is not None:
-            routed = _routed(batch["routed_experts"], n, i, len(prompt) + len(comp))
-        # --- end routing replay ---
-        truncated = False
-        total = len(prompt) + len(comp)
-        if total > max_seq_len:
-            room = max_seq_len - len(prompt)
-            if not truncate or room < 1:
-                why = ("set truncate=True to cut the completion" if not truncate
-                       else f"the prompt alone has {len(prompt)} tokens")
-                raise BatchError(f"batch sequence {i}: prompt + completion = {len(prompt)} + {len(comp)} = {total} tokens, "
-                                 f"expected <= max_seq_len={max_seq_len} ({why})")
-            comp = comp[:room]
-            samp = samp[:room] if samp is not None else None
-            old = old[:room] if old is not None else None
-            routed = routed[:max_seq_len] if routed is not None else None
-            loss_mask = loss_mask[:room] if loss_mask is not None else None
-            truncated = True
-            n_trunc += 1
-        seqs.append(Seq(i, prompt, comp, samp, adv, truncated, old, routed, loss_mask))
+    for i, (prompt, comp) in enumerate(zip(batch.prompt_ids, batch.completion_ids)):
+        _check_ids(prompt, "TrainBatch.prompt_ids", i, vocab_size)
+        _check_ids(comp, "TrainBatch.completion_ids", i, vocab_size)
+        s = Seq(i, list(prompt), list(comp), list(batch.sampler_logprobs[i]), float(batch.advantages[i]),
+                old_logprobs=None if batch.old_logprobs is None else list(batch.old_logprobs[i]),
+                # --- routing replay (docs/ROUTING_REPLAY.md) ---
+                routed=None if batch.routed_experts is None else torch.as_tensor(batch.routed_experts[i]),
+                loss_mask=None if batch.loss_mask is None else [bool(v) for v in batch.loss_mask[i]])
+        n_trunc += _fit(s, max_seq_len, truncate)
+        seqs.append(s)
     return seqs, n_trunc
 
 
-def _loss_mask(column, n: int, i: int, tokens: int) -> list[bool]:
-    if len(column) != n:
-        raise BatchError(f"batch['loss_mask']: expected {n} entries (as prompt_ids), got {len(column)}")
-    m = list(column[i])
-    if len(m) != tokens or any(v not in (0, 1) or isinstance(v, float) for v in m):
-        raise BatchError(f"batch['loss_mask'][{i}]: expected {tokens} values 0 or 1 (one per completion token), got "
-                         f"{len(m)} values {sorted(set(map(repr, m)))[:4]}")
-    if not any(m):
-        raise BatchError(f"batch['loss_mask'][{i}]: expected at least one 1 (a token the loss counts), got all 0")
-    return [bool(v) for v in m]
-
-
-def _routed(column, n: int, i: int, tokens: int) -> torch.Tensor:
-    if len(column) != n:
-        raise BatchError(f"batch['routed_experts']: expected {n} entries (as prompt_ids), got {len(column)}")
-    r = torch.as_tensor(column[i])
-    if r.dim() != 3 or r.shape[0] != tokens or r.dtype.is_floating_point:
-        raise BatchError(f"batch['routed_experts'][{i}]: expected integer expert ids of shape [{tokens} (prompt + "
-                         f"completion tokens), L, k], got {r.dtype} {tuple(r.shape)}")
-    return r
+def score_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]], *, vocab_size: int, max_seq_len: int,
+               truncate: bool) -> list[Seq]:
+    """The rows of bare (prompt, completion) pairs to score (no training fields), checked as train_rows checks."""
+    if len(prompt_ids) != len(completion_ids) or not prompt_ids:
+        raise BatchError(f"completion_ids: expected one non-empty list per prompt ({len(prompt_ids)} prompts, at "
+                         f"least one), got {len(completion_ids)}")
+    seqs = []
+    for i, (prompt, comp) in enumerate(zip(prompt_ids, completion_ids)):
+        for field, ids in (("prompt_ids", prompt), ("completion_ids", comp)):
+            if not ids:
+                raise BatchError(f"{field}[{i}]: expected at least one token, got none")
+            _check_ids(ids, field, i, vocab_size)
+        s = Seq(i, list(prompt), list(comp), None, 0.0)
+        _fit(s, max_seq_len, truncate)
+        seqs.append(s)
+    return seqs
 
 
 def shard_bounds(n: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -183,7 +133,7 @@ class MicroBatch:
     targets: torch.Tensor         # [b, Lc] completion tokens, right-padded
     positions: torch.Tensor       # [b, Lc] index into the logits that predicts each target
     mask: torch.Tensor            # [b, Lc] bool, real completion tokens
-    sampler_logp: torch.Tensor    # [b, Lc] fp32 (zeros when absent)
+    sampler_logprobs: torch.Tensor  # [b, Lc] fp32 (zeros when absent)
     advantages: torch.Tensor      # [b] fp32
     seqs: list[Seq]               # empty for a padding micro-batch
     n_real: int
@@ -220,8 +170,8 @@ def collate(seqs: list[Seq], pad_id: int, device: torch.device) -> MicroBatch:
         mask[r, :c] = real > 0
         if s.loss_mask is not None and real:
             mask[r, :c] = torch.tensor(s.loss_mask, dtype=torch.bool)
-        if s.sampler_logp is not None:
-            samp[r, :c] = torch.tensor(s.sampler_logp, dtype=torch.float32)
+        if s.sampler_logprobs is not None:
+            samp[r, :c] = torch.tensor(s.sampler_logprobs, dtype=torch.float32)
         adv[r] = s.advantage
     # --- routing replay (docs/ROUTING_REPLAY.md): the rows the MoE blocks see, [b, L] flattened row-major ---
     routed = None

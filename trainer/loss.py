@@ -8,11 +8,11 @@ Three logprobs per completion token:
   logp      the trainer's current policy (with gradient), log_softmax(logits / temperature)
   old_logp  the trainer's policy before this train_step's first update (no gradient): the PPO
             ratio's denominator; equal to logp.detach() in a single-update step
-  samp_logp the sampler's (vLLM's) processed logprob of the token it sampled
+  sampler_logprobs  the sampler's (vLLM's) processed logprob of the token it sampled
 and, with a KL penalty (kl_coef > 0), a fourth:
   ref_logp  the frozen reference policy's (the initial weights'), no gradient
 
-Mismatch: r = exp(old_logp - samp_logp) is the importance ratio between the policy the trainer
+Mismatch: r = exp(old_logp - sampler_logprobs) is the importance ratio between the policy the trainer
 differentiates and the one that actually sampled; it would be 1 if both sides computed the same
 function. Corrections (`is_correction`): "tis" weights each token by min(r, cap) (truncated IS);
 "token_mask" drops tokens with r outside [low, high]; "seq_mask" drops whole sequences whose
@@ -73,27 +73,27 @@ def token_logprobs(logits_BLV: torch.Tensor, targets_BL: torch.Tensor, temperatu
 # ---------------------------------------------------------------------------------------------
 # mismatch math (rl/metrics.py imports these)
 # ---------------------------------------------------------------------------------------------
-def log_ratio(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def log_ratio(trainer_logp: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """log r = trainer - sampler per token; 0 on padding (so exp gives 1 there)."""
-    return torch.where(mask, trainer_logp.float() - sampler_logp.float(), torch.zeros((), dtype=torch.float32))
+    return torch.where(mask, trainer_logp.float() - sampler_logprobs.float(), torch.zeros((), dtype=torch.float32))
 
 
-def k3_kl(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def k3_kl(trainer_logp: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimator of KL(sampler || trainer) from the sampler's own samples:
     r - 1 - log r with r = p_trainer / p_sampler; >= 0, unbiased, 0 on padding."""
-    lr = log_ratio(trainer_logp, sampler_logp, mask)
+    lr = log_ratio(trainer_logp, sampler_logprobs, mask)
     return torch.expm1(lr) - lr
 
 
-def importance_ratio(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def importance_ratio(trainer_logp: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-token r = p_trainer / p_sampler; 1 on padding."""
-    return torch.exp(log_ratio(trainer_logp, sampler_logp, mask))
+    return torch.exp(log_ratio(trainer_logp, sampler_logprobs, mask))
 
 
-def sequence_log_ratio(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def sequence_log_ratio(trainer_logp: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-sequence mean over its tokens of log r: the log of the geometric-mean ratio, [B]."""
     n = mask.sum(dim=1).clamp(min=1)
-    return log_ratio(trainer_logp, sampler_logp, mask).sum(dim=1) / n
+    return log_ratio(trainer_logp, sampler_logprobs, mask).sum(dim=1) / n
 
 
 def masked_fraction(keep: torch.Tensor, mask: torch.Tensor) -> float:
@@ -106,19 +106,20 @@ LOGP_DIFF_TOL = 1e-3
 """A token counts as mismatched when |Δlogp| exceeds this (mismatch/logp_diff_gt_1e-3_frac)."""
 
 
-def mismatch_sums(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def mismatch_sums(trainer_logp: torch.Tensor, sampler_logprobs: torch.Tensor,
+                  mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """Additive / extremal statistics of the mismatch (fp64 scalars), so ranks can all-reduce them.
 
     Keys ending in _sum and `tokens` add; `_max` take the max; `_min` the min. The probability
     moments (prob_*_sum) are what a Pearson correlation of p_trainer and p_sampler needs, in sums.
     """
-    lr = log_ratio(trainer_logp, sampler_logp, mask).double()
+    lr = log_ratio(trainer_logp, sampler_logprobs, mask).double()
     m = mask
     r = torch.exp(lr)
     big = torch.tensor(float("inf"), dtype=torch.float64)
     zero = torch.zeros((), dtype=torch.float64)
     p_t = torch.where(m, trainer_logp.double().exp(), 0.0)
-    p_s = torch.where(m, sampler_logp.double().exp(), 0.0)
+    p_s = torch.where(m, sampler_logprobs.double().exp(), 0.0)
     dp = (p_t - p_s).abs()
     return {
         "tokens": m.sum().double(),
@@ -171,13 +172,14 @@ def finish_mismatch(sums: dict[str, torch.Tensor | float]) -> dict[str, float]:
     return out
 
 
-def mismatch_metrics(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def mismatch_metrics(trainer_logp: torch.Tensor, sampler_logprobs: torch.Tensor,
+                     mask: torch.Tensor) -> dict[str, float]:
     """k3 KL, |Δlogp| mean/max and the fraction above LOGP_DIFF_TOL, |Δp| mean/max, the Pearson
     correlation of the token probabilities, importance ratio mean/min/max, over the real tokens."""
-    return finish_mismatch(mismatch_sums(trainer_logp, sampler_logp, mask))
+    return finish_mismatch(mismatch_sums(trainer_logp, sampler_logprobs, mask))
 
 
-def mismatch_correction(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, mode: str,
+def mismatch_correction(old_logp: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor, mode: str,
                         *, cap: float = 2.0, low: float = 0.5, high: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [B,L] fp32, keep [B,L] bool) to multiply the per-token loss by; no gradient.
 
@@ -186,7 +188,7 @@ def mismatch_correction(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask
     if mode not in IS_CORRECTIONS:
         raise ValueError(f"is_correction: expected one of {IS_CORRECTIONS}, got {mode!r}")
     with torch.no_grad():
-        lr = log_ratio(old_logp.detach(), sampler_logp, mask)
+        lr = log_ratio(old_logp.detach(), sampler_logprobs, mask)
         weights = torch.ones_like(lr)
         keep = mask.clone()
         if mode == "tis":
@@ -195,7 +197,7 @@ def mismatch_correction(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask
             r = torch.exp(lr)
             keep = mask & (r >= low) & (r <= high)
         elif mode == "seq_mask":
-            seq_r = torch.exp(sequence_log_ratio(old_logp.detach(), sampler_logp, mask))
+            seq_r = torch.exp(sequence_log_ratio(old_logp.detach(), sampler_logprobs, mask))
             keep = mask & ((seq_r >= low) & (seq_r <= high))[:, None]
     return weights, keep
 
@@ -267,7 +269,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str, *, total_to
     raise ValueError(f"loss_agg: expected one of {LOSS_AGGS}, got {agg!r}")
 
 
-def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, sampler_logp: torch.Tensor, advantages_B: torch.Tensor,
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, sampler_logprobs: torch.Tensor, advantages_B: torch.Tensor,
                 mask: torch.Tensor, *, objective: str = "grpo", is_correction: str = "tis", is_cap: float = 2.0,
                 is_low: float = 0.5, is_high: float = 2.0, clip_low: float = 0.2, clip_high: float = 0.2,
                 agg: str = "token_mean", total_tokens: float | None = None, total_seqs: float | None = None,
@@ -283,7 +285,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, sampler_logp: torch.
     default to this shard's own (single-process use). ref_logp: the reference policy's logprobs of
     the same tokens (needed when kl_coef > 0; measured in the stats whenever given).
     """
-    weights, keep = mismatch_correction(old_logp, sampler_logp, mask, is_correction, cap=is_cap, low=is_low, high=is_high)
+    weights, keep = mismatch_correction(old_logp, sampler_logprobs, mask, is_correction, cap=is_cap, low=is_low,
+                                        high=is_high)
     per_token, was_clipped, ratio = objective_terms(objective, logp, old_logp, advantages_B, mask,
                                                     clip_low=clip_low, clip_high=clip_high)
     per_token = per_token * weights
@@ -307,7 +310,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, sampler_logp: torch.
             for est in KL_ESTIMATORS:
                 kl = reference_kl(logp.detach(), ref_logp, est).double()
                 stats[f"ref_kl_{est}_sum"] = torch.where(mask, kl, 0.0).sum()
-        stats.update(mismatch_sums(old_logp.detach(), sampler_logp, mask))
+        stats.update(mismatch_sums(old_logp.detach(), sampler_logprobs, mask))
     return loss, stats
 
 

@@ -75,8 +75,8 @@ def collate_packed(seqs: list[Seq], pad_id: int, device: torch.device) -> MicroB
         positions[r, :c] = torch.arange(offset + p - 1, offset + p - 1 + c)
         positions[r, c:] = offset + p - 1
         mask[r, :c] = True if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.bool)
-        if s.sampler_logp is not None:
-            samp[r, :c] = torch.tensor(s.sampler_logp, dtype=torch.float32)
+        if s.sampler_logprobs is not None:
+            samp[r, :c] = torch.tensor(s.sampler_logprobs, dtype=torch.float32)
         adv[r] = s.advantage
         offset += p + c
     input_ids = torch.tensor([ids], dtype=torch.long)

@@ -5,7 +5,7 @@ entering every MoE block, and each MoE block run on given hidden states.
     logps, hidden = score(model, prompt_ids, completion_ids, temperature=1.0, capture=True)
     layers = run_moe_blocks(model, hidden)          # [{"logits", "ids", "out"}, ...] per MoE block
 
-`score` computes what `TrainerWorker.logprobs` computes (the same batch validation, right-padded
+`score` computes what `TrainerWorker.logprobs` computes (the same row checks, right-padded
 micro-batches, `trainer.loss.token_logprobs` at the run's temperature) on an unsharded model. With
 one rank, FSDP2 changes no number: its bf16 mixed precision casts the fp32 master weights to bf16
 for compute, which equals loading them in bf16 (the same round-to-nearest cast).
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from megamoe.contract import FAST
-from trainer.batch import collate, micro_batches, validate_batch
+from trainer.batch import collate, micro_batches, score_rows
 from trainer.experts import block_router, moe_blocks
 from trainer.loss import token_logprobs
 
@@ -39,8 +39,7 @@ def score(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]], completio
     pad = model.config.pad_token_id
     pad_id = int(pad) if pad is not None and 0 <= int(pad) < vocab else 0
     max_len = max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
-    seqs, _ = validate_batch({"prompt_ids": list(prompt_ids), "completion_ids": list(completion_ids)},
-                             vocab_size=vocab, max_seq_len=max_len, truncate=False, need_training_fields=False)
+    seqs = score_rows(list(prompt_ids), list(completion_ids), vocab_size=vocab, max_seq_len=max_len, truncate=False)
     blocks = [b for _, b in moe_blocks(model)] if capture else []
     per_block: list[dict[int, torch.Tensor]] = [{} for _ in blocks]
     current: list = []  # the micro-batch being run, for the hooks

@@ -12,6 +12,8 @@ import socket
 
 import torch
 
+from records import TrainBatch
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -20,8 +22,9 @@ def free_port() -> int:
 
 
 def make_batch(n: int = 8, *, vocab: int = 512, seed: int = 0, prompt_len: tuple[int, int] = (2, 6),
-               completion_len: tuple[int, int] = (1, 7), group_size: int = 4) -> dict:
-    """A seeded batch: random prompts/completions, sampler logprobs, group-normalised advantages."""
+               completion_len: tuple[int, int] = (1, 7), group_size: int = 4) -> TrainBatch:
+    """A seeded records.TrainBatch: random prompts/completions, sampler logprobs, group-normalised advantages,
+    policy version 0."""
     g = torch.Generator().manual_seed(seed)
 
     def ids(lo: int, hi: int) -> list[int]:
@@ -39,7 +42,8 @@ def make_batch(n: int = 8, *, vocab: int = 512, seed: int = 0, prompt_len: tuple
         adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + 1e-6)).reshape(-1).float().tolist()
     else:
         adv = (rewards - rewards.mean()).tolist()
-    return {"prompt_ids": prompts, "completion_ids": completions, "sampler_logprobs": sampler, "advantages": adv}
+    return TrainBatch(prompt_ids=prompts, completion_ids=completions, sampler_logprobs=sampler, advantages=adv,
+                      policy_versions=[0] * n)
 
 
 def weights_rel_err(a: list[tuple[str, torch.Tensor]] | dict, b: list[tuple[str, torch.Tensor]] | dict) -> dict[str, float]:

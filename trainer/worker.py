@@ -9,7 +9,7 @@
 All ranks must receive every call (train_step, logprobs, export_*, save/load_checkpoint): each one
 runs collectives. Every rank is handed the whole batch and works on its own contiguous shard.
 
-A step: validate the batch -> split into `minibatches` -> per minibatch, micro-batches of
+A step: the batch's rows, checked against this model -> split into `minibatches` -> per minibatch, micro-batches of
 forward/backward (gradients accumulate; FSDP2 reduce-scatters them in fp32) -> global gradient
 norm and clipping -> if the loss and the norm are finite, AdamW steps; otherwise the step is
 skipped (logged, counted in `skipped_total`) and the weights and optimizer state stay the last
@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from trainer import checkpoint as ckpt
 from megamoe.contract import HOST_IMPLS
-from trainer.batch import BatchError, collate, micro_batches, shard_bounds, split_even, validate_batch
+from records import TrainBatch
+from trainer.batch import BatchError, collate, micro_batches, score_rows, shard_bounds, split_even, train_rows
 from trainer.config import ConfigError, TrainerWorkerConfig
 from trainer.experts import MOE_CALLS
 from trainer.fsdp import apply_fsdp, buckets, iter_full_weights, nonfinite_weights, weight_metadata
@@ -232,17 +233,17 @@ class TrainerWorker:
             yield collate(mb_seqs, self.pad_id, self.device)
 
     # -- public interface ------------------------------------------------------------------------
-    def train_step(self, batch: dict) -> dict:
-        """One optimizer update per minibatch of `batch`; returns metrics (identical on every rank)."""
+    def train_step(self, batch: TrainBatch) -> dict:
+        """One optimizer update per minibatch of `batch` (a records.TrainBatch, checked where it was built;
+        here against this model: trainer/batch.py); returns metrics (identical on every rank)."""
         c = self.cfg
-        seqs, n_trunc = validate_batch(batch, vocab_size=self.vocab_size, max_seq_len=c.max_seq_len,
-                                       truncate=c.truncate)
+        seqs, n_trunc = train_rows(batch, vocab_size=self.vocab_size, max_seq_len=c.max_seq_len, truncate=c.truncate)
         self.truncated_total += n_trunc
         minis = split_even(seqs, min(c.minibatches, len(seqs)))
         with_routing = seqs[0].routed is not None
         old_logp: dict[int, torch.Tensor] | None = None
-        if seqs[0].old_logp is not None:
-            old_logp = {s.index: torch.tensor(s.old_logp, dtype=torch.float32, device=self.device) for s in seqs}
+        if seqs[0].old_logprobs is not None:
+            old_logp = {s.index: torch.tensor(s.old_logprobs, dtype=torch.float32, device=self.device) for s in seqs}
         elif len(minis) > 1:
             # The PPO ratio's denominator: the policy before this step's first update.
             old_logp = {}
@@ -276,7 +277,7 @@ class TrainerWorker:
                     if self.reference is not None:
                         with torch.no_grad():
                             ref = self._completion_logprobs(mb, self.reference)
-                    loss, st = policy_loss(logp, old, mb.sampler_logp, mb.advantages, mb.mask, objective=c.loss,
+                    loss, st = policy_loss(logp, old, mb.sampler_logprobs, mb.advantages, mb.mask, objective=c.loss,
                                            is_correction=c.is_correction, is_cap=c.is_cap, is_low=c.is_low,
                                            is_high=c.is_high, clip_low=c.clip_eps, clip_high=c.clip_high,
                                            agg=c.aggregation, total_tokens=total_tokens, total_seqs=float(len(mini)),
@@ -349,12 +350,12 @@ class TrainerWorker:
         })
         return metrics
 
-    def logprobs(self, batch: dict) -> list[list[float]]:
+    def logprobs(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
         """The trainer's per-token logprobs of each completion (at the configured temperature), for
-        every sequence of the batch, on every rank. Needs only prompt_ids and completion_ids."""
+        every (prompt, completion) pair, on every rank."""
         c = self.cfg
-        seqs, _ = validate_batch(batch, vocab_size=self.vocab_size, max_seq_len=c.max_seq_len,
-                                 truncate=c.truncate, need_training_fields=False)
+        seqs = score_rows(prompt_ids, completion_ids, vocab_size=self.vocab_size, max_seq_len=c.max_seq_len,
+                          truncate=c.truncate)
         out: dict[int, list[float]] = {}
         with torch.no_grad():
             for mb in self._micro_batches(seqs):

@@ -270,10 +270,10 @@ def test_families_sample_and_score_bitwise(arch, bitwise_runs):
     from trainer.probe import score
 
     run = bitwise_runs[arch]
-    samples = [s for s in run["samples"] if s["completion_ids"]]
-    assert sum(len(s["completion_ids"]) for s in samples) >= 40 * 6
-    args = ([s["prompt_ids"] for s in samples], [s["completion_ids"] for s in samples])
-    sampler = [s["logprobs"] for s in samples]
+    samples = [s for s in run["samples"] if s.completion_ids]
+    assert sum(len(s.completion_ids) for s in samples) >= 40 * 6
+    args = ([s.prompt_ids for s in samples], [s.completion_ids for s in samples])
+    sampler = [s.sampler_logprobs for s in samples]
     got, _ = score(load_model(run["model"], "megamoe", numerics="bitwise").eval(), *args, temperature=TEMPERATURE,
                    micro_batch_size=5)
     assert got == sampler

@@ -10,6 +10,7 @@ bitwise) runs on tests/rl/test_divergence.py's bitwise engine (test_multi_turn_e
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
 import textwrap
@@ -17,6 +18,7 @@ import time
 
 import pytest
 
+from records import Sample
 from rl.envs import Environment, EnvError, ToolSession, call_all
 from rl.episodes import ChatFormat, EpisodeRunner, TemplateError, parse_hermes
 from rl.tool_task import calculator, tool_arith, tool_used
@@ -177,9 +179,10 @@ class Scripted:
                 ids = ids + [self.tok.convert_tokens_to_ids(EOS)]
             lps = [-self.rng.uniform(0.01, 5.0) for _ in ids]
             self.returned.append((turn, k, ids, lps))
-            outs.append({"completion_ids": ids, "logprobs": lps, "text": self.tok.decode(ids, skip_special_tokens=True),
-                         "finish_reason": "stop" if (ids[-1] == self.tok.convert_tokens_to_ids(EOS) or self.stop_string)
-                         else "length"})
+            stopped = ids[-1] == self.tok.convert_tokens_to_ids(EOS) or self.stop_string
+            outs.append(Sample(prompt_index=k, prompt_ids=list(c), completion_ids=ids, sampler_logprobs=lps,
+                               text=self.tok.decode(ids, skip_special_tokens=True),
+                               finish_reason="stop" if stopped else "length", policy_version=0))
         return outs
 
 
@@ -324,18 +327,20 @@ def test_config_env_section_refusals():
 
 
 class EvalEngine:
-    """A stand-in for RolloutWorker.generate (prompts, n, sampling, max_tokens) in the evaluation of episodes: turn 0
-    calls the calculator, turn 1 answers; records every call's sizes, seeds and budgets."""
+    """A stand-in for RolloutWorker.generate (prompts, n, sampling, max_tokens, offset, policy_version) in the
+    evaluation of episodes: turn 0 calls the calculator, turn 1 answers; records every call's sizes, seeds and
+    budgets."""
 
     def __init__(self, tok):
         self.calls = []
         self.scripted = Scripted(tok, lambda c, turn, k: "The answer is 2." if turn else
                                  '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 1"}}\n</tool_call>')
 
-    def generate(self, prompts, n, sampling, max_tokens=None):
+    def generate(self, prompts, n, sampling, max_tokens=None, *, offset=0, policy_version=0):
         self.calls.append((len(prompts), n, sampling["seed"], sampling["temperature"], max_tokens))
         turn = len(self.calls) - 1
-        return [{"prompt_index": i, **o} for i, o in enumerate(self.scripted(prompts, max_tokens, turn))]
+        return [dataclasses.replace(o, prompt_index=offset + i, policy_version=policy_version)
+                for i, o in enumerate(self.scripted(prompts, max_tokens, turn))]
 
 
 EVAL_ENV = ["eval.data.task=tool_arith", "eval.data.task_size=3", "eval.n=2", "rollout.max_model_len=2048",
@@ -618,29 +623,31 @@ def test_the_trainer_masks_environment_tokens():
     logprobs (placeholders) or the trainer's values at environment tokens."""
     import torch
 
-    from trainer.batch import BatchError, collate, validate_batch
+    from records import RecordError, TrainBatch
+    from trainer.batch import collate, train_rows
     from trainer.loss import policy_loss
 
     g = torch.Generator().manual_seed(0)
-    batch = {"prompt_ids": [[5, 6, 7], [8, 9]], "completion_ids": [[10, 11, 12, 13, 14], [15, 16, 17]],
-             "sampler_logprobs": [[-1.0, 0.0, 0.0, -2.0, -0.5], [-0.3, -0.2, -0.1]], "advantages": [1.0, -0.5],
-             "loss_mask": [[1, 0, 0, 1, 1], [1, 1, 1]]}
-    seqs, _ = validate_batch(batch, vocab_size=100, max_seq_len=16, truncate=False)
+    batch = dict(prompt_ids=[[5, 6, 7], [8, 9]], completion_ids=[[10, 11, 12, 13, 14], [15, 16, 17]],
+                 sampler_logprobs=[[-1.0, 0.0, 0.0, -2.0, -0.5], [-0.3, -0.2, -0.1]], advantages=[1.0, -0.5],
+                 policy_versions=[0, 0], loss_mask=[[1, 0, 0, 1, 1], [1, 1, 1]])
+    seqs, _ = train_rows(TrainBatch(**batch), vocab_size=100, max_seq_len=16, truncate=False)
     mb = collate(seqs, 0, torch.device("cpu"))
     assert mb.mask.tolist() == [[True, False, False, True, True], [True, True, True, False, False]]
     assert [s.loss_tokens for s in seqs] == [3, 3]
     logp = -torch.rand(2, 5, generator=g) * 3
-    base = policy_loss(logp, logp, mb.sampler_logp, mb.advantages, mb.mask)
-    logp2, samp2 = logp.clone(), mb.sampler_logp.clone()
+    base = policy_loss(logp, logp, mb.sampler_logprobs, mb.advantages, mb.mask)
+    logp2, samp2 = logp.clone(), mb.sampler_logprobs.clone()
     logp2[0, 1:3] = -50.0
     samp2[0, 1:3] = 7.0
     other = policy_loss(logp2, logp2, samp2, mb.advantages, mb.mask)
     assert float(base[0]) == float(other[0]) and base[1]["abs_logp_diff_max"] == other[1]["abs_logp_diff_max"]
-    for bad, msg in [([[1, 0, 1], [1, 1, 1]], r"loss_mask'\]\[0\]: expected 5 values 0 or 1"),
+    # refused where the record is built (records/samples.py), before any trainer sees it
+    for bad, msg in [([[1, 0, 1], [1, 1, 1]], r"loss_mask\[0\]: expected 5 values 0 or 1"),
                      ([[0, 0, 0, 0, 0], [1, 1, 1]], r"expected at least one 1"),
                      ([[1, 0, 0, 1, 2], [1, 1, 1]], r"expected 5 values 0 or 1")]:
-        with pytest.raises(BatchError, match=msg):
-            validate_batch({**batch, "loss_mask": bad}, vocab_size=100, max_seq_len=16, truncate=False)
+        with pytest.raises(RecordError, match=msg):
+            TrainBatch(**{**batch, "loss_mask": bad})
 
 
 def test_train_batch_carries_the_loss_mask():
@@ -648,9 +655,8 @@ def test_train_batch_carries_the_loss_mask():
 
     s = [Sample(0, [1, 2], [3, 4, 5], [-1.0, 0.0, -1.0], "t", "stop", 0, loss_mask=[1, 0, 1]),
          Sample(0, [1, 2], [6], [-0.5], "t", "stop", 0)]
-    cols = TrainBatch.from_samples(s, [1.0, -1.0]).columns()
-    assert cols["loss_mask"] == [[1, 0, 1], [1]]
-    assert "loss_mask" not in TrainBatch.from_samples(s[1:], [0.0]).columns()
+    assert TrainBatch.from_samples(s, [1.0, -1.0]).loss_mask == [[1, 0, 1], [1]]
+    assert TrainBatch.from_samples(s[1:], [0.0]).loss_mask is None
     with pytest.raises(RecordError, match=r"TrainBatch.loss_mask\[0\]: expected 3 values"):
         TrainBatch.from_samples([Sample(0, [1], [3, 4, 5], [0.0] * 3, "t", "stop", 0, loss_mask=[1])], [0.0])
 
@@ -705,14 +711,13 @@ def check_engine_episodes(model_dir, episodes, calls, temperature: float) -> dic
     three = [e for e in episodes if e.turns == 3]
     assert three, [e.turns for e in episodes]
     assert all(0 in e.loss_mask and 1 in e.loss_mask for e in three)
-    batch = {"prompt_ids": [e.prompt_ids for e in episodes], "completion_ids": [e.completion_ids for e in episodes]}
     out = {}
     for numerics in ("bitwise", "fast"):
         w = TrainerWorker(0, 1, "127.0.0.1", free_port(), str(model_dir), "megamoe",
                           {"dtype": "float32", "device": "cpu", "numerics": numerics, "temperature": temperature,
                            "max_seq_len": 128})
         try:
-            lps = w.logprobs(batch)
+            lps = w.logprobs([e.prompt_ids for e in episodes], [e.completion_ids for e in episodes])
         finally:
             w.close()
         diffs = [abs(t - s) for e, lp in zip(episodes, lps) for t, s, m in zip(lp, e.sampler_logprobs, e.loss_mask)
@@ -738,13 +743,9 @@ class FakeWorker:
         self.generate = self
 
     def remote(self, ctx, n, sampling, offset, policy_version, max_tokens):
-        from records import Sample
-
         self.seen.append((len(ctx), n, sampling["seed"], list(max_tokens), offset, policy_version))
-        outs = [Sample(prompt_index=offset + i, prompt_ids=list(c), completion_ids=o["completion_ids"],
-                       sampler_logprobs=o["logprobs"], text=o["text"], finish_reason=o["finish_reason"],
-                       policy_version=policy_version)
-                for i, (c, o) in enumerate(zip(ctx, self.gen(ctx, max_tokens, sampling["seed"])))]
+        outs = [dataclasses.replace(o, prompt_index=offset + o.prompt_index, policy_version=policy_version)
+                for o in self.gen(ctx, max_tokens, sampling["seed"])]
         return Ref((outs, 0.5))
 
 
@@ -864,13 +865,14 @@ def test_an_episodes_routing_is_merged_over_its_turns(tok, tmp_path):
 
     def routed(ctx, budgets, turn):
         outs = gen(ctx, budgets, turn)
+        routed_outs = []
         for k, (c, o) in enumerate(zip(ctx, outs)):
-            r = np.full((len(c) + len(o["completion_ids"]), 2, 2), turn, dtype=np.int16)
+            r = np.full((len(c) + len(o.completion_ids), 2, 2), turn, dtype=np.int16)
             r[:computed.get(k, 0)] = -1  # served by the prefix cache
             r[-1] = -1  # sampled, never fed back
             computed[k] = r.shape[0] - 1
-            o["routed_experts"] = r
-        return outs
+            routed_outs.append(dataclasses.replace(o, routed_experts=r))
+        return routed_outs
 
     *_, runner = tools_runner(tok, max_tokens_per_turn=200)
     (ep,) = runner.run([{}], [[{"role": "user", "content": "What is 37 * 12?"}]], 1, routed)

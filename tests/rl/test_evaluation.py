@@ -15,6 +15,7 @@ from fractions import Fraction
 
 import pytest
 
+from records import Sample
 from rl import config as C
 from rl.evaluation import Evaluator, eval_metrics, pass_at_k
 from rl.rewards import RewardResult
@@ -127,7 +128,8 @@ def test_evaluator_renders_its_rows_in_order_and_draws_with_its_own_fixed_seed(t
 
     def generate(prompts, sampling, n):
         seen.append(sampling)
-        return [{"prompt_index": i, "text": str(rows[i]["answer"]) if j == 0 else "x", "completion_ids": [1] * (j + 1)}
+        return [Sample(prompt_index=i, prompt_ids=[1], completion_ids=[1] * (j + 1), sampler_logprobs=[-1.0] * (j + 1),
+                       text=str(rows[i]["answer"]) if j == 0 else "x", finish_reason="stop", policy_version=2)
                 for i in range(len(prompts)) for j in range(n)]
 
     m, out = ev.run(generate, 2)

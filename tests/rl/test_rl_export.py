@@ -60,7 +60,8 @@ def _make_run(root: Path, arch: str) -> dict:
     (run / "checkpoints" / "latest.json").write_text(json.dumps({"step": 2, "path": "step_000002"}))
     probe = make_batch(4, seed=9)
     return {"run": run, "base": base, "trainer": trainer, "probe": probe,
-            "trainer_logprobs": trainer.logprobs(probe), "trainer_weights": dict(trainer.export_weights())}
+            "trainer_logprobs": trainer.logprobs(probe.prompt_ids, probe.completion_ids),
+            "trainer_weights": dict(trainer.export_weights())}
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,7 @@ def test_export_loads_in_transformers_with_the_trainers_logprobs(exported):
 
     model = AutoModelForCausalLM.from_pretrained(exported["out"], dtype=torch.float32)
     probe = exported["probe"]
-    hf = [processed_logprobs(model, p, c, 1.0) for p, c in zip(probe["prompt_ids"], probe["completion_ids"])]
+    hf = [processed_logprobs(model, p, c, 1.0) for p, c in zip(probe.prompt_ids, probe.completion_ids)]
     err = max_abs_diff(hf, exported["trainer_logprobs"])
     print(f"[export] transformers vs trainer: max |dlogp| {err:.2e}")
     assert err <= FP32_LOGPROB_TOL
@@ -138,7 +139,8 @@ def test_export_starts_a_new_trainer_from_the_same_weights(exported):
     fresh = TrainerWorker(0, 1, "127.0.0.1", free_port(), str(exported["out"]), "megamoe",
                           {"dtype": "float32", "device": "cpu"})
     try:
-        assert fresh.logprobs(exported["probe"]) == exported["trainer_logprobs"]
+        probe = exported["probe"]
+        assert fresh.logprobs(probe.prompt_ids, probe.completion_ids) == exported["trainer_logprobs"]
     finally:
         fresh.close()
 
@@ -187,13 +189,13 @@ def test_export_serves_in_vllm(served):
     probe = exported["probe"]
     engine = RolloutWorker(exported["out"], "megamoe", dtype="float32", seed=0, max_model_len=64)
     try:
-        scores = engine.score(probe["prompt_ids"], probe["completion_ids"])
+        scores = engine.score(probe.prompt_ids, probe.completion_ids)
         samples = engine.generate(["1 + 2 ="], 1, {"temperature": 0.0, "max_tokens": 4})
     finally:
         engine.close()
     err = max_abs_diff(scores, exported["trainer_logprobs"])
     print(f"[export] vLLM CPU vs trainer: max |dlogp| {err:.2e}")
-    assert err <= FP32_LOGPROB_TOL and len(samples[0]["completion_ids"]) == 4
+    assert err <= FP32_LOGPROB_TOL and len(samples[0].completion_ids) == 4
 
 
 @pytest.mark.slow  # a vLLM engine
@@ -209,18 +211,18 @@ def test_export_serves_bitwise_in_vllm(exported_one):
     trainer = TrainerWorker(0, 1, "127.0.0.1", free_port(), out, "megamoe",
                             {"dtype": "float32", "device": "cpu", "numerics": "bitwise"})
     try:
-        expected = trainer.logprobs(probe)
+        expected = trainer.logprobs(probe.prompt_ids, probe.completion_ids)
     finally:
         trainer.close()
     engine = RolloutWorker(out, "megamoe", dtype="float32", seed=0, max_model_len=64, numerics="bitwise")
     try:
-        got = engine.score(probe["prompt_ids"], probe["completion_ids"])
+        got = engine.score(probe.prompt_ids, probe.completion_ids)
         samples = engine.generate(["1 + 2 ="], 1, {"temperature": 0.0, "max_tokens": 4})
     finally:
         engine.close()
     err = max_abs_diff(got, exported_one["trainer_logprobs"])
     print(f"[export] vLLM CPU bitwise vs fast trainer: max |dlogp| {err:.2e}")
-    assert err <= FP32_LOGPROB_TOL and len(samples[0]["completion_ids"]) == 4
+    assert err <= FP32_LOGPROB_TOL and len(samples[0].completion_ids) == 4
     assert got == expected
     assert expected != exported_one["trainer_logprobs"]  # the fast trainer's differ: the equality is the mode's
 

@@ -16,11 +16,16 @@ import pytest
 from records import RecordError, Sample, TrainBatch
 
 
-def _sample(rng: random.Random, prompt_index: int, version: int, routed=None) -> Sample:
+def _sample(rng: random.Random, prompt_index: int, version: int, routed: bool = False) -> Sample:
+    """A seeded Sample; with routed, int16 routing of shape [prompt + completion tokens, 2 layers, k=2]."""
+    import numpy as np
+
+    p = [rng.randrange(3, 500) for _ in range(3)]
     c = [rng.randrange(3, 500) for _ in range(rng.randint(1, 5))]
-    return Sample(prompt_index=prompt_index, prompt_ids=[rng.randrange(3, 500) for _ in range(3)], completion_ids=c,
+    r = np.array([rng.randrange(8) for _ in range((len(p) + len(c)) * 4)], dtype=np.int16).reshape(-1, 2, 2)
+    return Sample(prompt_index=prompt_index, prompt_ids=p, completion_ids=c,
                   sampler_logprobs=[rng.uniform(-8, 0) for _ in c], text="x", finish_reason="length",
-                  policy_version=version, routed_experts=routed)
+                  policy_version=version, routed_experts=r if routed else None)
 
 
 def test_sample_round_trips_through_json_exactly():
@@ -30,24 +35,17 @@ def test_sample_round_trips_through_json_exactly():
     assert back == samples  # every float bit for bit (repr round-trips)
 
 
-def test_sample_from_a_workers_dict_offsets_the_prompt_index():
-    out = {"prompt_index": 1, "prompt_ids": [5, 6], "completion_ids": [7], "text": "7", "logprobs": [-0.5],
-           "finish_reason": "stop"}
-    s = Sample.from_worker(out, offset=4, policy_version=2)
-    assert (s.prompt_index, s.group, s.sampler_logprobs, s.policy_version, s.routed_experts) == (5, 5, [-0.5], 2, None)
-
-
 def test_train_batch_columns_and_the_optional_routed_experts():
     rng = random.Random(1)
     samples = [_sample(rng, i // 2, 7) for i in range(4)]
     adv = [0.5, -0.5, 1.0, -1.0]
-    cols = TrainBatch.from_samples(samples, adv).columns()
-    assert cols["completion_ids"] == [s.completion_ids for s in samples]
-    assert cols["sampler_logprobs"] == [s.sampler_logprobs for s in samples]
-    assert cols["advantages"] == adv and cols["policy_versions"] == [7] * 4
-    assert "routed_experts" not in cols
-    routed = [_sample(rng, i // 2, 7, routed=[[i, i + 1]]) for i in range(4)]
-    assert TrainBatch.from_samples(routed, adv).columns()["routed_experts"] == [[[i, i + 1]] for i in range(4)]
+    b = TrainBatch.from_samples(samples, adv)
+    assert b.completion_ids == [s.completion_ids for s in samples]
+    assert b.sampler_logprobs == [s.sampler_logprobs for s in samples]
+    assert b.advantages == adv and b.policy_versions == [7] * 4
+    assert b.routed_experts is None and b.loss_mask is None and b.old_logprobs is None
+    routed = [_sample(rng, i // 2, 7, routed=True) for i in range(4)]
+    assert TrainBatch.from_samples(routed, adv).routed_experts == [s.routed_experts for s in routed]
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -59,10 +57,16 @@ def test_train_batch_columns_and_the_optional_routed_experts():
     ("completion_ids", lambda b: b.completion_ids[:2] + [[]] + b.completion_ids[3:],
      r"TrainBatch.completion_ids\[2\]: expected at least one token"),
     ("routed_experts", lambda b: [None], r"TrainBatch.routed_experts: expected 4 entries"),
+    ("routed_experts", lambda b: [r[:-1] for r in b.routed_experts],
+     r"TrainBatch.routed_experts\[0\]: expected integer expert ids of shape \[\d+ \(prompt \+ completion tokens\), L, k\]"),
+    ("routed_experts", lambda b: [r.astype("float32") for r in b.routed_experts],
+     r"TrainBatch.routed_experts\[0\]: expected integer expert ids .* got float32"),
+    ("old_logprobs", lambda b: [lp + [0.0] for lp in b.sampler_logprobs],
+     r"TrainBatch.old_logprobs\[0\]: expected \d+ values \(one per completion token\), got \d+"),
 ])
 def test_train_batch_refuses_what_does_not_fit_naming_field_and_index(field, value, message):
     rng = random.Random(2)
-    good = TrainBatch.from_samples([_sample(rng, i // 2, 0) for i in range(4)], [0.1, -0.1, 0.2, -0.2])
+    good = TrainBatch.from_samples([_sample(rng, i // 2, 0, routed=True) for i in range(4)], [0.1, -0.1, 0.2, -0.2])
     cols = {k: getattr(good, k) for k in ("prompt_ids", "completion_ids", "sampler_logprobs", "advantages",
                                           "policy_versions", "routed_experts")}
     cols[field] = value(good)

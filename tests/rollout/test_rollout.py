@@ -64,13 +64,13 @@ def baseline(worker):
 
 
 def _hf_logprobs(model, samples, temperature, top_p=None):
-    return [processed_logprobs(model, s["prompt_ids"], s["completion_ids"], temperature, top_p) for s in samples]
+    return [processed_logprobs(model, s.prompt_ids, s.completion_ids, temperature, top_p) for s in samples]
 
 
 def _assert_same_samples(a, b, what):
-    assert [s["completion_ids"] for s in a] == [s["completion_ids"] for s in b], f"{what}: completions differ"
-    assert [s["logprobs"] for s in a] == [s["logprobs"] for s in b], \
-        f"{what}: logprobs not bitwise equal (max diff {max_abs_diff([s['logprobs'] for s in a], [s['logprobs'] for s in b])})"
+    assert [s.completion_ids for s in a] == [s.completion_ids for s in b], f"{what}: completions differ"
+    la, lb = [s.sampler_logprobs for s in a], [s.sampler_logprobs for s in b]
+    assert la == lb, f"{what}: logprobs not bitwise equal (max diff {max_abs_diff(la, lb)})"
 
 
 def _disk_state(model_dir):
@@ -104,25 +104,36 @@ def test_megamoe_runs_in_the_engine_worker_process(worker):
     samples = worker.generate(PROMPTS, N, SAMPLING)
     calls = worker.moe_calls()
     # Every forward pass runs each MoE layer once: at least one pass per generated token position.
-    generated = max(len(s["completion_ids"]) for s in samples)
+    generated = max(len(s.completion_ids) for s in samples)
     assert set(calls) == {"megamoe"}, f"expected calls of megamoe only, got {calls}"
     assert calls["megamoe"] >= LAYERS * generated and calls["megamoe"] % LAYERS == 0, calls
     assert moe_method.moe_calls() == {}, "the driver process must not compute the MoE"
 
 
-def test_samples_have_the_interface_keys(worker, baseline):
+def test_samples_are_records_counted_from_the_offset_and_stamped_with_the_version(worker, baseline):
+    """generate returns records.Sample (the record the driver queues, scores and trains on): prompt_index
+    counts from `offset` (a worker's slice of a step's prompts), policy_version is the caller's stamp."""
+    from records import Sample
+
     assert len(baseline) == len(PROMPTS) * N
-    assert [s["prompt_index"] for s in baseline] == [i for i in range(len(PROMPTS)) for _ in range(N)]
+    assert [s.prompt_index for s in baseline] == [i for i in range(len(PROMPTS)) for _ in range(N)]
     for s in baseline:
-        assert set(s) >= {"prompt_index", "prompt_ids", "completion_ids", "text", "logprobs"}
-        assert len(s["logprobs"]) == len(s["completion_ids"]) >= 1
-        assert all(lp <= 0.0 for lp in s["logprobs"])
+        assert type(s) is Sample and s.policy_version == 0 and s.reward is None and s.loss_mask is None
+        assert len(s.sampler_logprobs) == len(s.completion_ids) >= 1
+        assert all(lp <= 0.0 for lp in s.sampler_logprobs)
+    shifted = worker.generate(PROMPTS, N, SAMPLING, offset=5, policy_version=3)
+    assert [s.prompt_index for s in shifted] == [5 + s.prompt_index for s in baseline]
+    assert {s.policy_version for s in shifted} == {3}
+    _assert_same_samples(shifted, baseline, "offset and policy_version change nothing else")
+    for bad in ({"offset": -1}, {"policy_version": True}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))}: expected an int >= 0"):
+            worker.generate(PROMPTS, N, SAMPLING, **bad)
 
 
 def test_seeded_generation_is_reproducible(worker, baseline):
     _assert_same_samples(worker.generate(PROMPTS, N, SAMPLING), baseline, "same seed")
     other = worker.generate(PROMPTS, N, {**SAMPLING, "seed": 99})
-    assert [s["completion_ids"] for s in other] != [s["completion_ids"] for s in baseline], \
+    assert [s.completion_ids for s in other] != [s.completion_ids for s in baseline], \
         "another seed drew the same completions"
 
 
@@ -144,11 +155,11 @@ def test_long_prompts_over_one_prefill_step_sample_reproducibly(worker, hf):
     prompts = _long_prompts(16, 80, seed=3)
     sampling = {"temperature": 1.0, "max_tokens": 8, "seed": 77}
     first = worker.generate(prompts, 2, sampling)
-    lengths = [len(s["prompt_ids"]) for s in first[::2]]
+    lengths = [len(s.prompt_ids) for s in first[::2]]
     assert min(lengths) >= 200 and max(lengths) + sampling["max_tokens"] <= LONG_MODEL_LEN, lengths
-    assert sum(len(s["prompt_ids"]) for s in first) > DEFAULT_BATCHED_TOKENS, "the batch must not fit one step"
+    assert sum(len(s.prompt_ids) for s in first) > DEFAULT_BATCHED_TOKENS, "the batch must not fit one step"
     _assert_same_samples(worker.generate(prompts, 2, sampling), first, "long prompts, same seed")
-    err = max_abs_diff([s["logprobs"] for s in first], _hf_logprobs(hf[0], first, sampling["temperature"]))
+    err = max_abs_diff([s.sampler_logprobs for s in first], _hf_logprobs(hf[0], first, sampling["temperature"]))
     print(f"[rollout] long prompts ({min(lengths)}-{max(lengths)} tokens): max |dlogp| vs transformers {err:.2e}")
     assert err <= LOGPROB_TOL_FP32
 
@@ -156,7 +167,7 @@ def test_long_prompts_over_one_prefill_step_sample_reproducibly(worker, hf):
 # -- numbers the trainer must reproduce ---------------------------------------------------------
 
 def test_processed_logprobs_match_transformers_fp32(worker, baseline, hf):
-    ours = [s["logprobs"] for s in baseline]
+    ours = [s.sampler_logprobs for s in baseline]
     ref = _hf_logprobs(hf[0], baseline, SAMPLING["temperature"])
     err = max_abs_diff(ours, ref)
     print(f"[rollout] megamoe fp32 vs transformers fp32, T={SAMPLING['temperature']}: max |dlogp| = {err:.2e}")
@@ -174,11 +185,11 @@ def test_top_p_logprobs_match_transformers_fp32(worker, hf):
     samples = worker.generate(PROMPTS, N, {"temperature": temperature, "top_p": top_p, "max_tokens": 12, "seed": 7})
     compared, skipped, worst = 0, 0, 0.0
     for s in samples:
-        ids = torch.tensor([s["prompt_ids"] + s["completion_ids"]])
+        ids = torch.tensor([s.prompt_ids + s.completion_ids])
         with torch.no_grad():
             logits = hf[0](input_ids=ids).logits[0].float()
-        start = len(s["prompt_ids"]) - 1
-        for j, (tok, lp) in enumerate(zip(s["completion_ids"], s["logprobs"])):
+        start = len(s.prompt_ids) - 1
+        for j, (tok, lp) in enumerate(zip(s.completion_ids, s.sampler_logprobs)):
             row = logits[start + j: start + j + 1] / temperature
             cum = row.softmax(-1).sort(dim=-1).values.cumsum(-1)
             if float((cum - (1 - top_p)).abs().min()) < 1e-5:
@@ -212,10 +223,10 @@ def test_update_with_changed_weights_gives_the_new_model(worker, models, hf, bas
         assert torch.equal(w13, state_b["model.layers.0.mlp.experts.gate_up_proj"])
         assert torch.equal(w2, state_b["model.layers.0.mlp.experts.down_proj"])
         samples = worker.generate(PROMPTS, N, SAMPLING)
-        err = max_abs_diff([s["logprobs"] for s in samples], _hf_logprobs(hf[1], samples, SAMPLING["temperature"]))
+        err = max_abs_diff([s.sampler_logprobs for s in samples], _hf_logprobs(hf[1], samples, SAMPLING["temperature"]))
         print(f"[rollout] after update to model B: max |dlogp| vs transformers(B) = {err:.2e}")
         assert err <= LOGPROB_TOL_FP32
-        assert max_abs_diff([s["logprobs"] for s in samples],
+        assert max_abs_diff([s.sampler_logprobs for s in samples],
                             _hf_logprobs(hf[0], samples, SAMPLING["temperature"])) > 100 * LOGPROB_TOL_FP32
     finally:
         worker.update_weights(hf[0].state_dict())
@@ -335,7 +346,7 @@ def test_routed_experts_equal_the_trainers(models, baseline):
     from trainer.experts import moe_blocks
     from trainer.model import load_model
 
-    routed = [s["routed_experts"] for s in baseline]
+    routed = [s.routed_experts for s in baseline]
     model = load_model(models[0], "megamoe")
     seen = []
     hooks = [b.experts.register_forward_pre_hook(lambda mod, args: seen.append(args[1].clone()))
@@ -344,7 +355,7 @@ def test_routed_experts_equal_the_trainers(models, baseline):
         for s, r in zip(baseline, routed, strict=True):
             seen.clear()
             with torch.no_grad():
-                model(input_ids=torch.tensor([s["prompt_ids"] + s["completion_ids"]]))
+                model(input_ids=torch.tensor([s.prompt_ids + s.completion_ids]))
             want = torch.stack(seen, dim=1)  # [T, L, k]
             assert r.dtype.name == "int16" and tuple(r.shape) == tuple(want.shape), (r.shape, want.shape)
             assert torch.equal(torch.from_numpy(r[:-1]).long(), want[:-1])
@@ -378,9 +389,9 @@ def test_decode_time_routing_is_what_the_trainer_replays(worker, models):
     own_has_it = replayed_has_it = decode_tokens = 0
     try:
         for s in samples:
-            P, C = len(s["prompt_ids"]), len(s["completion_ids"])
-            r = torch.from_numpy(s["routed_experts"]).long()  # [T, L, k]
-            ids = torch.tensor([s["prompt_ids"] + s["completion_ids"]])
+            P, C = len(s.prompt_ids), len(s.completion_ids)
+            r = torch.from_numpy(s.routed_experts).long()  # [T, L, k]
+            ids = torch.tensor([s.prompt_ids + s.completion_ids])
             seen.clear()
             with torch.no_grad():
                 model(input_ids=ids)

@@ -132,7 +132,7 @@ def _run(model_dir, impl, update_state, one_at_a_time=False):
 
 
 def _logprobs(samples):
-    return [s["logprobs"] for s in samples]
+    return [s.sampler_logprobs for s in samples]
 
 
 @pytest.fixture(scope="module")
@@ -150,12 +150,12 @@ def test_deepseek_v2_through_megamoe_matches_vllm_stock(deepseek):
     assert ours["status"]["hooked_moe_layers"] == 1 and ours["status"]["layer_impls"] == ["megamoe"]
     assert ours["calls"].get("megamoe", 0) > 0 and stock["calls"] == {}
     for phase in ("before", "after"):
-        assert [s["completion_ids"] for s in ours[phase]] == [s["completion_ids"] for s in stock[phase]], phase
+        assert [s.completion_ids for s in ours[phase]] == [s.completion_ids for s in stock[phase]], phase
         err = max_abs_diff(_logprobs(ours[phase]), _logprobs(stock[phase]))
         print(f"[rollout] DeepSeek-V2 megamoe vs vLLM stock, {phase} update: max |dlogp| = {err:.2e}")
         assert err <= LOGPROB_TOL_FP32
     # The update changed the model, so "after" compares the new weights in both engines.
-    assert [s["completion_ids"] for s in ours["before"]] != [s["completion_ids"] for s in ours["after"]]
+    assert [s.completion_ids for s in ours["before"]] != [s.completion_ids for s in ours["after"]]
 
 
 @pytest.mark.slow  # the module's `deepseek` engines

@@ -50,7 +50,7 @@ def runs(model_dir):
         w.reset_moe_calls()
         samples = w.generate(PROMPTS, 1, {"temperature": 0.0, "max_tokens": 24})
         out["calls"] = w.moe_calls()
-        ids = ([s["prompt_ids"] for s in samples], [s["completion_ids"] for s in samples])
+        ids = ([s.prompt_ids for s in samples], [s.completion_ids for s in samples])
         out["samples"], out["megamoe"] = samples, w.score(*ids)
         # In-place update on this vLLM version: experts scaled by 1.5, then the original weights back.
         from safetensors.torch import load_file
@@ -90,7 +90,7 @@ def test_megamoe_bf16_matches_reference(runs):
 
 def test_megamoe_greedy_logprobs_match_its_scores(runs):
     # Greedy processed logprobs = raw logprobs; decode steps against one teacher-forced prefill.
-    _compare([s["logprobs"] for s in runs["samples"]], runs["megamoe"], "megamoe decode vs prefill")
+    _compare([s.sampler_logprobs for s in runs["samples"]], runs["megamoe"], "megamoe decode vs prefill")
 
 
 def test_megamoe_under_cuda_graphs_matches_reference(runs):

@@ -54,8 +54,8 @@ def actor(models):
 
 
 def _check_against(hf_model, samples, what):
-    ref = [processed_logprobs(hf_model, s["prompt_ids"], s["completion_ids"], SAMPLING["temperature"]) for s in samples]
-    err = max_abs_diff([s["logprobs"] for s in samples], ref)
+    ref = [processed_logprobs(hf_model, s.prompt_ids, s.completion_ids, SAMPLING["temperature"]) for s in samples]
+    err = max_abs_diff([s.sampler_logprobs for s in samples], ref)
     print(f"[rollout] mixtral reference (Ray actor) {what}: max |dlogp| vs transformers = {err:.2e}")
     assert err <= LOGPROB_TOL_FP32
 
@@ -81,6 +81,6 @@ def test_ray_actor_takes_transformers_weights(actor, hf):
     ray.get(actor.update_weights.remote(list(state_b.items())))
     samples = ray.get(actor.generate.remote(PROMPTS, N, SAMPLING))
     _check_against(hf[1], samples, "after update to model B")
-    assert max_abs_diff([s["logprobs"] for s in samples],
-                        [processed_logprobs(hf[0], s["prompt_ids"], s["completion_ids"], SAMPLING["temperature"])
+    assert max_abs_diff([s.sampler_logprobs for s in samples],
+                        [processed_logprobs(hf[0], s.prompt_ids, s.completion_ids, SAMPLING["temperature"])
                          for s in samples]) > 100 * LOGPROB_TOL_FP32

@@ -188,16 +188,16 @@ def test_served_compiled_policy_samples_the_eager_engines_tokens(server, model, 
     finally:
         captured = _rpc(server, "megamoe_routing_capture", "take_json")
     assert len(choices) == len(want) == len(COMPARED_PROMPTS) * COMPARED_N
-    assert [c["token_ids"] for c in choices] == [s["completion_ids"] for s in want]
-    err = max_abs_diff([c["logprobs"]["token_logprobs"] for c in choices], [s["logprobs"] for s in want])
+    assert [c["token_ids"] for c in choices] == [s.completion_ids for s in want]
+    err = max_abs_diff([c["logprobs"]["token_logprobs"] for c in choices], [s.sampler_logprobs for s in want])
     print(f"[serve] compiled server vs eager engine, fp32: max |dlogp| = {err:.2e} "
-          f"over {sum(len(s['logprobs']) for s in want)} tokens")
+          f"over {sum(len(s.sampler_logprobs) for s in want)} tokens")
     assert err <= COMPILED_TOL_FP32
     # The served requests' ids are the server's own: compared as multisets of whole sequences' routing.
     served = []
     for req in captured["requests"].values():
         assert req["positions"] == list(range(len(req["positions"]))), req["positions"]
         served.append(np.asarray(req["ids"], dtype=np.int16).tobytes())
-    assert sorted(served) == sorted(s["routed_experts"][:-1].tobytes() for s in want)
-    assert all((s["routed_experts"][-1] == -1).all() for s in want)
+    assert sorted(served) == sorted(s.routed_experts[:-1].tobytes() for s in want)
+    assert all((s.routed_experts[-1] == -1).all() for s in want)
     assert len(set(served)) > 1

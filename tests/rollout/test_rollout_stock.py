@@ -58,7 +58,7 @@ def worker(models):
 
 
 def _logprobs(samples):
-    return [s["logprobs"] for s in samples]
+    return [s.sampler_logprobs for s in samples]
 
 
 def test_stock_uses_vllms_kernels_not_megamoe(worker):
@@ -71,7 +71,7 @@ def test_stock_uses_vllms_kernels_not_megamoe(worker):
 
 def test_fused_checkpoint_loads_into_the_model(worker, hf):
     samples = worker.generate(PROMPTS, N, SAMPLING)
-    ref = [processed_logprobs(hf[0], s["prompt_ids"], s["completion_ids"], SAMPLING["temperature"]) for s in samples]
+    ref = [processed_logprobs(hf[0], s.prompt_ids, s.completion_ids, SAMPLING["temperature"]) for s in samples]
     err = max_abs_diff(_logprobs(samples), ref)
     print(f"[rollout] stock, fused checkpoint on disk: max |dlogp| vs transformers(A) = {err:.2e}")
     assert err <= LOGPROB_TOL_FP32
@@ -81,14 +81,14 @@ def test_stock_reload_of_identical_weights_is_bitwise_identical(worker, hf):
     before = worker.generate(PROMPTS, N, SAMPLING)
     worker.update_weights(hf[0].state_dict())
     after = worker.generate(PROMPTS, N, SAMPLING)
-    assert [s["completion_ids"] for s in after] == [s["completion_ids"] for s in before]
+    assert [s.completion_ids for s in after] == [s.completion_ids for s in before]
     assert _logprobs(after) == _logprobs(before), f"max diff {max_abs_diff(_logprobs(after), _logprobs(before))}"
 
 
 def test_stock_reload_of_changed_weights_gives_the_new_model(worker, hf):
     worker.update_weights(hf[1].state_dict())
     samples = worker.generate(PROMPTS, N, SAMPLING)
-    ref = [processed_logprobs(hf[1], s["prompt_ids"], s["completion_ids"], SAMPLING["temperature"]) for s in samples]
+    ref = [processed_logprobs(hf[1], s.prompt_ids, s.completion_ids, SAMPLING["temperature"]) for s in samples]
     err = max_abs_diff(_logprobs(samples), ref)
     print(f"[rollout] stock after update to model B: max |dlogp| vs transformers(B) = {err:.2e}")
     assert err <= LOGPROB_TOL_FP32
@@ -102,14 +102,14 @@ def test_stock_returns_routed_experts(worker, hf):
     samples = worker.generate(PROMPTS, 1, {"max_tokens": 4, "seed": 0})
     cfg = hf[0].config
     for s in samples:
-        r = s["routed_experts"]
-        assert r.shape == (len(s["prompt_ids"]) + len(s["completion_ids"]), cfg.num_hidden_layers,
+        r = s.routed_experts
+        assert r.shape == (len(s.prompt_ids) + len(s.completion_ids), cfg.num_hidden_layers,
                            cfg.num_experts_per_tok)
         assert (r[-1] == -1).all()
         r = r[:-1]
         assert r.min() >= 0 and r.max() < cfg.num_experts
         with torch.no_grad():
-            out = hf[0](input_ids=torch.tensor([s["prompt_ids"] + s["completion_ids"][:-1]]), output_router_logits=True)
+            out = hf[0](input_ids=torch.tensor([s.prompt_ids + s.completion_ids[:-1]]), output_router_logits=True)
         for layer, logits in enumerate(out.router_logits):
             want = torch.topk(logits.float(), cfg.num_experts_per_tok, dim=-1).indices.sort(-1).values
             assert torch.equal(torch.from_numpy(r[:, layer]).long().sort(-1).values, want)

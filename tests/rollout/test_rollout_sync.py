@@ -718,7 +718,7 @@ def test_the_engine_builds_vllms_update_info_from_the_trainers_chunk_for_each_re
     import dataclasses
 
     from rollout import adapter
-    from rollout.sync_interface import PackedChunk, ipc_chunk, nccl_chunk, nccl_join
+    from records.weights import PackedChunk, ipc_chunk, nccl_chunk, nccl_join
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo
 

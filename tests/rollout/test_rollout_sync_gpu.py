@@ -42,8 +42,8 @@ SMALL_BUCKET = 4 << 20
 
 def _observe(engine) -> dict:
     samples = engine.generate(PROMPTS, 1, {"temperature": 0.0, "max_tokens": 16})
-    ids = ([s["prompt_ids"] for s in samples], [s["completion_ids"] for s in samples])
-    return {"tokens": ids[1], "decode": [s["logprobs"] for s in samples], "score": engine.score(*ids)}
+    ids = ([s.prompt_ids for s in samples], [s.completion_ids for s in samples])
+    return {"tokens": ids[1], "decode": [s.sampler_logprobs for s in samples], "score": engine.score(*ids)}
 
 
 def _engine(model_dir):

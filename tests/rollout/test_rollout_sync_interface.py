@@ -12,7 +12,8 @@ import inspect
 
 import pytest
 
-from rollout.sync_interface import EngineAnswer, TrainerWeights
+from records.weights import EngineAnswer
+from rollout.sync_interface import TrainerWeights
 
 
 def test_the_trainer_worker_has_every_member_the_protocol_names():
@@ -120,7 +121,8 @@ def test_a_published_version_is_taken_later_by_each_engine_whole():
     through update_weights when it chooses; nccl refuses to publish, naming why (ipc's publication:
     tests/rollout/test_rollout_sync.py)."""
     from rollout.sync import sender
-    from rollout.sync_interface import LocalClient, Publication
+    from records.weights import Publication
+    from rollout.sync_interface import LocalClient
     from rollout.worker import RolloutWorker
 
     shared = []

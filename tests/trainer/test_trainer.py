@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from megamoe.testing import assert_close
+from records import RecordError, TrainBatch
 from trainer import checkpoint as ckpt
-from trainer.batch import BatchError, validate_batch
+from trainer.batch import BatchError, train_rows
 from trainer.config import ConfigError, TrainerConfig, TrainerSettings, TrainerWorkerConfig
 from trainer.experts import MOE_CALLS, Fp32Router
 from rl.advantages import group_advantages
@@ -183,50 +184,59 @@ def test_worker_config_is_the_run_sections_settings_plus_three_named_values():
 def _check(batch, **kw):
     args = dict(vocab_size=512, max_seq_len=16, truncate=False)
     args.update(kw)
-    return validate_batch(batch, **args)
+    return train_rows(batch, **args)
+
+
+def _with(batch, i: int, **values):
+    """`batch` (a TrainBatch) with sequence i's fields replaced, built (and so checked) again."""
+    cols = {k: list(getattr(batch, k)) for k in ("prompt_ids", "completion_ids", "sampler_logprobs", "advantages",
+                                                 "policy_versions")}
+    for k, v in values.items():
+        cols[k][i] = v
+    return TrainBatch(**cols)
 
 
 def test_batch_rejects_empty_completion():
-    b = make_batch(4)
-    b["completion_ids"][2] = []
-    b["sampler_logprobs"][2] = []
-    with pytest.raises(BatchError, match=r"completion_ids'\]\[2\]: expected at least one token, got an empty completion"):
-        _check(b)
+    # refused where the record is built (records/samples.py): a trainer never sees it
+    with pytest.raises(RecordError, match=r"completion_ids\[2\]: expected at least one token, got an empty completion"):
+        _with(make_batch(4), 2, completion_ids=[], sampler_logprobs=[])
 
 
 def test_batch_too_long_rejected_or_truncated():
-    b = make_batch(4)
-    b["prompt_ids"][1] = list(range(3, 13))       # 10 prompt tokens
-    b["completion_ids"][1] = list(range(3, 11))   # 8 completion tokens: 18 > 16
-    b["sampler_logprobs"][1] = [-1.0 * i for i in range(8)]
-    with pytest.raises(BatchError, match=r"sequence 1: prompt \+ completion = 10 \+ 8 = 18 tokens, expected <= max_seq_len=16"):
+    b = _with(make_batch(4), 1, prompt_ids=list(range(3, 13)),      # 10 prompt tokens
+              completion_ids=list(range(3, 11)),                     # 8 completion tokens: 18 > 16
+              sampler_logprobs=[-1.0 * i for i in range(8)])
+    with pytest.raises(BatchError,
+                       match=r"sequence 1: prompt \+ completion = 10 \+ 8 = 18 tokens, expected <= max_seq_len=16"):
         _check(b)
     seqs, n = _check(b, truncate=True)
     assert n == 1 and seqs[1].truncated
-    assert seqs[1].completion == list(range(3, 9)) and seqs[1].sampler_logp == [-1.0 * i for i in range(6)]
+    assert seqs[1].completion == list(range(3, 9)) and seqs[1].sampler_logprobs == [-1.0 * i for i in range(6)]
     # a prompt that alone fills max_seq_len cannot be truncated into a valid sequence
-    b["prompt_ids"][1] = list(range(3, 19))
+    b = _with(b, 1, prompt_ids=list(range(3, 19)))
     with pytest.raises(BatchError, match="the prompt alone has 16 tokens"):
         _check(b, truncate=True)
 
 
-@pytest.mark.parametrize("field, value, match", [
-    pytest.param("sampler_logprobs", lambda b: b["sampler_logprobs"][0][:-1], r"sampler_logprobs'\]\[0\]: expected \d+ values", id="logprob-length"),
-    pytest.param("completion_ids", lambda b: [600], r"completion_ids'\]\[0\]: expected token ids in \[0, 512\), got min 600", id="id-range"),
-    pytest.param("advantages", lambda b: [1.0], r"advantages'\]\[0\]: expected one float per sequence", id="adv-list"),
+@pytest.mark.parametrize("field, value, error, match", [
+    pytest.param("sampler_logprobs", lambda b: b.sampler_logprobs[0][:-1], RecordError,
+                 r"sampler_logprobs\[0\]: expected \d+ values", id="logprob-length"),
+    pytest.param("completion_ids", lambda b: [600] * len(b.completion_ids[0]), BatchError,
+                 r"completion_ids\[0\]: expected token ids in \[0, 512\) \(the model's vocabulary\), got min 600",
+                 id="id-range"),
+    pytest.param("advantages", lambda b: [1.0], RecordError, r"advantages\[0\]: expected one finite float per sequence",
+                 id="adv-list"),
 ])
-def test_batch_field_errors(field, value, match):
+def test_batch_field_errors(field, value, error, match):
     b = make_batch(4)
-    b[field][0] = value(b)
-    with pytest.raises(BatchError, match=match):
-        _check(b)
+    with pytest.raises(error, match=match):
+        _check(_with(b, 0, **{field: value(b)}))
 
 
-def test_batch_missing_field():
-    b = make_batch(4)
-    del b["advantages"]
-    with pytest.raises(BatchError, match="missing field 'advantages'"):
-        _check(b)
+def test_train_step_takes_only_a_train_batch():
+    """A dict of columns is not a batch: the record is what crosses (what the record checks, it checked)."""
+    with pytest.raises(BatchError, match="batch: expected a records.TrainBatch, got dict"):
+        _check({"prompt_ids": [[3]], "completion_ids": [[4]], "sampler_logprobs": [[-1.0]], "advantages": [0.0]})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,12 +339,13 @@ def test_nonfinite_loss_skips_the_step(model_dirs):
     w.train_step(good)
     before = w.export_weights()
     bad = make_batch(8, seed=5)
-    bad["advantages"][3] = float("nan")
+    # The record refuses a non-finite advantage where it is built; set past it, it stands for any non-finite loss.
+    bad.advantages[3] = float("nan")
     m = w.train_step(bad)
     assert m["skipped"] == 1 and m["skipped_total"] == 1 and m["optimizer_steps"] == 1
     assert not math.isfinite(m["loss"])
     assert_same_weights(w.export_weights(), before)
-    bad["advantages"][3] = float("inf")
+    bad.advantages[3] = float("inf")
     assert w.train_step(bad)["skipped_total"] == 2
     assert_same_weights(w.export_weights(), before)
     # training continues from the last good weights

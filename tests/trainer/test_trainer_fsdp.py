@@ -12,6 +12,7 @@ transformers model in float64. One more two-rank group computes in bf16 (the KL 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -122,7 +123,7 @@ def unsharded(model_dir, impl=IMPL) -> TrainerWorker:
 def test_loss_falls_on_a_fixed_batch(group):
     batch = make_batch(8, seed=20)
     # PPO epochs on one batch: the ratio is taken against the policy that "sampled" it.
-    batch["old_logprobs"] = group.call("logprobs", batch)
+    batch = dataclasses.replace(batch, old_logprobs=group.call("logprobs", batch.prompt_ids, batch.completion_ids))
     losses = [group.call("train_step", batch)["loss"] for _ in range(6)]
     print(f"[W{group.W}] losses: {[round(x, 5) for x in losses]}")
     assert all(math.isfinite(x) for x in losses)
@@ -151,8 +152,8 @@ def test_fsdp_matches_unsharded(group, model_dir):
           f"vs unsharded reference {errs_ref[worst_ref]:.2e} ({worst_ref})")
     assert errs[worst] <= FSDP_TOL
     assert errs_ref[worst_ref] <= FSDP_VS_REFERENCE_TOL
-    lp = torch.tensor(sum(group.call("logprobs", batches[1]), []))
-    lp_ref = torch.tensor(sum(ref.logprobs(batches[1]), []))
+    lp = torch.tensor(sum(group.call("logprobs", batches[1].prompt_ids, batches[1].completion_ids), []))
+    lp_ref = torch.tensor(sum(ref.logprobs(batches[1].prompt_ids, batches[1].completion_ids), []))
     assert float((lp - lp_ref).abs().max()) <= 1e-5
 
 
@@ -176,7 +177,7 @@ def test_nonfinite_gradient_skipped_on_every_rank(groups):
     g.all("train_step", make_batch(8, seed=25))
     before = g.call("export_weights")
     bad = make_batch(8, seed=26)
-    bad["advantages"][7] = float("nan")  # sequence 7 lives on rank 1 only
+    bad.advantages[7] = float("nan")  # sequence 7 lives on rank 1 only (set past the record's own check)
     m = g.all("train_step", bad)
     assert [x["skipped"] for x in m] == [1, 1] and [x["skipped_total"] for x in m] == [1, 1]
     assert_same_weights(g.call("export_weights"), before)
@@ -238,9 +239,9 @@ def test_exported_weights_give_the_trainers_logprobs(groups, model_dir):
         rollout.close()
 
     def diff(samples) -> float:
-        b = {"prompt_ids": [s["prompt_ids"] for s in samples], "completion_ids": [s["completion_ids"] for s in samples]}
-        trainer = torch.tensor(sum(g.call("logprobs", b), []))
-        sampler = torch.tensor(sum((s["logprobs"] for s in samples), []))
+        trainer = torch.tensor(sum(g.call("logprobs", [s.prompt_ids for s in samples],
+                                          [s.completion_ids for s in samples]), []))
+        sampler = torch.tensor(sum((s.sampler_logprobs for s in samples), []))
         assert trainer.numel() == sampler.numel() > 0
         return float((trainer - sampler).abs().max())
 
@@ -290,7 +291,7 @@ def kl_by_hand(model_dir, weights, batch: dict, temperature: float) -> dict[str,
         model.eval()
         out = []
         with torch.no_grad():
-            for p, c in zip(batch["prompt_ids"], batch["completion_ids"]):
+            for p, c in zip(batch.prompt_ids, batch.completion_ids):
                 logits = model(input_ids=torch.tensor([p + c])).logits[0].double()
                 lsm = torch.log_softmax(logits[len(p) - 1:len(p) + len(c) - 1] / temperature, dim=-1)
                 out.append(lsm.gather(-1, torch.tensor(c).unsqueeze(-1)).squeeze(-1))

@@ -6,12 +6,14 @@ attention across a sequence boundary.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from megamoe.testing import rel_err
 from trainer import packing
-from trainer.batch import collate, validate_batch
+from trainer.batch import collate, train_rows
 from trainer.config import ConfigError, TrainerWorkerConfig
 from trainer.testing import make_batch
 from trainer.worker import TrainerWorker
@@ -38,7 +40,7 @@ def worker(model_dir):
 
 
 def _seqs(batch, w):
-    return validate_batch(batch, vocab_size=w.vocab_size, max_seq_len=512, truncate=False)[0]
+    return train_rows(batch, vocab_size=w.vocab_size, max_seq_len=512, truncate=False)[0]
 
 
 def test_packed_forward_and_gradients_equal_padded(worker):
@@ -125,11 +127,11 @@ def test_packed_rows_keep_the_loss_mask_of_multi_turn_episodes(worker):
     as in a padded one (a packed collate that set every completion token broke this)."""
     batch = make_batch(4, seed=5, prompt_len=(2, 6), completion_len=(4, 9))
     g = torch.Generator().manual_seed(7)
-    batch["loss_mask"] = [[int(b) for b in (torch.rand(len(c), generator=g) < 0.6).tolist()] for c in
-                          batch["completion_ids"]]
+    batch = dataclasses.replace(batch, loss_mask=[[int(b) for b in (torch.rand(len(c), generator=g) < 0.6).tolist()]
+                                                  for c in batch.completion_ids])
     seqs = _seqs(batch, worker)
     padded = collate(seqs, worker.pad_id, worker.device)
     packed = packing.collate_packed(seqs, worker.pad_id, worker.device)
-    assert any(0 in m for m in batch["loss_mask"]) and any(1 in m for m in batch["loss_mask"])
+    assert any(0 in m for m in batch.loss_mask) and any(1 in m for m in batch.loss_mask)
     assert torch.equal(packed.mask, padded.mask[:, : packed.mask.shape[1]])
-    assert int(packed.mask.sum()) == sum(sum(m) for m in batch["loss_mask"])
+    assert int(packed.mask.sum()) == sum(sum(m) for m in batch.loss_mask)

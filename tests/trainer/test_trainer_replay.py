@@ -8,6 +8,8 @@ No engine, no Ray: the "sampler's" routing is the unperturbed model's own.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -169,7 +171,7 @@ def test_bad_replay_input_is_refused(model_dirs):
 def _own_routing(model, batch) -> list:
     """Per sequence the model's own experts for prompt + completion, int16 [T, L, k] (the 'sampler's')."""
     out = []
-    for p, c in zip(batch["prompt_ids"], batch["completion_ids"]):
+    for p, c in zip(batch.prompt_ids, batch.completion_ids):
         with torch.no_grad():
             _, seen = _forward(model, torch.tensor([p + c]), torch.ones(1, len(p) + len(c), dtype=torch.long))
         out.append(torch.stack(seen["ids"], 1).to(torch.int16).numpy())
@@ -194,14 +196,14 @@ def test_train_step_replays_and_reports(model_dirs):
     routed[2][1] = NO_ROUTING  # a prompt token without routing
     w = TrainerWorker(0, 1, "", 0, str(d), "megamoe", {"fsdp": False, "lr": 1e-4, "micro_batch_size": 2,
                                                        "minibatches": 2, "routing_replay": True})
-    m = w.train_step({**batch, "routed_experts": routed})
-    real = sum(len(p) + len(c) for p, c in zip(batch["prompt_ids"], batch["completion_ids"]))
+    m = w.train_step(dataclasses.replace(batch, routed_experts=routed))
+    real = sum(len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids))
     assert m["routing/replayed_tokens"] == real - 1 and m["routing/unrouted_tokens"] == 1
     assert 0 < m["routing/agree_l0"] < 1, m
     assert {"routing/load_cv_l1", "routing/idle_experts_l1", "routing/entropy_l1"} <= set(m)
     bad = [r[:-1] for r in routed]
-    with pytest.raises(Exception, match=r"routed_experts'\]\[0\]: expected integer expert ids of shape"):
-        w.train_step({**batch, "routed_experts": bad})
+    with pytest.raises(Exception, match=r"routed_experts\[0\]: expected integer expert ids of shape"):
+        w.train_step(dataclasses.replace(batch, routed_experts=bad))
 
 
 def test_routing_load_hand_computed():
@@ -292,7 +294,7 @@ def test_replay_with_activation_checkpointing_recomputes_the_replayed_routing(mo
     for ckpt in (False, True):
         w = TrainerWorker(0, 1, "", 0, str(d), "megamoe", {"fsdp": False, "lr": 1e-3, "micro_batch_size": 2,
                                                            "routing_replay": True, "activation_checkpointing": ckpt})
-        m = w.train_step({**batch, "routed_experts": routed})
+        m = w.train_step(dataclasses.replace(batch, routed_experts=routed))
         assert 0 < m["routing/agree_l0"] < 1, m  # the trainer's own routing differs: replay matters here
         params[ckpt] = {n: p.detach().clone() for n, p in w.model.named_parameters()}
     diff = max(float((params[True][n] - params[False][n]).abs().max()) for n in params[False])
