@@ -2,7 +2,7 @@
 needs to make a first well-formed tool call (configs/tiny_tools_warm.yaml, benchmarks/bench_tool_task.py).
 
     megamoe-rl make-model --out runs/tiny_tools_base
-    python -m rl.warm_start --base runs/tiny_tools_base --out runs/tiny_tools_warm [--steps 40 --lr 3e-3 --seed 0]
+    python -m rl.warm_start --base runs/tiny_tools_base --out runs/tiny_tools_warm --max-operand 9 [--steps 100 --lr 3e-3 --seed 0]
     megamoe-rl train --config configs/tiny_tools_warm.yaml
 
 Why: under the random model a well-formed call (78 tokens of `<tool_call>{"name": "calculator", ...}`
@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m rl.warm_start", description=__doc__.splitlines()[0])
     p.add_argument("--base", required=True, help="the model folder to start from (e.g. a make-model output)")
     p.add_argument("--out", required=True, help="a new or empty folder for the warm-started model")
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps (default %(default)s)")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps (default %(default)s)")
     p.add_argument("--batch", type=int, default=8, help="conversations per step (default %(default)s)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="data and shuffling seed (default %(default)s)")
@@ -84,7 +84,7 @@ def encode(fmt, conversation: list[dict]) -> tuple[list[int], list[int]]:
     return ids, labels
 
 
-def warm_start(base: str | Path, out: str | Path, *, steps: int = 40, batch: int = 8, lr: float = 3e-3,
+def warm_start(base: str | Path, out: str | Path, *, steps: int = 100, batch: int = 8, lr: float = 3e-3,
                seed: int = 0, max_operand: int = 99, log=print) -> Path:
     """Fine-tune `base` on tool_arith transcripts for `steps` steps; write the result into `out`."""
     base, out = Path(base).absolute(), Path(out).absolute()
@@ -105,6 +105,10 @@ def warm_start(base: str | Path, out: str | Path, *, steps: int = 40, batch: int
     data = [encode(fmt, transcript(r)) for r in rows]
     pad = tok.pad_token_id
 
+    threads = torch.get_num_threads()
+    # One thread: this model's matmuls gain nothing from a second one and lose much when the cores are shared
+    # (0.25 s against 2.4 s per step on the loaded 2-core machine, 2026-12-07).
+    torch.set_num_threads(1)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
@@ -127,6 +131,7 @@ def warm_start(base: str | Path, out: str | Path, *, steps: int = 40, batch: int
                 log(f"warm start step {step + 1}/{steps}: loss {losses[-1]:.3f} (per assistant token), "
                     f"{time.monotonic() - t0:.0f} s")
     model.eval()
+    torch.set_num_threads(threads)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
