@@ -45,9 +45,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warm-steps", type=int, default=None, help="warm start steps (default: rl.warm_start's)")
     p.add_argument("--warm-lr", type=float, default=None, help="warm start learning rate (default: rl.warm_start's)")
     p.add_argument("--rl-steps", type=int, default=None, help="RL steps (default: the config's run.steps)")
-    p.add_argument("--window", type=int, default=5, help="steps averaged at the start and the end (default %(default)s)")
+    p.add_argument("--window", type=int, default=5,
+                   help="steps averaged at the start and the end (default %(default)s)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides of the RL config")
     args = p.parse_args(argv)
+    for name in ("warm_steps", "rl_steps"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: expected an int >= 1, got {getattr(args, name)}")
+    if args.warm_lr is not None and not 0 < args.warm_lr < 1:
+        p.error(f"--warm-lr: expected a float in (0, 1), got {args.warm_lr}")
     if args.window < 1:
         p.error(f"--window: expected an int >= 1, got {args.window}")
     return args
@@ -89,7 +95,8 @@ def call_logprobs(model_dir: Path, n: int = EVIDENCE_ROWS, max_operand: int = 99
 def rl_run(model_dir: Path, out: Path, seed: int, steps: int | None, overrides: list[str]) -> list[dict]:
     argv = [sys.executable, "-m", "rl.cli", "train", "--config", str(CONFIG), f"model.path={model_dir}",
             f"run.out_dir={out}", f"run.seed={seed}", "run.progress=false", "run.plot=false", "run.tensorboard=false",
-            "run.export_final=false", *([f"run.steps={steps}"] if steps is not None else []), *overrides]
+            "run.export_final=false", "run.samples_every=1", *([f"run.steps={steps}"] if steps is not None else []),
+            *overrides]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, start_new_session=True)
@@ -118,6 +125,9 @@ def bench(out: str | Path, *, seed: int = 0, warm_steps: int | None = None, warm
     out = Path(out).absolute()
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"--out: expected a new or empty folder, {out} is not")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    log(f"{platform.machine()}, {os.cpu_count()} CPUs | torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"vLLM {vllm.__version__} | commit {commit or 'unknown'} | {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     cfg = C.load(CONFIG, [f"model.path={out / 'warm'}", *overrides])
     max_operand = cfg.data.task_kwargs.get("max_operand", 99)
     shape = dict(arch="qwen3_moe", layers=2, hidden=64, experts=8, topk=2, intermediate=32)
@@ -155,7 +165,7 @@ def bench(out: str | Path, *, seed: int = 0, warm_steps: int | None = None, warm
     summary = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{platform.machine()}, "
         f"{os.cpu_count()} cores", "python": platform.python_version(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "vllm": vllm.__version__, "seed": seed, "model": shape,
+        "transformers": transformers.__version__, "vllm": vllm.__version__, "commit": commit, "seed": seed, "model": shape,
         "warm_start": {k: warm_info[k] for k in ("steps", "batch", "lr", "max_operand", "first_loss", "last_loss")},
         "rl": {"config": str(CONFIG.relative_to(ROOT)), "overrides": list(overrides), "steps": len(rates),
                "prompts_per_step": cfg.run.prompts_per_step, "n": cfg.rollout.n, "lr": cfg.trainer.lr},

@@ -2,7 +2,8 @@
 needs to make a first well-formed tool call (configs/tiny_tools_warm.yaml, benchmarks/bench_tool_task.py).
 
     megamoe-rl make-model --out runs/tiny_tools_base
-    python -m rl.warm_start --base runs/tiny_tools_base --out runs/tiny_tools_warm --max-operand 9 [--steps 100 --lr 3e-3 --seed 0]
+    python -m rl.warm_start --base runs/tiny_tools_base --out runs/tiny_tools_warm --max-operand 9
+                            [--steps 100 --batch 8 --lr 3e-3 --seed 0]
     megamoe-rl train --config configs/tiny_tools_warm.yaml
 
 Why: under the random model a well-formed call (78 tokens of `<tool_call>{"name": "calculator", ...}`
@@ -138,9 +139,9 @@ def warm_start(base: str | Path, out: str | Path, *, steps: int = 100, batch: in
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        marker = dict(base=str(base), steps=steps, batch=batch, lr=lr, seed=seed, max_operand=max_operand, data=f"tool_arith rows, "
-                      f"random.Random('{DATA_SEED_PREFIX}:{seed}')", first_loss=losses[0], last_loss=losses[-1],
-                      seconds=round(time.monotonic() - t0, 1))
+        marker = dict(base=str(base), steps=steps, batch=batch, lr=lr, seed=seed, max_operand=max_operand,
+                      data=f"tool_arith rows, random.Random('{DATA_SEED_PREFIX}:{seed}')", first_loss=losses[0],
+                      last_loss=losses[-1], seconds=round(time.monotonic() - t0, 1))
         (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
         if out.exists():
             out.rmdir()  # empty (checked above)
