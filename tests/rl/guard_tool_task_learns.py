@@ -3,7 +3,10 @@ after rl/warm_start.py's short supervised warm start, RL on configs/tiny_tools_w
 well-formed calculator calls. One benchmark run (benchmarks/bench_tool_task.py: a made model, the warm start,
 one `megamoe-rl train`), ~4-6 minutes on the shared 2-core machine; slow.
 
-    .venv/bin/python -m pytest -q -s -p no:cacheprovider -n 0 tests/rl/test_tool_task_learns.py
+Not named test_*.py, so `make test` (pytest's collection of tests/) leaves it out: it would add a train launch
+(a Ray start and a vLLM engine) and minutes to the 20-minute suite. Run it by naming it:
+
+    .venv/bin/python -m pytest -q -s -p no:cacheprovider -n 0 tests/rl/guard_tool_task_learns.py
 """
 
 from __future__ import annotations
