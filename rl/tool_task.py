@@ -57,6 +57,21 @@ def tool_arith(n: int, rng: random.Random, max_operand: int = 99) -> list[dict]:
     return rows
 
 
+def transcript(row: dict) -> list[dict]:
+    """The conversation that solves a tool_arith row the way the task intends (the supervised warm start's
+    data, rl/warm_start.py): the question, the assistant's calculator call on the question's expression,
+    the tool's result (computed by `calculator` itself), the assistant's answer, the number only."""
+    question = row["prompt"][-1]["content"]
+    if not question.startswith("What is ") or "?" not in question:
+        raise ValueError(f"transcript: expected a tool_arith question ('What is a op b? ...'), got {question!r}")
+    expression = question[len("What is "):question.index("?")]
+    result = calculator(expression)
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
+    return [*row["prompt"], {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "calculator", "content": result},
+            {"role": "assistant", "content": result}]
+
+
 def tool_used(completions: list[list[dict]], **_) -> list[float]:
     """1.0 where the episode holds a tool message that is a result, not an error (a well-formed call of a
     known tool that returned), else 0.0."""
