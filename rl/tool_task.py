@@ -1,4 +1,4 @@
-"""The built-in tool task (`data.task: tool_arith`, configs/tiny_tools.yaml; docs/MULTITURN.md): arithmetic
+"""The built-in tool task (`data.task: tool_arith`, configs/tiny_tools.yaml; docs/MULTI_TURN.md): arithmetic
 questions the model answers with the help of a calculator tool, the way a TRL user writes both.
 
     env.tools: [rl.tool_task:calculator]
