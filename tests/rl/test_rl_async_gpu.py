@@ -17,8 +17,8 @@ Three `megamoe-rl train` runs of configs/tiny.yaml's model made 4 layers H=256 E
   run.max_async_steps + 1 = 2 buffers: a buffer not released after every engine took its version refuses the
   next publish into it (rollout.sync.PublishedSlots), so finishing the run is the check that the dead worker's
   failed take released it.
-Estimated 4-6 minutes on an H100 (three runs of ~1.5 minutes: Ray, the trainer, an eager engine; the killed run
-starts a second engine). Not run on a GPU yet. The checks themselves ran on CPU (2026-12-07): `train_runs` with
+Three runs of ~1.5 minutes (Ray, the trainer, an eager engine; the killed run starts a second engine): 4 passed in
+254 s on one H100 (2026-12-07; benchmarks/RESULTS.md). The checks also ran on CPU: `train_runs` with
 files and bitwise fp32 (run.numerics=bitwise rollout.temperature=0.8) in place of GPU_IPC passed all of them, and
 a replay that regenerates the lost batch with model_dir's weights failed check_killed at step 4 (check_lag_1 alone
 cannot see it: that batch is stale either way).
