@@ -90,23 +90,23 @@ def bench_model(name: str, dims: dict, reps: int, bucket_bytes: int, root: Path)
             for _ in range(reps):
                 info = push_ipc_local(trainer, [engine], model_dir=str(model_dir), dtype="bfloat16",
                                       bucket_bytes=bucket_bytes)
-                times.append(info["seconds"]["total"])
+                times.append(info.seconds["total"])
                 infos.append(info)
                 # device memory after each sync (every process on the GPU): flat = nothing leaks per sync
                 used.append(round(engine.gpu_memory()["device_used_bytes"] / GiB, 3))
             trainer_extra = torch.cuda.max_memory_allocated() - rest
             eng = engine.gpu_memory()
-            nbytes = infos[0]["bytes"]
+            nbytes = infos[0].bytes
             med = statistics.median(times)
             rows.append({"model": name, "mode": f"ipc/{fmt}", "bytes": nbytes,
                          "seconds": med, "min_s": min(times), "gb_per_s": nbytes / med / 1e9,
                          # rollout.sync.send_ipc's phases, each the median over the syncs
-                         "phases_ms": {k: 1e3 * statistics.median(i["seconds"][k] for i in infos)
-                                       for k in infos[0]["seconds"] if k != "total"},
-                         "chunks": infos[0]["chunks"], "format": infos[0]["format"],
+                         "phases_ms": {k: 1e3 * statistics.median(i.seconds[k] for i in infos)
+                                       for k in infos[0].seconds if k != "total"},
+                         "chunks": infos[0].chunks, "format": infos[0].format,
                          # the warm-up sync: the engine maps the trainer's buffer at the first kernel chunk
-                         "first_ms": 1e3 * first["seconds"]["total"],
-                         "first_map_ms": 1e3 * first["seconds"].get("engine_kernel_map", 0.0),
+                         "first_ms": 1e3 * first.seconds["total"],
+                         "first_map_ms": 1e3 * first.seconds.get("engine_kernel_map", 0.0),
                          "trainer_peak_extra_gib": trainer_extra / GiB,
                          "trainer_reserved_gib": torch.cuda.memory_reserved() / GiB,
                          "engine_torch_peak_gib": eng["torch_peak_allocated_bytes"] / GiB,

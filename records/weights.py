@@ -1,16 +1,17 @@
 """The weight sync's records: what the trainer's and the engines' sides hand each other (rollout/sync.py,
 rollout/sync_nccl.py, rollout/sync_files.py, rollout/worker.py; docs/WEIGHT_SYNC.md), torch-free.
 
-    EngineAnswer   an engine's plan of an update, as the trainer reads it (from_wire)
+    EngineAnswer   an engine's plan of an update (RolloutWorker.plan_weight_update)
     PackedChunk    one chunk of the trainer's buffer: its tensors back to back
     ipc_chunk, nccl_chunk, nccl_join   the chunks and the NCCL join as they cross to the engine
     SyncReport     what one sync did (seconds per phase, bytes, chunks, format)
     Publication    a published policy version for the engines to take (published_ipc: an ipc payload)
     FORMATS        the layouts a streamed update comes in
 
-Between processes they travel as plain dicts (`to_wire` / `from_wire`): Ray and vLLM's RPC carry them,
-and a dict is what the tests' stand-ins answer. They are the project's terms, not vLLM's: the engine
-builds vLLM's wire format from them (rollout/adapter.py), so nothing on the trainer's side imports vLLM.
+EngineAnswer, Publication and SyncReport cross Ray as themselves (Ray pickles them; an ObjectRef in a
+field is not resolved by Ray, so the receiver fetches it); the chunks and the join cross as dicts
+(vLLM's RPC carries them on into the engine's worker process). They are the project's terms, not
+vLLM's: the engine builds vLLM's wire format from them (rollout/adapter.py), so nothing on the trainer's side imports vLLM.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ FORMATS = ("kernel", "experts", "checkpoint")
 
 @dataclasses.dataclass(frozen=True)
 class EngineAnswer:
-    """An engine's answer to plan_weight_update(metas, start=True), read once on arrival."""
+    """An engine's answer to plan_weight_update(metas, start): its plan, built (and checked) by the engine."""
 
     format: str
     layout: list | None
@@ -38,16 +39,9 @@ class EngineAnswer:
     tensors: int | None = None
     transfer_group: str | None = None  # the trainer's NCCL group the engine joined (address:port)
 
-    @classmethod
-    def from_wire(cls, answer: dict) -> EngineAnswer:
-        missing = [f.name for f in dataclasses.fields(cls)
-                   if f.default is dataclasses.MISSING and f.name not in answer]
-        if missing:
-            raise ValueError(f"weight sync: an engine's plan lacks {missing} (got keys {sorted(answer)})")
-        if answer["format"] not in FORMATS:
-            raise ValueError(f"weight sync: an engine's plan names format {answer['format']!r}, "
-                             f"expected one of {FORMATS}")
-        return cls(**{f.name: answer[f.name] for f in dataclasses.fields(cls) if f.name in answer})
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ValueError(f"weight sync: an engine's plan names format {self.format!r}, expected one of {FORMATS}")
 
 
 @dataclasses.dataclass
@@ -65,9 +59,6 @@ class PackedChunk:
     def nbytes(self) -> int:
         return sum(self.tensor_sizes)
 
-    def to_wire(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 # The chunks and the join as they cross to the engine (EngineEndpoint), in the project's own terms;
 # the engine turns them into what its vLLM parses (rollout.adapter.vllm_update_info / nccl_init_info).
@@ -75,7 +66,7 @@ class PackedChunk:
 def ipc_chunk(chunk: PackedChunk, handle: dict) -> dict:
     """One chunk of the trainer's CUDA IPC buffer: its tensors and the buffer's IPC handle
     ({GPU uuid: torch's rebuild arguments})."""
-    return {"transport": "ipc", **chunk.to_wire(), "ipc_handles": handle}
+    return {"transport": "ipc", **dataclasses.asdict(chunk), "ipc_handles": handle}
 
 
 def nccl_chunk(metas: list, buffer_bytes: int, num_buffers: int) -> dict:
@@ -106,9 +97,6 @@ class SyncReport:
     format: str
     why: dict
 
-    def to_wire(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 @dataclasses.dataclass(frozen=True)
 class Publication:
@@ -116,15 +104,13 @@ class Publication:
     to take later, between two of its generate calls (`EngineEndpoint.take_weights`): the pull model
     of run.max_async_steps (docs/WEIGHT_SYNC.md). `payload` is what an engine needs to take it
     without the trainer: for files, the shared export (an object every engine reads; over Ray an
-    ObjectRef, which rl.cluster.RolloutHost resolves); for ipc, `published_ipc`'s dict (the chunks
+    ObjectRef, which rl.cluster.RolloutHost fetches: Ray resolves no ObjectRef inside a record); for ipc, `published_ipc`'s dict (the chunks
     with their IPC handles into the trainer's buffer that holds version `version`)."""
 
     version: int
     mode: str
     payload: Any
 
-    def to_wire(self) -> dict:
-        return {"version": self.version, "mode": self.mode, "payload": self.payload}
 
 
 def published_ipc(*, metas: list, format: str, layout: list | None, nbytes: int, chunks: list[dict],

@@ -10,6 +10,7 @@ import os
 import socket
 
 from records import TrainBatch
+from records.weights import EngineAnswer, Publication, SyncReport
 from rl.config import Config
 
 log = logging.getLogger("megamoe.rl")
@@ -57,24 +58,22 @@ class TrainerHost(WorkerHost):
 
         return [ray.put(self.worker.export_weights(dtype))]
 
-    def publish_weights(self, sender, engines, version: int) -> dict | None:
-        """`sender.publish` on this rank (records.weights.Publication, for the engines to take
-        later); rank 0's Publication as a dict, None on the others."""
-        pub = sender.publish(self.worker, engines, version)
-        return None if pub is None else pub.to_wire()
+    def publish_weights(self, sender, engines, version: int) -> Publication | None:
+        """`sender.publish` on this rank, for the engines to take later: rank 0's Publication, None on
+        the others."""
+        return sender.publish(self.worker, engines, version)
 
-    def release_weights(self, publication: dict, reports: list) -> None:
+    def release_weights(self, publication: Publication, reports: list[dict | None]) -> None:
         """Every engine took `publication` (their take_weights reports, None for one that failed):
         this rank may write its buffer again (rollout.sync.release)."""
         from rollout import sync
 
         sync.release(publication, reports)
 
-    def send_weights(self, sender, engines) -> dict:
+    def send_weights(self, sender, engines) -> SyncReport:
         """One weight sync from this rank: `sender` (a rollout.sync_interface.Sender, built by the
-        driver) runs here on this rank's weights, rank 0 driving `engines` (rl.weight_sync.RayClient);
-        its SyncReport as a dict."""
-        return sender.send(self.worker, engines).to_wire()
+        driver) runs here on this rank's weights, rank 0 driving `engines` (rl.weight_sync.RayClient)."""
+        return sender.send(self.worker, engines)
 
 
 class RolloutHost(WorkerHost):
@@ -97,17 +96,16 @@ class RolloutHost(WorkerHost):
         return self.worker.update_weights(named)
 
     # The engine's endpoint of the weight sync (rollout.sync_interface.EngineEndpoint), method for method.
-    def take_weights(self, publication: dict) -> dict:
+    def take_weights(self, publication: Publication) -> dict:
         """RolloutWorker.take_weights, the publication's payload fetched from Ray's object store first
-        (Ray resolves only top-level ObjectRef arguments)."""
+        (Ray resolves only top-level ObjectRef arguments, none inside a record)."""
         import ray
 
-        payload = publication["payload"]
-        if isinstance(payload, ray.ObjectRef):
-            payload = ray.get(payload)
-        return self.worker.take_weights({**publication, "payload": payload})
+        if isinstance(publication.payload, ray.ObjectRef):
+            publication = dataclasses.replace(publication, payload=ray.get(publication.payload))
+        return self.worker.take_weights(publication)
 
-    def plan_weight_update(self, metas: list, start: bool = False) -> dict:
+    def plan_weight_update(self, metas: list, start: bool = False) -> EngineAnswer:
         return self.worker.plan_weight_update(metas, start)
 
     def update_weight_chunk(self, chunk: dict) -> dict | None:

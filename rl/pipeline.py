@@ -32,6 +32,7 @@ import time
 from typing import Callable
 
 from records import Sample, TrainBatch
+from records import weights as weight_records
 from rl.actors import Actors
 from rl.config import Config
 from rl.failures import RolloutFailed
@@ -345,7 +346,7 @@ class Publication:
         self.actors = actors
         self.generation = generation
         self.format: str | None = None  # the last streamed sync's format, logged when it changes
-        self.published: dict[int, tuple[dict, list]] = {}  # version -> (its publication, the engines' takes)
+        self.published: dict[int, tuple[weight_records.Publication, list]] = {}  # version -> (its publication, the engines' takes)
 
     def _dtype(self) -> str | None:
         """The sampler's dtype when it is a 16-bit one: the engine would round the fp32 master weights
@@ -388,7 +389,7 @@ class Publication:
 
         for v in sorted(u for u in self.published if u < keep):
             pub, takes = self.published.pop(v)
-            if pub["mode"] == "files":  # the trainer keeps nothing of a files publication
+            if pub.mode == "files":  # the trainer keeps nothing of a files publication
                 continue
             reports = []
             for ref in takes:
@@ -430,8 +431,8 @@ class Publication:
             self._stream([dead])
             rest = [i for i in targets if i != dead]
             return self._stream(rest) if rest else {}
-        if info.get("format") != self.format:  # the layout the engines load (records.weights.FORMATS), once
-            self.format = info.get("format")
-            why = "; ".join(f"not {k}: {v}" for k, v in (info.get("why") or {}).items())
+        if info.format != self.format:  # the layout the engines load (records.weights.FORMATS), once
+            self.format = info.format
+            why = "; ".join(f"not {k}: {v}" for k, v in info.why.items())
             log.info("weight sync %s: format %s%s", self.actors.weight_sync, self.format, f" ({why})" if why else "")
-        return {k: v for k, v in info["seconds"].items() if k != "total"}
+        return {k: v for k, v in info.seconds.items() if k != "total"}

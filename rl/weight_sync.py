@@ -15,6 +15,7 @@ RolloutHost.take_weights.
 
 from __future__ import annotations
 
+from records.weights import Publication, SyncReport
 from rollout import sync
 from rollout.sync_interface import EngineClient
 
@@ -44,7 +45,7 @@ class RayEndpoint:
     def update_weights(self, named_tensors):
         return self.host.update_weights.remote(named_tensors)
 
-    def take_weights(self, publication: dict):
+    def take_weights(self, publication: Publication):
         return self.host.take_weights.remote(publication)
 
 
@@ -79,9 +80,8 @@ class RayClient(EngineClient):
 
 
 def push(mode: str, trainers: list, rollouts: list, *, dtype: str | None, model_dir: str,
-         bucket_bytes: int) -> dict:
-    """One sync (`mode` in rollout.sync.MODES) into `rollouts`: rank 0's report (SyncReport's wire
-    form: {"seconds": {phase: s}, "bytes", "sent_bytes", "chunks", "format", "why"}). Raises
+         bucket_bytes: int) -> SyncReport:
+    """One sync (`mode` in rollout.sync.MODES) into `rollouts`: rank 0's report. Raises
     ValueError before anything is applied when a weight is non-finite or the update does not fit
     the checkpoint."""
     import ray

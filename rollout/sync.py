@@ -333,24 +333,24 @@ def published_slots(depth: int) -> PublishedSlots:
     return slots
 
 
-def release(publication: dict, reports: list) -> None:
-    """Every engine has taken `publication` (Publication's wire): its buffer may be written again.
+def release(publication: Publication, reports: list[dict | None]) -> None:
+    """Every engine has taken `publication`: its buffer may be written again.
     `reports`: each engine's take_weights report (or None for an engine whose take failed: it no
     longer reads the buffer), one per engine the version was published for; a report of another
     version is refused (ValueError), nothing released. files keeps nothing: a no-op."""
-    mode, version = publication.get("mode"), publication.get("version")
+    mode, version = publication.mode, publication.version
     if mode == "files":
         return
     if mode != "ipc":
         raise ValueError(f"publication: mode {mode!r} is not one that publishes (files, ipc)")
-    want = publication["payload"]["engines"]
+    want = publication.payload["engines"]
     if len(reports) != want:
         raise ValueError(f"reports: version {version} was published for {want} engine(s), got {len(reports)} "
                          "report(s); release once every engine's take returned")
     other = [r.get("version") for r in reports if r is not None and r.get("version") != version]
     if other:
         raise ValueError(f"reports: releasing version {version}, but engines reported taking {other}")
-    slots = next((s for s in _PUBLISHED.values() if publication["version"] % s.depth in s.held), None)
+    slots = next((s for s in _PUBLISHED.values() if version % s.depth in s.held), None)
     if slots is None:
         raise ValueError(f"version: {version} is not published and held in this process")
     slots.release(version)
@@ -383,8 +383,7 @@ class IpcSender(Sender):
         super().__init__(model_dir=model_dir, dtype=dtype, bucket_bytes=bucket_bytes)
         self.depth = depth  # PublishedSlots' depth: versions published and not yet taken, at most
 
-    def decide(self, plans: list[dict], metas: list, dtype: str | None) -> StreamDecision:
-        answers = [EngineAnswer.from_wire(p) for p in plans]
+    def decide(self, answers: list[EngineAnswer], metas: list, dtype: str | None) -> StreamDecision:
         fmt, layout = agreed_format(answers), answers[0].layout
         # the tensors as they travel: in kernel format the engine's (qkv_proj is larger than q_proj)
         sent = [(name, shape, dtype) for name, shape, dtype, _ in layout] if fmt == "kernel" else metas
@@ -477,9 +476,9 @@ class IpcSender(Sender):
 
 
 def send_ipc(trainer, client, *, model_dir: str, dtype: str | None,
-             bucket_bytes: int = DEFAULT_IPC_BUCKET_BYTES) -> dict:
-    """IpcSender's sync, its report as a dict (SyncReport's wire form)."""
-    return IpcSender(model_dir=model_dir, dtype=dtype, bucket_bytes=bucket_bytes).send(trainer, client).to_wire()
+             bucket_bytes: int = DEFAULT_IPC_BUCKET_BYTES) -> SyncReport:
+    """IpcSender's sync and its report."""
+    return IpcSender(model_dir=model_dir, dtype=dtype, bucket_bytes=bucket_bytes).send(trainer, client)
 
 
 def kernel_stream(trainer: TrainerWeights, layout: list) -> Iterable[tuple[str, list]]:
@@ -496,7 +495,7 @@ def kernel_stream(trainer: TrainerWeights, layout: list) -> Iterable[tuple[str, 
 
 
 def push_ipc_local(trainer, workers: list, *, model_dir: str, dtype: str | None,
-                   bucket_bytes: int = DEFAULT_IPC_BUCKET_BYTES, client=None) -> dict:
+                   bucket_bytes: int = DEFAULT_IPC_BUCKET_BYTES, client=None) -> SyncReport:
     """One CUDA IPC sync from a one-rank trainer into RolloutWorkers of this process (tests and
     benchmarks; rl/weight_sync.py runs the same IpcSender inside the trainer's Ray actors).
     `client` replaces LocalClient(*workers)."""

@@ -27,7 +27,7 @@ import abc
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from records.weights import Publication, SyncReport
+from records.weights import EngineAnswer, Publication, SyncReport
 
 
 class TrainerWeights(Protocol):
@@ -56,11 +56,11 @@ class TrainerWeights(Protocol):
 class EngineEndpoint(Protocol):
     """The engine's typed endpoint of the weight sync: the methods of rollout.worker.RolloutWorker a
     sender reaches (rl.cluster.RolloutHost forwards the same methods over Ray). Everything that
-    crosses is the project's own records as plain dicts; vLLM's wire format is built behind this
+    crosses is the project's own records (records/weights.py); vLLM's wire format is built behind this
     endpoint, in the engine's process (rollout/adapter.py), so no trainer process imports vLLM."""
 
-    def plan_weight_update(self, metas: list, start: bool = False) -> dict:
-        """Check the whole update (name, shape, dtype name per tensor) and start it: EngineAnswer's wire."""
+    def plan_weight_update(self, metas: list, start: bool = False) -> EngineAnswer:
+        """Check the whole update (name, shape, dtype name per tensor) and start it: the engine's plan."""
 
     def update_weight_chunk(self, chunk: dict) -> dict | None:
         """One chunk (`ipc_chunk` / `nccl_chunk`); the engine's report when it completed the update."""
@@ -75,8 +75,8 @@ class EngineEndpoint(Protocol):
     def update_weights(self, named_tensors) -> dict:
         """A whole update of (name, CPU tensor) through files (rollout/weights.py), all or nothing."""
 
-    def take_weights(self, publication: dict) -> dict:
-        """Take a published version (Publication's wire), all or nothing; the engine's report."""
+    def take_weights(self, publication: Publication) -> dict:
+        """Take a published version, all or nothing; the engine's report ({"version", ...})."""
 
 
 class Engines(Protocol):
@@ -109,7 +109,7 @@ class Engines(Protocol):
     def share(self, obj) -> Any:
         """`obj` made readable by every engine, once (a Publication's payload)."""
 
-    def ask_plans(self, metas: list) -> list[dict]:
+    def ask_plans(self, metas: list) -> list[EngineAnswer]:
         """plan_weight_update(metas) on every engine, nothing started, waited for: their answers."""
 
 
@@ -175,7 +175,7 @@ class EngineClient:
     def share(self, obj):
         return self.calls.share(obj)
 
-    def ask_plans(self, metas: list) -> list[dict]:
+    def ask_plans(self, metas: list) -> list[EngineAnswer]:
         return self._each(lambda e: e.plan_weight_update(metas, False))
 
 

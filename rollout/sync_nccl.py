@@ -23,13 +23,13 @@ NCCL_NUM_BUFFERS = 2
 _NCCL: dict = {}  # this trainer process's NCCL group: {"key": (world size, buffer), "token", "group"}
 
 
-def nccl_world(plans: list[dict]) -> tuple[int, list[int]]:
+def nccl_world(answers: list[EngineAnswer]) -> tuple[int, list[int]]:
     """(world size, rank offset of each engine) of the trainer-engines NCCL group: the trainer is
     rank 0, then each engine's workers (its answer's `workers`: tensor-parallel ranks) in turn."""
     offsets, nxt = [], 1
-    for p in plans:
+    for a in answers:
         offsets.append(nxt)
-        nxt += int(p["workers"])
+        nxt += a.workers
     return nxt, offsets
 
 
@@ -157,13 +157,12 @@ class NcclSender(Sender):
         spec = checkpoint_spec(self.model_dir)
         stream_metas: list = []
 
-        def decide(plans, metas):
-            answers = [EngineAnswer.from_wire(p) for p in plans]
+        def decide(answers: list[EngineAnswer], metas):
             if agreed_format(answers) != "checkpoint":
                 raise ValueError("rollout.weight_sync: 'nccl' streams checkpoint format; these engines expect "
                                  "kernel-format tensors (built for weight_sync='ipc')")
             stream_metas[:] = checkpoint_metadata(spec, metas)
-            world_size, offsets = nccl_world(plans)
+            world_size, offsets = nccl_world(answers)
             return StreamDecision(format="checkpoint", why=answers[0].why, bytes=answers[0].bytes,
                                   buffer_bytes=plan_buffer_bytes(stream_metas, self.bucket_bytes),
                                   world_size=world_size, offsets=offsets,
@@ -196,7 +195,6 @@ class NcclSender(Sender):
 
 
 def send_nccl(trainer, client, *, model_dir: str, dtype: str | None,
-              bucket_bytes: int = DEFAULT_IPC_BUCKET_BYTES, address: str | None = "127.0.0.1") -> dict:
-    """NcclSender's sync, its report as a dict (SyncReport's wire form)."""
-    return NcclSender(model_dir=model_dir, dtype=dtype, bucket_bytes=bucket_bytes,
-                      address=address).send(trainer, client).to_wire()
+              bucket_bytes: int = DEFAULT_IPC_BUCKET_BYTES, address: str | None = "127.0.0.1") -> SyncReport:
+    """NcclSender's sync and its report."""
+    return NcclSender(model_dir=model_dir, dtype=dtype, bucket_bytes=bucket_bytes, address=address).send(trainer, client)

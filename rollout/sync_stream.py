@@ -93,7 +93,7 @@ def checked_and_started(trainer: TrainerWeights, client: Engines | None, dtype: 
     """The checks of a streamed sync (T1 and E1), with the engines' update started once they pass:
     rank 0 asks every engine to plan and start (`RolloutWorker.plan_weight_update(metas,
     start=True)`), every rank checks its weights for NaN/Inf on its GPU meanwhile, then rank 0
-    takes `decide(plans, metas)` (the engines' answers as they came; raising to refuse). Returns
+    takes `decide(plans, metas)` (the engines' EngineAnswers as they came; raising to refuse). Returns
     that decision on every rank; a refusal (ValueError, the NaN/Inf one first) raises on every
     rank, with the engines' update aborted."""
     rank = trainer.rank

@@ -37,7 +37,7 @@ import torch
 
 from megamoe.contract import BITWISE, FAST, HOST_IMPLS, MEGAMOE, NUMERICS
 from records import Sample
-from records.weights import FORMATS
+from records.weights import FORMATS, EngineAnswer, Publication
 from rollout import kernel_format, moe_method, plugin, weights
 from rollout.sync import STREAMED
 from rollout.sync_engine import EnginePlan, EngineUpdate, State, check_publication
@@ -490,18 +490,20 @@ class RolloutWorker:
                 "send_s": t_stage - t_pack, "commit_s": t_end - t_stage,
                 **{k: v for k, v in results[0].items() if k.startswith("worker_")}}
 
-    def take_weights(self, publication: dict) -> dict:
-        """Take a published version of the trainer's weights (records.weights.Publication's
-        wire), all or nothing, between two generate calls: files, its shared export through
-        update_weights; ipc, the whole streamed update run here from the trainer's published
-        buffer (`_take_published`). Returns the update's report with the version taken."""
-        mode, version = publication.get("mode"), publication.get("version")
+    def take_weights(self, publication: Publication) -> dict:
+        """Take a published version of the trainer's weights (records.weights.Publication), all or
+        nothing, between two generate calls: files, its shared export through update_weights; ipc,
+        the whole streamed update run here from the trainer's published buffer
+        (`_take_published`). Returns the update's report with the version taken."""
+        if not isinstance(publication, Publication):
+            raise TypeError(f"publication: expected a records.weights.Publication, got {type(publication).__name__}")
+        mode, version = publication.mode, publication.version
         if not (isinstance(version, int) and version >= 0):
             raise ValueError(f"publication: 'version' expected an int >= 0, got {version!r}")
         if mode == "files":
-            return {"version": version, **self.update_weights(publication["payload"])}
+            return {"version": version, **self.update_weights(publication.payload)}
         if mode == "ipc":
-            return {"version": version, **self._take_published(version, publication["payload"])}
+            return {"version": version, **self._take_published(version, publication.payload)}
         raise ValueError(f"publication: mode {mode!r} cannot be taken by an engine (files and ipc publish; "
                          "docs/WEIGHT_SYNC.md)")
 
@@ -517,9 +519,9 @@ class RolloutWorker:
             raise ValueError(f"publication: mode 'ipc' needs a RolloutWorker built with weight_sync='ipc', this one "
                              f"has {self.weight_sync!r}")
         answer = self.plan_weight_update(published["metas"], start=False)
-        if (answer["format"], answer["layout"]) != (published["format"], published["layout"]):
+        if (answer.format, answer.layout) != (published["format"], published["layout"]):
             raise ValueError(f"publication: version {version} was packed in format {published['format']!r} with "
-                             f"its layout, this engine plans {answer['format']!r} (or another layout); nothing "
+                             f"its layout, this engine plans {answer.format!r} (or another layout); nothing "
                              "applied")
         chunks = published["chunks"]
         check_publication(self.weight_update.plan, [(adapter.chunk_tensors(c), c.get("tensor_sizes", []))
@@ -559,13 +561,12 @@ class RolloutWorker:
         self.llm.init_weight_transfer_engine({"init_info": adapter.nccl_init_info(join)})
         u.transfer_group = f"{join['address']}:{join['port']}"
 
-    def plan_weight_update(self, metas: list, start: bool = False) -> dict:
+    def plan_weight_update(self, metas: list, start: bool = False) -> EngineAnswer:
         """Check a whole update, described as (name, shape, dtype name) per trainer tensor, against
         the checkpoint before any byte moves (rollout/sync_engine.py, E1); raises naming the first
         bad tensor, changes nothing.
 
-        Returns {"tensors", "bytes", "format", "why", "layout", "workers", "transfer_group"} (the wire
-        form of records.weights.EngineAnswer): format is the layout the chunks must come in
+        Returns its records.weights.EngineAnswer: format is the layout the chunks must come in
         (records.weights.FORMATS: `sync_format`, or with "auto" the most direct one this engine can
         load), why says why each more direct one was not taken, layout (format "kernel") lists each
         engine parameter as [name, shape, dtype name, the trainer tensors it is made of,
@@ -586,8 +587,8 @@ class RolloutWorker:
         u.planned(plan, key)
         if start:
             self.start_weight_update()
-        return {"tensors": len(plan.tensors), "bytes": plan.nbytes, "format": plan.format, "why": dict(plan.why),
-                "layout": plan.layout, "workers": self.tensor_parallel_size, "transfer_group": u.transfer_group}
+        return EngineAnswer(tensors=len(plan.tensors), bytes=plan.nbytes, format=plan.format, why=dict(plan.why),
+                            layout=plan.layout, workers=self.tensor_parallel_size, transfer_group=u.transfer_group)
 
     def _engine(self) -> dict:
         if self._engine_params is None:

@@ -48,13 +48,15 @@ def _engines(ray, behaviours):
         def plan_weight_update(self, metas, start=False):
             import time
 
+            from records.weights import EngineAnswer
+
             time.sleep(self.seconds)
             if self.refuse:
                 self.events.append("refused")
                 raise ValueError("tensor 'model.embed_tokens.weight': planned [9, 4], got [8, 4]")
             self.updating = start
             self.events.append("started")
-            return {"format": "kernel", "layout": [], "why": {}, "bytes": 64}
+            return EngineAnswer(format="kernel", layout=[], why={}, bytes=64)
 
         def abort_weight_update(self, why):
             self.events.append(f"aborted: {why}" if self.updating else "abort: nothing started")
@@ -94,6 +96,6 @@ def test_accepted_plans_reach_the_trainer_and_nothing_is_aborted(ray_local):
     hosts = _engines(ray, [(False, 0.0), (False, 0.2)])
     decision = checked_and_started(_Trainer(), RayClient(hosts), "bfloat16", Clock(),
                                    lambda plans, metas: {"plans": plans, "metas": metas})
-    assert [p["format"] for p in decision["plans"]] == ["kernel", "kernel"]
+    assert [p.format for p in decision["plans"]] == ["kernel", "kernel"]
     assert decision["metas"] == _Trainer().weight_metadata("bfloat16")
     assert ray.get([h.state.remote() for h in hosts]) == [(True, ["started"]), (True, ["started"])]

@@ -262,6 +262,7 @@ def nccl_pipeline(monkeypatch):
 
     from test_rl_loop import TINY
 
+    from records.weights import SyncReport
     from rl import config as C
     from rl import weight_sync
     from rl.pipeline import Generation, Publication
@@ -275,7 +276,8 @@ def nccl_pipeline(monkeypatch):
         for w in rollouts:
             assert not w.queue, "streamed into an engine with generations queued"
             w.weights = trainer[0]
-        return {"seconds": {"send": 0.0, "total": 0.0}, "format": "checkpoint", "why": {}}
+        return SyncReport(seconds={"send": 0.0, "total": 0.0}, bytes=0, sent_bytes=0, chunks=1, format="checkpoint",
+                          why={})
 
     monkeypatch.setattr(weight_sync, "push", push)
     cfg = C.load(TINY, ["rollout.num_workers=2", "rollout.n=2", "run.steps=5", "run.max_async_steps=1"])

@@ -4,6 +4,7 @@ IPC transfer itself runs in tests/rollout/test_rollout_sync_gpu.py (H200)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -241,8 +242,8 @@ def test_streamed_update_sends_kernel_experts_first_to_the_engines_own_parameter
     init = ["init"] if adapter.ipc_init_info() is not None else []  # vLLM 0.32's IPC handshake, once per engine
     for sync in range(2):
         info = w.plan_weight_update(_metas(state), start=True)  # plan and start: one call
-        assert info["format"] == "experts" and info["tensors"] == len(w._plan) and w._updating
-        assert BLOCKED[0] in info["why"]["kernel"] and info["layout"] is None
+        assert info.format == "experts" and info.tensors == len(w._plan) and w._updating
+        assert BLOCKED[0] in info.why["kernel"] and info.layout is None
         kernel = [n for n in w._plan if n.endswith(("w13_weight", "w2_weight"))]
         rest = [n for n in w._plan if n not in kernel]
         # plan names map to the engine's parameters below each experts module
@@ -512,14 +513,14 @@ def test_kernel_format_sync_gives_each_engine_parameter_its_loaded_value_without
     w.llm.calls.clear()
     out = send_ipc(_StreamTrainer(state), LocalClient(w), model_dir=str(spec.model_dir), dtype="bfloat16",
                    bucket_bytes=bucket)
-    assert out["format"] == "kernel" and out["why"] == {} and out["chunks"] > 1
+    assert out.format == "kernel" and out.why == {} and out.chunks > 1
     got = w.llm.received
     assert sorted(got) == sorted(_vllm_params(spec))
     for name, t in got.items():  # bit for bit what vLLM's loader makes of the checkpoint, in bf16
         assert t.dtype == torch.bfloat16 and torch.equal(t, _vllm_tensor(spec, disk, name).to(torch.bfloat16)), name
     # no vLLM update session (its layer-wise reload): the prefix cache reset as it starts, then the chunks
-    assert w.llm.calls == ["reset"] + ["megamoe_receive_kernel_chunk"] * out["chunks"] and not w._updating
-    assert out["sent_bytes"] == out["bytes"] == sum(t.numel() * 2 for t in got.values())
+    assert w.llm.calls == ["reset"] + ["megamoe_receive_kernel_chunk"] * out.chunks and not w._updating
+    assert out.sent_bytes == out.bytes == sum(t.numel() * 2 for t in got.values())
 
 
 @pytest.mark.parametrize("fmt, engine, match", [
@@ -532,7 +533,7 @@ def test_an_asked_format_is_taken_or_refused_naming_why(ckpt, fmt, engine, match
     w = _protocol_worker(spec, _engine_params(spec, **engine))
     w.sync_format = fmt
     if match is None:
-        assert w.plan_weight_update(_metas(state))["format"] == fmt
+        assert w.plan_weight_update(_metas(state)).format == fmt
         return
     with pytest.raises(ValueError, match=match):
         w.plan_weight_update(_metas(state))
@@ -545,7 +546,7 @@ def test_auto_says_why_it_left_kernel_format(ckpt):
     engine["params"]["model.layers.0.mlp.shared_expert_gate.weight"] = ((1, 4), "bfloat16")  # nothing fills it
     w = _protocol_worker(spec, engine)
     info = w.plan_weight_update(_metas(state))
-    assert info["format"] == "experts" and "shared_expert_gate" in info["why"]["kernel"]
+    assert info.format == "experts" and "shared_expert_gate" in info.why["kernel"]
     w.sync_format = "kernel"
     with pytest.raises(ValueError, match="get nothing"):
         w.plan_weight_update(_metas(state))
@@ -554,10 +555,14 @@ def test_auto_says_why_it_left_kernel_format(ckpt):
 # -- nccl: what the CPU can check of the separate-GPU path (its run needs two GPUs) ------------------
 
 def test_nccl_world_puts_the_trainer_first_then_each_engines_workers():
+    from records.weights import EngineAnswer
     from rollout.sync_nccl import nccl_world
 
-    assert nccl_world([{"workers": 1}]) == (2, [1])
-    assert nccl_world([{"workers": 2}, {"workers": 1}, {"workers": 4}]) == (8, [1, 3, 4])
+    def answer(workers):
+        return EngineAnswer(format="checkpoint", layout=None, why={}, bytes=1, workers=workers)
+
+    assert nccl_world([answer(1)]) == (2, [1])
+    assert nccl_world([answer(2), answer(1), answer(4)]) == (8, [1, 3, 4])
 
 
 def test_nccl_stream_metadata_is_the_checkpoint_stream_in_order(ckpt):
@@ -623,7 +628,7 @@ def test_ipc_sync_failing_mid_stream_aborts_the_engines_update(ckpt, kernel_engi
         assert "aborted by the trainer: the trainer's stream failed: RuntimeError" in w._weights_broken
     out = send_ipc(_StreamTrainer(state), LocalClient(w), model_dir=str(spec.model_dir), dtype="bfloat16",
                    bucket_bytes=bucket)
-    assert out["format"] == "kernel" and not w._updating and w._weights_broken is None
+    assert out.format == "kernel" and not w._updating and w._weights_broken is None
 
 
 @pytest.fixture
@@ -667,8 +672,8 @@ def test_nccl_sync_joins_once_then_streams_the_checkpoint_to_every_engine(ckpt, 
         assert [c for c in w.llm.calls if not isinstance(c, tuple)] == ["reset", "start", "megamoe_update_weights",
                                                                          "finish"]
         assert not w._updating and w._weights_broken is None
-    assert out["format"] == "checkpoint" and out["bytes"] == sum(t.numel() * 2 for _, t in tensors)
-    assert {"check", "plan", "join", "send", "finish"} <= set(out["seconds"])
+    assert out.format == "checkpoint" and out.bytes == sum(t.numel() * 2 for _, t in tensors)
+    assert {"check", "plan", "join", "send", "finish"} <= set(out.seconds)
 
     send_nccl(trainer, LocalClient(*engines), model_dir=str(spec.model_dir), dtype="bfloat16")
     assert len(groups) == 1 and sent[1][0] == "group1"  # the group is kept between syncs
@@ -890,9 +895,9 @@ def test_one_engine_takes_a_published_version_whole_from_the_trainers_buffer(ckp
     _, spec, state, disk = ckpt
     make_engine, bucket, _ = published
     w = make_engine()
-    pub = _publisher(spec, bucket, depth=1).publish(_StreamTrainer(state), LocalClient(w), version=1).to_wire()
-    assert pub["mode"] == "ipc" and pub["version"] == 1 and pub["payload"]["format"] == "kernel"
-    assert len(pub["payload"]["chunks"]) > 1 and pub["payload"]["engines"] == 1
+    pub = _publisher(spec, bucket, depth=1).publish(_StreamTrainer(state), LocalClient(w), version=1)
+    assert pub.mode == "ipc" and pub.version == 1 and pub.payload["format"] == "kernel"
+    assert len(pub.payload["chunks"]) > 1 and pub.payload["engines"] == 1
     assert not w._updating and w.llm.received == {}  # publishing applies nothing: the engine plans, no more
     report = w.take_weights(pub)
     assert report["version"] == 1 and report["format"] == "kernel" and not w._updating
@@ -910,8 +915,8 @@ def test_a_version_that_fits_one_bucket_is_published_as_one_chunk(ckpt, publishe
     _, spec, state, disk = ckpt
     make_engine, _, _ = published
     w = make_engine()
-    pub = _publisher(spec, 1 << 30, depth=1).publish(_StreamTrainer(state), LocalClient(w), version=3).to_wire()
-    assert len(pub["payload"]["chunks"]) == 1
+    pub = _publisher(spec, 1 << 30, depth=1).publish(_StreamTrainer(state), LocalClient(w), version=3)
+    assert len(pub.payload["chunks"]) == 1
     assert w.take_weights(pub)["version"] == 3
     for name, t in w.llm.received.items():
         assert torch.equal(t, _vllm_tensor(spec, disk, name).to(torch.bfloat16)), name
@@ -937,12 +942,12 @@ def test_two_engines_each_take_exactly_their_version_after_the_trainer_trained_f
     client, sender = Client(w0, w1), _publisher(spec, bucket, depth=2)
     v1 = {n: t.clone() for n, t in state.items()}
     trainer = _StreamTrainer(v1)
-    pub1 = sender.publish(trainer, client, version=1).to_wire()
+    pub1 = sender.publish(trainer, client, version=1)
     v2 = _trained_further(v1, seed=11)
     trainer.state = v2
-    pub2 = sender.publish(trainer, client, version=2).to_wire()
-    assert asked == [len(state)] and pub1["payload"]["engines"] == 2
-    layout = pub1["payload"]["layout"]
+    pub2 = sender.publish(trainer, client, version=2)
+    assert asked == [len(state)] and pub1.payload["engines"] == 2
+    layout = pub1.payload["layout"]
     want1, want2 = _kernel_values(v1, layout), _kernel_values(v2, layout)
     assert any(not torch.equal(want1[n], want2[n]) for n in want1)  # the versions differ in bf16
 
@@ -969,7 +974,7 @@ def test_a_publish_into_a_buffer_not_every_engine_took_is_refused_before_writing
     make_engine, bucket, buffers = published
     w = make_engine()
     sender, trainer = _publisher(spec, bucket, depth=1), _StreamTrainer(state)
-    pub1 = sender.publish(trainer, LocalClient(w), version=1).to_wire()
+    pub1 = sender.publish(trainer, LocalClient(w), version=1)
     before = buffers[0].clone()
     trainer.state = _trained_further(state, seed=12)
     with pytest.raises(RuntimeError, match="cannot publish version 2: .* still holds version 1, which not every "
@@ -982,7 +987,7 @@ def test_a_publish_into_a_buffer_not_every_engine_took_is_refused_before_writing
     sync.release(pub1, [report])
     with pytest.raises(ValueError, match="version: 1 is not published and held"):
         sync.release(pub1, [report])
-    pub2 = sender.publish(trainer, LocalClient(w), version=2).to_wire()
+    pub2 = sender.publish(trainer, LocalClient(w), version=2)
     assert not torch.equal(buffers[0], before) and w.take_weights(pub2)["version"] == 2
 
 
@@ -1000,7 +1005,7 @@ def test_a_nonfinite_version_is_refused_before_its_buffer_is_claimed(ckpt, publi
 
 
 def _tamper(pub, case):
-    chunks = [dict(c) for c in pub["payload"]["chunks"]]
+    chunks = [dict(c) for c in pub.payload["chunks"]]
     if case == "shape":  # a later chunk's tensors described with another shape of the same bytes
         last = chunks[-1]
         last["shapes"] = [list(reversed(s)) for s in last["shapes"]]
@@ -1009,10 +1014,10 @@ def _tamper(pub, case):
     elif case == "size":
         last = chunks[-1]
         last["tensor_sizes"] = [s + 2 for s in last["tensor_sizes"]]
-    payload = {**pub["payload"], "chunks": chunks}
+    payload = {**pub.payload, "chunks": chunks}
     if case == "format":  # packed in a format this engine does not plan
         payload["format"] = "checkpoint"
-    return {**pub, "payload": payload}
+    return dataclasses.replace(pub, payload=payload)
 
 
 @pytest.mark.parametrize("case, match", [
@@ -1030,7 +1035,7 @@ def test_a_refused_take_leaves_the_engines_weights_untouched(ckpt, published, ca
     _, spec, state, _ = ckpt
     make_engine, bucket, _ = published
     w = make_engine()
-    pub = _publisher(spec, bucket, depth=1).publish(_StreamTrainer(state), LocalClient(w), version=1).to_wire()
+    pub = _publisher(spec, bucket, depth=1).publish(_StreamTrainer(state), LocalClient(w), version=1)
     with pytest.raises(ValueError, match=match):
         w.take_weights(_tamper(pub, case))
     assert w.llm.received == {} and "megamoe_receive_kernel_chunk" not in w.llm.calls
@@ -1045,7 +1050,7 @@ def test_a_take_failing_while_applying_breaks_the_engine_until_a_complete_take(c
     _, spec, state, _ = ckpt
     make_engine, bucket, _ = published
     w = make_engine(fail_at=1)
-    pub = _publisher(spec, bucket, depth=1).publish(_StreamTrainer(state), LocalClient(w), version=1).to_wire()
+    pub = _publisher(spec, bucket, depth=1).publish(_StreamTrainer(state), LocalClient(w), version=1)
     with pytest.raises(RuntimeError, match="injected: CUDA error"):
         w.take_weights(pub)
     assert not w._updating and "injected: CUDA error" in w._weights_broken

@@ -8,6 +8,7 @@ sender.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import pytest
@@ -33,20 +34,19 @@ def test_the_trainer_worker_has_every_member_the_protocol_names():
     assert "self.rank" in inspect.getsource(TrainerWorker.__init__)
 
 
-def test_an_engines_answer_is_read_once_with_its_defaults():
-    a = EngineAnswer.from_wire({"format": "kernel", "layout": [], "why": {}, "bytes": 64, "tensors": 3,
-                                "workers": 2, "transfer_group": "10.0.0.1:5"})
+def test_an_engines_answer_has_its_defaults():
+    a = EngineAnswer(format="kernel", layout=[], why={}, bytes=64, tensors=3, workers=2, transfer_group="10.0.0.1:5")
     assert (a.format, a.bytes, a.tensors, a.workers, a.transfer_group) == ("kernel", 64, 3, 2, "10.0.0.1:5")
-    assert EngineAnswer.from_wire({"format": "checkpoint", "layout": None, "why": {}, "bytes": 1}).workers == 1
+    assert EngineAnswer(format="checkpoint", layout=None, why={}, bytes=1).workers == 1
 
 
-@pytest.mark.parametrize("answer, match", [
-    ({"format": "kernel", "layout": [], "why": {}}, r"lacks \['bytes'\]"),
-    ({"format": "packed", "layout": None, "why": {}, "bytes": 1}, "format 'packed', expected one of"),
+@pytest.mark.parametrize("answer, error, match", [
+    ({"format": "kernel", "layout": [], "why": {}}, TypeError, "missing 1 required .*'bytes'"),
+    ({"format": "packed", "layout": None, "why": {}, "bytes": 1}, ValueError, "format 'packed', expected one of"),
 ])
-def test_an_answer_that_is_not_a_plan_is_refused_naming_what_is_wrong(answer, match):
-    with pytest.raises(ValueError, match=match):
-        EngineAnswer.from_wire(answer)
+def test_an_answer_that_is_not_a_plan_is_refused_naming_what_is_wrong(answer, error, match):
+    with pytest.raises(error, match=match):
+        EngineAnswer(**answer)
 
 
 def test_a_mode_becomes_its_sender_in_one_place():
@@ -140,14 +140,16 @@ def test_a_published_version_is_taken_later_by_each_engine_whole():
 
     w = object.__new__(RolloutWorker)
     w.update_weights = lambda named: {"tensors": 1, "got": named}
-    assert w.take_weights(pub.to_wire()) == {"version": 3, "tensors": 1, "got": ("shared", 1)}
+    assert w.take_weights(pub) == {"version": 3, "tensors": 1, "got": ("shared", 1)}
     w.weight_sync = "files"
     with pytest.raises(ValueError, match="mode 'ipc' needs a RolloutWorker built with weight_sync='ipc'"):
-        w.take_weights({**pub.to_wire(), "mode": "ipc"})
+        w.take_weights(dataclasses.replace(pub, mode="ipc"))
     with pytest.raises(ValueError, match="mode 'nccl' cannot be taken"):
-        w.take_weights({**pub.to_wire(), "mode": "nccl"})
+        w.take_weights(dataclasses.replace(pub, mode="nccl"))
     with pytest.raises(ValueError, match="'version' expected an int >= 0, got '3'"):
-        w.take_weights({**pub.to_wire(), "version": "3"})
+        w.take_weights(dataclasses.replace(pub, version="3"))
+    with pytest.raises(TypeError, match="publication: expected a records.weights.Publication, got dict"):
+        w.take_weights({"version": 3, "mode": "files", "payload": ("shared", 1)})  # the old wire form
     with pytest.raises(NotImplementedError, match="rollout.weight_sync='nccl': .* a broadcast, which needs trainer "
                                                   "rank 0 and every engine inside the same collective at once"):
         sender("nccl", model_dir="m", dtype=None).publish(trainer, None, version=3)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from megamoe.testing import run_processes
+from records.weights import EngineAnswer
 
 WORLD = 2
 N_TENSORS, ROWS, COLS = 6, 32, 16          # fp32: 2 KiB each
@@ -77,7 +78,7 @@ class _Client:
     def plan(self, metas):
         self.calls.append("plan_weight_update")
         total = N_TENSORS * ROWS * COLS * 4
-        return [{"format": "checkpoint", "layout": None, "why": {}, "bytes": total, "workers": 1}]
+        return [EngineAnswer(format="checkpoint", layout=None, why={}, bytes=total, workers=1)]
 
     def wait(self, pending):
         return pending
@@ -120,7 +121,7 @@ def _rank(rank: int, model_dir: str, out_dir: str) -> None:
         send = sync_nccl.send_nccl if case.get("nccl_join_fails") else sync.send_ipc
         try:
             out = send(trainer, client, model_dir=model_dir, dtype=None, bucket_bytes=BUCKET_BYTES)
-            outcome = {"chunks": out["chunks"], "sent_bytes": out["sent_bytes"]}
+            outcome = {"chunks": out.chunks, "sent_bytes": out.sent_bytes}
         except Exception as e:  # noqa: BLE001 - the outcome is the test's subject
             outcome = {"raised": f"{type(e).__name__}: {e}"}
         if client is not None:
