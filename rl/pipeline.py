@@ -346,7 +346,8 @@ class Publication:
         self.actors = actors
         self.generation = generation
         self.format: str | None = None  # the last streamed sync's format, logged when it changes
-        self.published: dict[int, tuple[weight_records.Publication, list]] = {}  # version -> (its publication, the engines' takes)
+        # version -> (its publication, the engines' takes)
+        self.published: dict[int, tuple[weight_records.Publication, list]] = {}
 
     def _dtype(self) -> str | None:
         """The sampler's dtype when it is a 16-bit one: the engine would round the fp32 master weights
