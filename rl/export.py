@@ -133,6 +133,7 @@ def export_policy(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: i
     from safetensors.torch import save_file
 
     from rl.make_model import MARKER_FILE  # make-model's mark: the export is not its output
+    from rl.run_dir import folder_in_place
     from rl import config as C
     from rollout import weights
     from trainer.checkpoint import fsync_tree
@@ -173,7 +174,7 @@ def export_policy(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: i
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    try:
+    with folder_in_place(tmp, out):  # the folder appears whole or not at all
         for f in base.iterdir():
             if f.is_file() and not f.name.endswith(".safetensors") and f.name not in (INDEX, PROVENANCE, MARKER_FILE):
                 shutil.copy2(f, tmp / f.name)
@@ -212,12 +213,6 @@ def export_policy(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: i
             "base_model": str(base), "dtype": dtype, "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }, indent=2) + "\n")
         fsync_tree(tmp)
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -3,6 +3,7 @@ fresh / resumed / overwritten starts (the layout is described in rl/loop.py). No
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -37,6 +38,20 @@ def write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def folder_in_place(tmp: Path, out: Path):
+    """Fill `tmp` (a new folder beside `out`) inside the block; then `tmp` becomes `out`, whose existing
+    folder the caller has checked is empty. On any failure `tmp` is removed and `out` stays as it was."""
+    try:
+        yield tmp
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def holds_run(run_dir: Path) -> bool:

@@ -32,7 +32,7 @@ import string
 from typing import Callable
 
 from rl.math_task import math_word
-from rl.tool_task import tool_arith
+from rl.tool_task import check_max_operand, tool_arith
 
 
 def digit(n: int, rng: random.Random) -> list[dict]:
@@ -54,8 +54,7 @@ def copy_letter(n: int, rng: random.Random, length: int = 3) -> list[dict]:
 
 
 def add(n: int, rng: random.Random, max_operand: int = 9) -> list[dict]:
-    if not isinstance(max_operand, int) or max_operand < 1:
-        raise ValueError(f"data.task_kwargs.max_operand: expected an int >= 1, got {max_operand!r}")
+    check_max_operand(max_operand)
     rows = []
     for _ in range(n):
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)

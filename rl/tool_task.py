@@ -43,10 +43,15 @@ def calculator(expression: str) -> str:
     return str(ev(ast.parse(expression, mode="eval")))
 
 
-def tool_arith(n: int, rng: random.Random, max_operand: int = 99) -> list[dict]:
-    """Rows in TRL's conversational form: one user message asking for a product or sum; answer the number."""
+def check_max_operand(max_operand) -> None:
+    """data.task_kwargs.max_operand of the arithmetic tasks (tool_arith here, rl/tasks.py's add): an int >= 1."""
     if not isinstance(max_operand, int) or max_operand < 1:
         raise ValueError(f"data.task_kwargs.max_operand: expected an int >= 1, got {max_operand!r}")
+
+
+def tool_arith(n: int, rng: random.Random, max_operand: int = 99) -> list[dict]:
+    """Rows in TRL's conversational form: one user message asking for a product or sum; answer the number."""
+    check_max_operand(max_operand)
     rows = []
     for _ in range(n):
         a, b = rng.randint(2, max_operand), rng.randint(2, max_operand)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shutil
 import sys
 import tempfile
 import time
@@ -97,6 +96,7 @@ def warm_start(base: str | Path, out: str | Path, *, steps: int = 100, batch: in
     from rl.envs import tool_schema
     from rl.episode_step import eos_ids
     from rl.episodes import ChatFormat
+    from rl.run_dir import folder_in_place
     from rl.tool_task import calculator, tool_arith, transcript
 
     t0 = time.monotonic()
@@ -136,19 +136,13 @@ def warm_start(base: str | Path, out: str | Path, *, steps: int = 100, batch: in
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
+    with folder_in_place(tmp, out):  # the folder appears whole or not at all
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         marker = dict(base=str(base), steps=steps, batch=batch, lr=lr, seed=seed, max_operand=max_operand,
                       data=f"tool_arith rows, random.Random('{DATA_SEED_PREFIX}:{seed}')", first_loss=losses[0],
                       last_loss=losses[-1], seconds=round(time.monotonic() - t0, 1))
         (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

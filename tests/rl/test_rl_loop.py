@@ -595,3 +595,23 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(two_checkpoints, tmp_
     pointer.write_text(json.dumps({"step": 2, "path": "step_000002"}))
     with pytest.raises(RunDirError, match="no older checkpoint .* is intact"):
         resume_checkpoint(run)
+
+
+def test_a_folder_written_in_place_appears_whole_or_not_at_all(tmp_path):
+    """rl.run_dir.folder_in_place (export, warm start): the filled sibling becomes the folder; a failure while
+    filling removes the sibling and leaves an existing (empty) folder as it was."""
+    from rl.run_dir import folder_in_place
+
+    out = tmp_path / "policy"
+    out.mkdir()
+    tmp = tmp_path / ".policy.partial"
+    tmp.mkdir()
+    with pytest.raises(RuntimeError, match="disk full"):
+        with folder_in_place(tmp, out):
+            (tmp / "model.safetensors").write_text("half")
+            raise RuntimeError("disk full")
+    assert not tmp.exists() and out.is_dir() and list(out.iterdir()) == []
+    tmp.mkdir()
+    with folder_in_place(tmp, out):
+        (tmp / "model.safetensors").write_text("whole")
+    assert not tmp.exists() and (out / "model.safetensors").read_text() == "whole"

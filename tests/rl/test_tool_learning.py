@@ -116,3 +116,16 @@ def test_a_few_warm_start_steps_raise_the_calls_logprob_by_hundreds_of_nats(base
     after = call_logprobs(warm, n=4)
     print(f"log p(call): random {before['call_logprob']:.1f} -> 10 warm-start steps {after['call_logprob']:.1f} nats")
     assert after["call_logprob"] > before["call_logprob"] + RISE_NATS, (before, after)
+
+
+@pytest.mark.parametrize("bad", [0, -3, "9", 2.5])
+def test_the_arithmetic_tasks_refuse_a_bad_max_operand_naming_the_key(bad):
+    """rl/tasks.py's add and rl/tool_task.py's tool_arith share one check of data.task_kwargs.max_operand."""
+    import random
+
+    from rl.tasks import add
+    from rl.tool_task import tool_arith
+
+    for task in (add, tool_arith):
+        with pytest.raises(ValueError, match=r"data\.task_kwargs\.max_operand: expected an int >= 1, got "):
+            task(2, random.Random(0), max_operand=bad)
