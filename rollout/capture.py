@@ -4,7 +4,9 @@ docs/ROUTING_REPLAY.md).
 
 The MoE ops write each step's routing into static per-layer buffers, row r = the r-th token of the step's
 batch (rollout/moe_method.py: capture_routing). While a session is on, a wrapper around the model runner's
-`execute_model` reads the step's rows right after the step ran and files them under the request they
+`execute_model` queues a copy of the step's rows to the host right after the step was launched (on CUDA
+behind it on the stream, into pinned memory, without waiting: the next step is prepared meanwhile, as
+vLLM's asynchronous scheduling intends) and, once the copy has landed, files them under the request they
 belong to, at the token's position in its sequence, from the runner's own view of the step it just ran:
 `input_batch.req_ids` (the batch's request order), the scheduler's `num_scheduled_tokens` per request
 (the rows are laid out request after request in that order) and the runner's `positions` (each row's
@@ -23,6 +25,7 @@ Reached through the worker extension (rollout.extension.megamoe_routing_capture)
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import numpy as np
 import torch
@@ -30,45 +33,80 @@ import torch
 from rollout import moe_method
 
 
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of `t`: on CUDA queued on the current stream into pinned memory (no wait), else a clone."""
+    if not t.is_cuda:
+        return t.clone()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
 class _Session:
     def __init__(self):
         self.on = False
         self.layers: list[int] | None = None
         self.requests: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        self.pending: deque = deque()  # steps whose rows are on their way to the host, oldest first
         self.steps = 0
         self.read_s = 0.0
 
     def after_step(self, runner, scheduler_output) -> None:
+        """Queue the copy of the step's rows and positions to the host (on CUDA behind the step, without waiting
+        for it: vLLM's asynchronous scheduling keeps preparing the next step meanwhile), and file the earlier
+        steps whose copies have landed."""
         rows = int(scheduler_output.total_num_scheduled_tokens)
         if rows == 0:
             return
         t0 = time.perf_counter()
-        layers, ids = moe_method.read_routing(rows)
-        if self.layers is None:
-            self.layers = layers
-        elif layers != self.layers:
-            raise RuntimeError(f"routing capture: layers {layers} wrote this step, {self.layers} before")
         batch = runner.input_batch
         req_ids = list(batch.req_ids[:batch.num_reqs])
         counts = [int(scheduler_output.num_scheduled_tokens.get(r, 0)) for r in req_ids]
         if sum(counts) != rows or set(scheduler_output.num_scheduled_tokens) - set(req_ids):
             raise RuntimeError(f"routing capture: the batch's requests {req_ids} with {counts} scheduled tokens do "
                                f"not lay out the step's {rows} rows ({dict(scheduler_output.num_scheduled_tokens)})")
-        positions = getattr(runner.positions, "gpu", runner.positions)[:rows].to("cpu", torch.int32).numpy()
-        ids_np = ids.numpy()
-        start = 0
-        for req, n in zip(req_ids, counts):
-            if n:
-                pos = positions[start:start + n]
-                if n > 1 and not (np.diff(pos) == 1).all():
-                    raise RuntimeError(f"routing capture: request {req}'s rows hold positions {pos.tolist()}, "
-                                       "expected consecutive ones")
-                self.requests.setdefault(req, []).append((pos.copy(), ids_np[start:start + n].copy()))
-            start += n
+        layers, ids = moe_method.read_routing(rows)
+        if self.layers is None:
+            self.layers = layers
+        elif layers != self.layers:
+            raise RuntimeError(f"routing capture: layers {layers} wrote this step, {self.layers} before")
+        positions = getattr(runner.positions, "gpu", runner.positions)[:rows]
+        ids_host, positions_host = _to_host(ids), _to_host(positions)
+        landed = None
+        if ids.is_cuda:
+            landed = torch.cuda.Event()
+            landed.record()
+        self.pending.append((req_ids, counts, ids_host, positions_host, landed))
+        self._file(wait=False)
         self.steps += 1
         self.read_s += time.perf_counter() - t0
 
+    def _file(self, wait: bool) -> None:
+        """File the pending steps under their requests, in step order: those whose copies have landed, or
+        (wait) all of them."""
+        while self.pending:
+            req_ids, counts, ids_host, positions_host, landed = self.pending[0]
+            if landed is not None and not landed.query():
+                if not wait:
+                    return
+                landed.synchronize()
+            self.pending.popleft()
+            moe_method.check_written(self.layers, ids_host)
+            positions, ids_np = positions_host.to(torch.int32).numpy(), ids_host.numpy()
+            start = 0
+            for req, n in zip(req_ids, counts):
+                if n:
+                    pos = positions[start:start + n]
+                    if n > 1 and not (np.diff(pos) == 1).all():
+                        raise RuntimeError(f"routing capture: request {req}'s rows hold positions {pos.tolist()}, "
+                                           "expected consecutive ones")
+                    self.requests.setdefault(req, []).append((pos.copy(), ids_np[start:start + n].copy()))
+                start += n
+
     def take(self) -> dict:
+        t0 = time.perf_counter()
+        self._file(wait=True)
+        self.read_s += time.perf_counter() - t0
         out = {}
         for req, parts in self.requests.items():
             pos = np.concatenate([p for p, _ in parts])

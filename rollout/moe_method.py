@@ -73,8 +73,8 @@ def reset_moe_calls() -> None:
 # row r = the r-th token of the engine step's batch. The write is one tensor copy into a buffer that exists
 # before vLLM captures its CUDA graphs (vLLM's warm-up forwards run first, eagerly, at the largest batch), so
 # a replayed graph writes it too; on CPU the op's Python runs on every call, compiled or eager. The host
-# side (rollout/capture.py) reads the step's rows after each step and marks them unwritten again, so a row
-# an op did not write this step is an error there, never stale routing.
+# side (rollout/capture.py) copies the step's rows out after each step (queued on the stream, no wait) and marks
+# them unwritten again, so a row an op did not write this step is an error there, never stale routing.
 CAPTURE_ENV_VAR = "MEGAMOE_ROUTING_CAPTURE"
 UNWRITTEN = -1
 _BUFFERS: dict[int, torch.Tensor] = {}  # model layer index -> int16 [rows, k] on the MoE's device
@@ -109,8 +109,10 @@ def capture_routing(layer: int, topk_ids_Tk: torch.Tensor) -> None:
 
 
 def read_routing(rows: int) -> tuple[list[int], torch.Tensor]:
-    """(model layer indices, int16 [rows, L, k] on the host): the first `rows` rows of every layer's buffer,
-    which are then marked unwritten again. Raises when a layer has no buffer or a row was not written."""
+    """(model layer indices, int16 [rows, L, k] on the buffers' device): a copy of the first `rows` rows of
+    every layer's buffer, which are then marked unwritten again. Nothing here waits for the device: on CUDA
+    the copy and the marking are queued on the current stream behind the step that wrote the rows, and the
+    caller checks the copy with `check_written` once it is on the host. Raises when a layer has no buffer."""
     layers = sorted(_BUFFERS)
     if not layers:
         raise RuntimeError("routing capture: no MoE layer wrote its routing (was the engine started with "
@@ -119,15 +121,19 @@ def read_routing(rows: int) -> tuple[list[int], torch.Tensor]:
         if _BUFFERS[layer].shape[0] < rows:
             raise RuntimeError(f"routing capture: layer {layer}'s buffer has {_BUFFERS[layer].shape[0]} rows, "
                                f"the step ran {rows}")
-    ids = torch.stack([_BUFFERS[layer][:rows] for layer in layers], dim=1).cpu()
+    ids = torch.stack([_BUFFERS[layer][:rows] for layer in layers], dim=1)
     for layer in layers:
         _BUFFERS[layer][:rows].fill_(UNWRITTEN)
+    return layers, ids
+
+
+def check_written(layers: list[int], ids: torch.Tensor) -> None:
+    """Raises when a row of `ids` (read_routing's [rows, L, k], on the host) was not written by its layer."""
     missing = (ids == UNWRITTEN).all(dim=2)
     if bool(missing.any()):
         row, li = (int(v) for v in missing.nonzero()[0])
-        raise RuntimeError(f"routing capture: layer {layers[li]} did not write row {row} of a {rows}-row step "
-                           "(a MoE call outside the capture)")
-    return layers, ids
+        raise RuntimeError(f"routing capture: layer {layers[li]} did not write row {row} of a {ids.shape[0]}-row "
+                           "step (a MoE call outside the capture)")
 
 
 def activation_fields(activation: Activation | None) -> tuple[str, float, float]:

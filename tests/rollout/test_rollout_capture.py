@@ -73,6 +73,40 @@ def test_a_row_no_op_wrote_this_step_raises():
         _step(s, [("a-00000000", 4, 2)], gen, write_layers=[0])
 
 
+def test_a_step_is_filed_once_its_copy_has_landed_and_take_waits_for_the_rest():
+    """On CUDA a step's rows reach the host behind the step (an event marks their landing): after_step files
+    only the steps whose copies have landed, in order, without waiting; take waits for every pending one.
+    Stand-in events here (the CUDA path itself runs in the GPU rollout tests)."""
+
+    class Landing:
+        def __init__(self):
+            self.done, self.waited = False, False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.waited, self.done = True, True
+
+    gen = torch.Generator().manual_seed(3)
+    s = capture._SESSION
+    s.on = True
+    want = _step(s, [("a-00000000", 0, 2)], gen)  # CPU: filed at once
+    first, second = Landing(), Landing()
+    s.pending.append((["b-00000000"], [1], torch.full((1, L, K), 5, dtype=torch.int16), torch.tensor([0]), first))
+    s.pending.append((["c-00000000"], [1], torch.full((1, L, K), 6, dtype=torch.int16), torch.tensor([0]), second))
+    s._file(wait=False)
+    assert list(s.requests) == ["a-00000000"] and len(s.pending) == 2  # neither landed: nothing filed, no wait
+    second.done = True
+    s._file(wait=False)
+    assert list(s.requests) == ["a-00000000"] and len(s.pending) == 2  # in order: the second waits for the first
+    got = capture.routing_capture(None, "take", ())
+    assert first.waited and not second.waited and not s.pending
+    assert sorted(got["requests"]) == ["a-00000000", "b-00000000", "c-00000000"]
+    b = capture.split_requests(got, ["b", "a"], [2, 3])
+    assert b[0][0].tolist() == [[5] * K] * L and torch.equal(torch.from_numpy(b[1][:2]).long(), want.long())
+
+
 def test_rows_that_do_not_lay_out_the_batch_raise():
     gen = torch.Generator().manual_seed(2)
     s = capture._SESSION
