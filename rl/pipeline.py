@@ -57,6 +57,12 @@ class Flight:
     outs: list | None = None
     samples: list[Sample] | None = None
     busy_s: float = 0.0  # the slowest worker's seconds in generate
+    # Multi-turn episodes (rl/episode_step.py): the driver thread running the turns resolves `future` to
+    # (samples, busy_s, episodes); `episodes` are what Scoring scores, `scored` the Scored of a flight scored
+    # at a checkpoint (kept in inflight.json: rl/loop.py).
+    future: object = None
+    episodes: list | None = None
+    scored: object = None
 
 
 class Generation:
@@ -117,6 +123,10 @@ class Generation:
 
         if f.samples is not None:
             return f.samples
+        if f.future is not None:  # episodes: their driver thread's result (it raises what stopped them)
+            f.samples, f.busy_s, f.episodes = f.future.result()
+            f.future = None
+            return f.samples
         j = 0
         while j < len(f.refs):
             if f.outs[j] is None:
@@ -162,6 +172,13 @@ class Generation:
         for f in self.pending:
             self.collect(f)
 
+    def join(self) -> None:
+        """Wait for every flight of episodes in flight (their turns run in a driver thread, not in the workers'
+        queues, so a later call on the workers would otherwise land between two of their turns)."""
+        for f in self.pending:
+            if f.future is not None:
+                self.collect(f)
+
     def _replay(self, j: int, why: BaseException) -> None:
         """Replace dead RolloutWorker j and queue on the new one what the dead one had not returned:
         each unfinished generation behind the weights of its policy version, then the weights last
@@ -200,6 +217,20 @@ class Scored:
     batch: TrainBatch
     metrics: dict             # dynamic_sampling/* (when on)
     seconds: dict             # rollout (the extra draws' generation), reward
+
+    def to_json(self) -> dict:
+        """JSON-ready (inflight.json); from_json inverts it exactly (floats round-trip through repr)."""
+        return {"prompts": self.prompts, "samples": [s.to_json() for s in self.samples],
+                "rewards": dataclasses.asdict(self.rewards), "advantages": self.advantages, "metrics": self.metrics,
+                "seconds": self.seconds}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Scored:
+        from rl.rewards import RewardResult
+
+        samples = [Sample.from_json(x) for x in d["samples"]]
+        return cls(d["prompts"], samples, RewardResult(**d["rewards"]), d["advantages"],
+                   TrainBatch.from_samples(samples, d["advantages"]), d["metrics"], d["seconds"])
 
 
 class Scoring:
@@ -248,14 +279,18 @@ class Scoring:
                     **({"stop": list(cfg.rollout.stop)} if cfg.rollout.stop else {})}
         return batch, prompts, sampling
 
-    def rewards(self, batch, samples: list[Sample], step: int):
-        """The rewards of samples drawn from `batch` (rl/rewards.py), with overlong shaping (rl/overlong.py)."""
+    def rewards(self, batch, samples: list[Sample], step: int, episodes: list | None = None):
+        """The rewards of samples drawn from `batch` (rl/rewards.py), with overlong shaping (rl/overlong.py);
+        with multi-turn episodes, of `episodes` (rl.episodes.Episode, the samples' own: Flight.episodes)."""
         from rl.rewards import TrainerState
 
         cfg = self.cfg
         state = TrainerState(global_step=step, max_steps=cfg.run.steps)
         if self.episodes is not None:  # multi-turn: message-list completions, the environment's reward
-            rewards = self.episodes.rewards(self.scorer, batch, self.episodes.episodes, state)
+            if episodes is None or len(episodes) != len(samples):
+                raise RuntimeError(f"Scoring.rewards: multi-turn samples need their episodes, got "
+                                   f"{None if episodes is None else len(episodes)} for {len(samples)} samples")
+            rewards = self.episodes.rewards(self.scorer, batch, episodes, state)
         else:
             idx = [s.prompt_index for s in samples]
             columns = {k: [v[i] for i in idx] for k, v in batch.columns.items()}
@@ -271,23 +306,28 @@ class Scoring:
         return rewards
 
     def score(self, f: Flight, step: int, generate: Callable) -> Scored:
-        """Score step `step`'s collected flight; with data.dynamic_sampling, extra calls
-        `generate(batch, prompts, sampling) -> samples` replace the groups without signal."""
+        """Score step `step`'s collected flight (one scored at a checkpoint already: its Scored); with
+        data.dynamic_sampling, extra calls `generate(batch, prompts, sampling) -> samples` (multi-turn: a
+        collected Flight, for its episodes) replace the groups without signal."""
         from rl.advantages import group_advantages
         from rl.config import scale_by_std
         from rl.dynamic_sampling import Draw, fill_batch
 
         cfg = self.cfg
+        if f.scored is not None:
+            return f.scored
 
         def draw(call: int) -> Draw:
             t0 = time.perf_counter()
             if call == 0:
-                batch, prompts, samples = f.batch, f.prompts, f.samples
+                batch, prompts, samples, episodes = f.batch, f.prompts, f.samples, f.episodes
             else:
                 batch, prompts, sampling = self.prompts(step, call)
-                samples = generate(batch, prompts, sampling)
+                samples, episodes = generate(batch, prompts, sampling), None
+                if isinstance(samples, Flight):
+                    samples, episodes = samples.samples, samples.episodes
             t1 = time.perf_counter()
-            rewards = self.rewards(batch, samples, step)
+            rewards = self.rewards(batch, samples, step, episodes)
             return Draw(prompts, samples, [s.text for s in samples], rewards,
                         {"rollout": t1 - t0, "reward": time.perf_counter() - t1})
 
@@ -305,9 +345,10 @@ class Scoring:
 class Training:
     """Sleep mode, then one optimizer step on every trainer rank (module docstring)."""
 
-    def __init__(self, cfg: Config, actors: Actors):
+    def __init__(self, cfg: Config, actors: Actors, generation: Generation | None = None):
         self.cfg = cfg
         self.actors = actors
+        self.generation = generation  # its episodes in flight end before an engine sleeps
         level, k = cfg.rollout.sleep_level, cfg.run.max_async_steps
         if level and k:
             log.warning("rollout.sleep_level=%d with run.max_async_steps=%d: an engine can sleep only once the "
@@ -327,6 +368,8 @@ class Training:
             # flight: under k >= 1 the engine sleeps once they are done.
             t0 = time.perf_counter()
             level = self.cfg.rollout.sleep_level
+            if self.generation is not None:  # episodes: their next turn must not find the engine asleep
+                self.generation.join()
             self.actors.on_rollouts(lambda w: w.sleep.remote(level), "sleep")
             seconds["sleep"] = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -359,6 +402,10 @@ class Publication:
         {"total": s, phases...}. With nothing in flight the driver waits for it to land."""
         t0 = time.perf_counter()
         gen = self.generation
+        # Episodes in flight (k >= 1) were generated by the versions before this one, turn by turn from a driver
+        # thread: every turn of theirs reaches the workers before these weights (Ray runs one caller's calls to an
+        # actor in submission order, a thread's as the driver's).
+        gen.join()
         if self.actors.weight_sync not in self.PULLED:  # nccl: a broadcast needs the engines idle, at once
             gen.drain()
             times = self._stream(list(range(len(self.actors.rollouts))))
