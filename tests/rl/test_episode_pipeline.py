@@ -216,6 +216,7 @@ def test_every_turn_of_a_batch_is_generated_by_its_version_and_the_lag_is_single
     assert [r["async/lag"] for r in train] == [min(t - 1, k) for t in range(1, STEPS + 1)]
     assert [r["eval/policy_version"] for r in metrics] == list(range(STEPS + 1))
     assert all(r["env/turns_mean"] == 3.0 for r in train), [r["env/turns_mean"] for r in train]
+    assert all(r["time/weight_sync/episodes_wait_s"] >= 0.0 for r in train)  # the publication's wait, reported
     for w in engines:
         assert len(w.calls) == STEPS * 3 + (STEPS + 1) * 3  # 3 turns per training flight and per evaluation
         assert [c for c in w.calls if c[1] != c[2]] == [], w.calls  # (draw, stamped version, weights)
