@@ -4,7 +4,7 @@ With `env.tools` or `env.environment` set, the driver (rl/loop.py) queues a step
 `EpisodeStep.submit` instead of rl/pipeline.py's Generation.submit, at any lag k = run.max_async_steps. An
 episode needs the driver between its turns (the environment's reply decides the next context), so a step's
 episodes run turn by turn in a driver thread: ONE thread for every flight of episodes, dynamic sampling's extra
-draws and the evaluation's episodes (`call`), so they run one after another in the order the driver queued them
+draws and the evaluation's episodes (`queued`), so they run one after another in the order the driver queued them
 and the run stays a function of its config and seed. A flight's policy version is the one last published when
 it is queued (as Generation.submit's); Publication.publish waits for every flight queued before it
 (Generation.join) before it queues the next weights, so each turn of a flight of version v runs on v.
@@ -49,8 +49,8 @@ class Stopped(RuntimeError):
 
 
 class Turns:
-    """`generate(prompts, sampling, n, max_tokens) -> samples` of one flight on the rollout workers (EpisodeStep.on_workers);
-    busy_s adds the slowest worker's seconds of each call."""
+    """`generate(prompts, sampling, n, max_tokens) -> samples` of one flight on the rollout workers
+    (EpisodeStep.on_workers); busy_s adds the slowest worker's seconds of each call."""
 
     def __init__(self, owner: EpisodeStep, gen, version: int):
         self.owner, self.gen, self.version, self.busy_s = owner, gen, version, 0.0

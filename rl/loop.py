@@ -109,7 +109,7 @@ class Loop:
         cfg, gen = self.cfg, self.generation
         self.actors.where = f"step {self.step + 1}"
         t_step = time.perf_counter()
-        episodes = self.scoring.episodes  # multi-turn: a step's episodes run in their driver thread (rl/episode_step.py)
+        episodes = self.scoring.episodes  # multi-turn: episodes run in their driver thread (rl/episode_step.py)
         queued = gen.pending[-1].step + 1 if gen.pending else self.step
         ahead = min(self.step + cfg.run.max_async_steps, cfg.run.steps - 1)  # the last step queued
         for s in range(queued, ahead + 1):

@@ -253,7 +253,8 @@ def test_flights_run_one_after_another_and_the_run_does_not_depend_on_timing(fak
 def test_a_run_resumed_with_episodes_in_flight_equals_the_uninterrupted_run(fake_ray, model_dir, tmp_path, k):
     """Checkpoint every 2 steps; the second run is stopped (Ctrl-C) in step 2 and resumed. The episodes in flight at
     the checkpoint are scored there, in both runs, and inflight.json holds what Scoring made of them; the resumed
-    run trains on exactly those (it generates none of them again) and writes the same metrics and samples."""
+    run trains on exactly those (it generates none of them again) and writes the same metrics and samples. (With
+    the checkpoint keeping the episodes' samples unscored, as a single-turn batch's, this failed.)"""
     over = (f"run.max_async_steps={k}", "trainer.checkpoint_every=2")
     whole = run(model_dir, tmp_path / "whole", *over)
     stopped = run(model_dir, tmp_path / "resumed", *over, stop_at=2)
@@ -272,7 +273,8 @@ def test_a_rollout_worker_that_dies_during_a_flight_in_flight_ends_the_run(fake_
     """k = 1: a worker dies in the second turn of step 4's episodes (0-based flight 3), which run in their thread
     while the driver trains step 3; the driver gets the error where it waits for that flight (the publication of
     version 3) and the run ends naming the worker, as a death during a k = 0 step's episodes does (rl/loop.py
-    reports it; --resume continues from the last checkpoint). The episodes' thread is gone after the run."""
+    reports it; --resume continues from the last checkpoint). The episodes' thread is gone after the run (with
+    EpisodeStep.close not shutting it down, it stayed and this failed)."""
     from transformers import AutoTokenizer
 
     from rl.failures import ActorError
