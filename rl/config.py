@@ -364,7 +364,8 @@ class RunConfig:
     max_async_steps: int = field(0, "fixed lag k of asynchronous RL: the batch trained at step t is sampled by "
                                     "the policy after step max(0, t-1-k), while the trainer trains earlier "
                                     "batches; 0 = on-policy, generate then train; every transport, evaluation, "
-                                    "dynamic sampling and sleep mode work at any k (docs/ASYNC.md)")
+                                    "dynamic sampling, sleep mode and multi-turn episodes work at any k "
+                                    "(docs/ASYNC.md)")
     samples_every: int = field(0, "every N steps, append that step's samples (prompt, completion, rewards, "
                                   "advantage) to <out_dir>/samples.jsonl; 0 = never")
     wandb: WandbConfig = field(doc="Weights & Biases logging (default disabled)", factory=WandbConfig)
