@@ -364,7 +364,8 @@ class RunConfig:
     max_async_steps: int = field(0, "fixed lag k of asynchronous RL: the batch trained at step t is sampled by "
                                     "the policy after step max(0, t-1-k), while the trainer trains earlier "
                                     "batches; 0 = on-policy, generate then train; every transport, evaluation, "
-                                    "dynamic sampling and sleep mode work at any k (docs/ASYNC.md)")
+                                    "dynamic sampling, sleep mode and multi-turn episodes work at any k "
+                                    "(docs/ASYNC.md)")
     samples_every: int = field(0, "every N steps, append that step's samples (prompt, completion, rewards, "
                                   "advantage) to <out_dir>/samples.jsonl; 0 = never")
     wandb: WandbConfig = field(doc="Weights & Biases logging (default disabled)", factory=WandbConfig)
@@ -475,8 +476,7 @@ def overlong_limit(cfg: Config) -> tuple[int, str]:
 
 
 def check_env(cfg: Config) -> None:
-    """Multi-turn episodes (env.tools / env.environment) and what they do not combine with yet; ConfigError
-    naming the key."""
+    """The limits of multi-turn episodes (env.tools / env.environment); ConfigError naming the key."""
     e = cfg.env
     if not e.enabled:
         return
@@ -485,14 +485,6 @@ def check_env(cfg: Config) -> None:
     check(total <= room, "env.max_total_tokens", f"an int <= min(rollout.max_model_len, trainer.max_seq_len) "
           f"= {room} (the model length both sides hold)", e.max_total_tokens)
     check(per_turn < total, "env.max_tokens_per_turn", f"an int < the episode's token limit ({total})", per_turn)
-    if cfg.run.max_async_steps:
-        raise ConfigError(
-            "run.max_async_steps: expected 0 with multi-turn episodes (env.tools or env.environment set): an episode "
-            "needs the driver between its turns (the environment's reply), so a step's episodes are not one call "
-            "queued on the rollout workers ahead of the next weights; running them in flight needs a driver thread "
-            "per step whose every turn reaches every worker before the next publication, a per-turn replay after a "
-            "worker death, and the environments' state in inflight.json (docs/MULTI_TURN.md), got "
-            f"{cfg.run.max_async_steps!r}")
 
 
 def check_bitwise(cfg: Config) -> None:

@@ -1,21 +1,29 @@
-"""The RL loop's multi-turn hook (docs/MULTI_TURN.md): one step's generate call as episodes, and their scoring.
+"""The RL loop's multi-turn hook (docs/MULTI_TURN.md): a step's generation as episodes, and their scoring.
 
-With `env.tools` or `env.environment` set, the driver (rl/loop.py) takes a step's generation from
-`EpisodeStep.flight` instead of rl/pipeline.py's Generation.submit (episodes run on-policy, k = 0: the
-config refuses run.max_async_steps with them), dynamic sampling's extra draws too, and Scoring scores them
-with `EpisodeStep.rewards`; the evaluation (rl/evaluation.py) runs its episodes with `EpisodeStep.run`.
+With `env.tools` or `env.environment` set, the driver (rl/loop.py) queues a step's generation with
+`EpisodeStep.submit` instead of rl/pipeline.py's Generation.submit, at any lag k = run.max_async_steps. An
+episode needs the driver between its turns (the environment's reply decides the next context), so a step's
+episodes run turn by turn in a driver thread: ONE thread for every flight of episodes, dynamic sampling's extra
+draws and the evaluation's episodes (`queued`), so they run one after another in the order the driver queued them
+and the run stays a function of its config and seed. A flight's policy version is the one last published when
+it is queued (as Generation.submit's); Publication.publish waits for every flight queued before it
+(Generation.join) before it queues the next weights, so each turn of a flight of version v runs on v.
 `on_workers` sends every turn's token-id contexts to the rollout workers in one call each (each worker gets
 a contiguous slice, as Generation splits prompts); `samples` turns the episodes into Samples (completion =
 assistant and environment tokens, loss_mask 1 on the sampled ones, the routing merged over the turns);
 `rewards` scores them: reward functions get the completion as a message list including the tool messages
 (TRL's conversational convention) and, as TRL's `environments` keyword, each episode's environment instance
 (or verifiers state); the environment's own reward is added with env.reward_weight (reward/env/mean). The
-env/* metrics ride in the reward metrics.
+env/* metrics ride in the reward metrics. A rollout worker that dies during a turn ends the run (ActorError,
+raised where the driver collects the flight); `--resume` continues from the last checkpoint.
 """
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 from rl.envs import Environment
 from rl.episodes import ChatFormat, Episode, EpisodeRunner, episode_metrics
@@ -36,9 +44,37 @@ def eos_ids(tokenizer, model_dir: str | Path) -> list[int]:
     return sorted(ids)
 
 
+class Stopped(RuntimeError):
+    """The run is ending (EpisodeStep.close): a flight's next turn is not sent."""
+
+
+class Turns:
+    """`generate(prompts, sampling, n, max_tokens) -> samples` of one flight on the rollout workers
+    (EpisodeStep.on_workers); busy_s adds the slowest worker's seconds of each call."""
+
+    def __init__(self, owner: EpisodeStep, gen, version: int):
+        self.owner, self.gen, self.version, self.busy_s = owner, gen, version, 0.0
+
+    def __call__(self, prompts: list[list[int]], sampling: dict, n: int, max_tokens: list[int]) -> list[Sample]:
+        if self.owner.stopped.is_set():
+            raise Stopped("the run is ending: the episodes in flight stop before their next turn")
+        actors, refs = self.gen.actors, []
+        for w, (a, b) in zip(actors.rollouts, self.gen.bounds(len(prompts))):
+            if a == b:
+                refs.append(None)
+                continue
+            s = {**sampling, "seed": sampling["seed"] + a * n}
+            refs.append(w.generate.remote(prompts[a:b], n, s, offset=a, policy_version=self.version,
+                                          max_tokens=max_tokens[a:b]))
+        live = [(j, r) for j, r in enumerate(refs) if r is not None]
+        outs = actors.get([r for _, r in live], [f"RolloutWorker {j}" for j, _ in live], "generate")
+        self.busy_s += max(sec for _, sec in outs)
+        return [x for out, _ in outs for x in out]
+
+
 class EpisodeStep:
     """Builds the environment and the chat format from the config (refusing, before any actor starts, what
-    cannot run), then serves Loop.draw."""
+    cannot run), then serves the driver (module docstring)."""
 
     def __init__(self, cfg, tokenizer, model_dir: str | Path):
         from rl.config import env_limits
@@ -50,30 +86,37 @@ class EpisodeStep:
         per_turn, total = env_limits(cfg)
         self.runner = EpisodeRunner(self.env, self.fmt, max_turns=cfg.env.max_turns, max_tokens_per_turn=per_turn,
                                     max_total_tokens=total)
-        self.episodes: list[Episode] = []  # the last draw's
-        self.busy_s = 0.0  # the rollout workers' seconds in the last draw's generate calls
+        self.pool: ThreadPoolExecutor | None = None  # the one driver thread of every episode (module docstring)
+        self.stopped = threading.Event()  # close(): no further turn is sent
 
-    def on_workers(self, gen, version: int):
+    def on_workers(self, gen, version: int) -> Turns:
         """`generate(prompts, sampling, n, max_tokens) -> samples` (RolloutWorker.generate's dict fields) on the
         rollout workers of `gen` (rl.pipeline.Generation), one call each on a contiguous slice (as Generation
         splits prompts), each slice's seed offset by its start as one engine would offset it, stamped with policy
-        version `version` (the one last published); self.busy_s adds the slowest worker's seconds of each call."""
-        actors = gen.actors
+        version `version`; its busy_s adds the slowest worker's seconds of each call."""
+        return Turns(self, gen, version)
 
-        def generate(prompts: list[list[int]], sampling: dict, n: int, max_tokens: list[int]) -> list[Sample]:
-            refs = []
-            for w, (a, b) in zip(actors.rollouts, gen.bounds(len(prompts))):
-                if a == b:
-                    refs.append(None)
-                    continue
-                s = {**sampling, "seed": sampling["seed"] + a * n}
-                refs.append(w.generate.remote(prompts[a:b], n, s, offset=a, policy_version=version,
-                                              max_tokens=max_tokens[a:b]))
-            live = [(j, r) for j, r in enumerate(refs) if r is not None]
-            outs = actors.get([r for _, r in live], [f"RolloutWorker {j}" for j, _ in live], "generate")
-            self.busy_s += max(sec for _, sec in outs)
-            return [x for out, _ in outs for x in out]
-        return generate
+    def queued(self, gen, fn: Callable[[Turns], object]) -> Future:
+        """`fn(turns)` in the episodes' driver thread, behind everything queued there, `turns` (on_workers) by the
+        version last published (gen.version, taken now, as Generation.submit takes it); the weight updates queued
+        on the workers since the last call (gen.unchecked) are checked first (ActorError naming the worker)."""
+        version, syncs = gen.version, gen.unchecked
+        gen.unchecked = [[] for _ in gen.actors.rollouts]
+
+        def run():
+            live = [(j, ref) for j, q in enumerate(syncs) for ref in q]
+            if live:
+                gen.actors.get([r for _, r in live], [f"RolloutWorker {j}" for j, _ in live], "update_weights")
+            return fn(self.on_workers(gen, version))
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="episodes")
+        return self.pool.submit(run)
+
+    def close(self) -> None:
+        """The run ends: a running flight stops before its next turn (Stopped), the queued ones never start."""
+        self.stopped.set()
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
 
     def run(self, batch, n: int, sampling: dict, generate) -> list[Episode]:
         """n episodes of each of `batch`'s prompts (rl.data's batch: prompts and reward columns), every turn one
@@ -86,11 +129,10 @@ class EpisodeStep:
 
         return self.runner.run(rows, batch.prompts, n, one_turn)
 
-    def generate(self, gen, batch, sampling: dict, version: int) -> list[Episode]:
-        """The step's episodes of `batch`'s prompts on the rollout workers of `gen`, by policy version `version`."""
-        self.busy_s = 0.0
-        self.episodes = self.run(batch, self.cfg.rollout.n, sampling, self.on_workers(gen, version))
-        return self.episodes
+    def draw(self, turns: Turns, batch, sampling: dict) -> tuple[list[Sample], float, list[Episode]]:
+        """(samples, the workers' busy seconds, episodes) of rollout.n episodes of each of `batch`'s prompts."""
+        episodes = self.run(batch, self.cfg.rollout.n, sampling, turns)
+        return self.samples(episodes, turns.version), turns.busy_s, episodes
 
     def samples(self, episodes: list[Episode], version: int) -> list[Sample]:
         return [Sample(prompt_index=e.prompt_index, prompt_ids=e.prompt_ids, completion_ids=e.completion_ids,
@@ -120,16 +162,26 @@ class EpisodeStep:
         return RewardResult(total=total, per_fn=per_fn, errors=errors,
                             logged={**res.logged, **episode_metrics(episodes)})
 
-    def extra_draws(self, gen):
-        """Dynamic sampling's extra draws (Scoring.score's `generate(batch, prompts, sampling) -> samples`): episodes
-        too, by the version last published."""
-        return lambda batch, prompts, sampling: self.flight(gen, None, batch, prompts, sampling).samples
-
-    def flight(self, gen, step: int, batch, prompts: list, sampling: dict):
-        """Step `step`'s generation as episodes: an rl.pipeline.Flight whose samples are the episodes'
-        (completion = assistant and environment tokens, loss_mask 1 on the sampled ones)."""
+    def flight(self, gen, step: int | None, batch, prompts: list, sampling: dict):
+        """Step `step`'s generation as episodes, queued (`queued`): an rl.pipeline.Flight whose future resolves to
+        the episodes' samples (completion = assistant and environment tokens, loss_mask 1 on the sampled ones),
+        the busy seconds and the episodes; Generation.collect waits for it."""
         from rl.pipeline import Flight
 
-        episodes = self.generate(gen, batch, sampling, gen.version)
         return Flight(step, gen.version, batch, prompts, sampling, self.cfg.rollout.n, gen.bounds(len(prompts)),
-                      samples=self.samples(episodes, gen.version), busy_s=self.busy_s)
+                      future=self.queued(gen, lambda turns: self.draw(turns, batch, sampling)))
+
+    def submit(self, gen, step: int, batch, prompts: list, sampling: dict):
+        """Step `step`'s episodes into the pipeline (gen.pending: Generation.pop and join collect them)."""
+        f = self.flight(gen, step, batch, prompts, sampling)
+        gen.pending.append(f)
+        return f
+
+    def extra_draws(self, gen):
+        """Dynamic sampling's extra draws (Scoring.score's `generate(batch, prompts, sampling)`): a collected Flight
+        of episodes (for Scoring's rewards), by the version last published, behind the flights in flight."""
+        def generate(batch, prompts: list, sampling: dict):
+            f = self.flight(gen, None, batch, prompts, sampling)
+            gen.collect(f)
+            return f
+        return generate

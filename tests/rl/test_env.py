@@ -311,8 +311,6 @@ def test_config_env_section_refusals():
     cfg = load(base)
     assert cfg.env.enabled and cfg.env.tools == ["rl.tool_task:calculator"]
     for over, msg in [
-        (["run.max_async_steps=1"], r"run.max_async_steps: expected 0 with multi-turn episodes .*an episode needs "
-                                    r"the driver between its turns"),
         (["env.max_total_tokens=100000"], r"env.max_total_tokens: expected an int <= min\(rollout.max_model_len"),
         (["env.environment=a:B"], r"env: set at most one of env.tools and env.environment"),
         (["env.max_turns=0"], r"env.max_turns: expected an int >= 1"),
@@ -322,8 +320,10 @@ def test_config_env_section_refusals():
             load(base, over)
     # What combines with episodes (each tested below and in tests/rl/test_rl_faults.py's run).
     both = load(base, ["trainer.routing_replay=true", "trainer.routing_metrics=true", "eval.every=1",
-                       "eval.data.task=tool_arith", "reward.overlong_buffer=8", "data.dynamic_sampling=true"])
+                       "eval.data.task=tool_arith", "reward.overlong_buffer=8", "data.dynamic_sampling=true",
+                       "run.max_async_steps=2"])
     assert both.trainer.routing_replay and both.eval.every == 1 and both.data.dynamic_sampling
+    assert both.run.max_async_steps == 2  # episodes in flight (tests/rl/test_episode_pipeline.py)
 
 
 class EvalEngine:
@@ -758,7 +758,7 @@ class FakeActors:
 
 
 def test_the_loop_hook_splits_each_turn_over_the_rollout_workers(tok, tmp_path):
-    """EpisodeStep.flight (what the driver takes a step's generation from with an env section): each turn is
+    """EpisodeStep.submit (what the driver queues a step's generation with, with an env section): each turn is
     one call per rollout worker on its contiguous slice of the live episodes, with per-episode token budgets
     and a seed offset by the slice's start (so no two episodes share a seed), stamped with the version last
     published; the Flight holds masked Samples, and Scoring's rewards the env/* metrics."""
@@ -776,14 +776,15 @@ def test_the_loop_hook_splits_each_turn_over_the_rollout_workers(tok, tmp_path):
     generation = Generation(cfg, FakeActors(workers))
     generation.version = 4
     batch = Batch(prompts=[[{"role": "user", "content": "What is 37 * 12?"}]] * 3, columns={"answer": ["444"] * 3})
-    flight = step.flight(generation, 3, batch, ["p"] * 3, {"temperature": 1.0, "seed": 100})
+    flight = step.submit(generation, 3, batch, ["p"] * 3, {"temperature": 1.0, "seed": 100})
+    assert generation.pop(3) is flight
     assert [w.seen[0][:3] for w in workers] == [(3, 1, 100), (3, 1, 103)]
     assert [w.seen[1][:3] for w in workers] == [(3, 1, 100 + TURN_SEED_STRIDE), (3, 1, 103 + TURN_SEED_STRIDE)]
     assert workers[0].seen[0][3] == [200] * 3 and [w.seen[0][4:] for w in workers] == [(0, 4), (3, 4)]
     assert flight.step == 3 and flight.version == 4
     assert len(flight.samples) == 6 and all(s.policy_version == 4 and 0 in s.loss_mask for s in flight.samples)
     scoring = Scoring(cfg, None, None, RewardScorer(load_rewards(cfg.reward)), step)
-    rewards = scoring.rewards(batch, flight.samples, 3)
+    rewards = scoring.rewards(batch, flight.samples, 3, flight.episodes)
     assert rewards.total == [1.0] * 6  # a tool result and the right number
     m = rewards.metrics(2)
     assert m["env/turns_mean"] == 2.0 and m["env/tool_calls"] == 6.0 and m["env/truncated"] == 0.0
@@ -824,7 +825,8 @@ def test_dynamic_sampling_draws_episodes(tok, tmp_path):
     """data.dynamic_sampling with episodes: the first draw (every answer wrong: no signal) is dropped, the extra
     draw is episodes too (other prompts, the extra call's seeds) and fills the batch."""
     cfg, step, generation, scoring = arith_episodes(tok, tmp_path, "data.dynamic_sampling=true")
-    flight = step.flight(generation, 0, *scoring.prompts(0))
+    flight = step.submit(generation, 0, *scoring.prompts(0))
+    generation.pop(0)
     scored = scoring.score(flight, 0, step.extra_draws(generation))  # what the driver passes (rl/loop.py)
     assert scored.metrics["dynamic_sampling/generate_calls"] == 2 and scored.metrics["dynamic_sampling/kept_groups"] == 2
     assert scored.rewards.total == [1.0, 0.5] * 2  # tool_used 0.5 each, numeric 0.5 for the right answers
@@ -840,8 +842,9 @@ def test_overlong_shaping_counts_an_episodes_assistant_tokens(tok, tmp_path):
 
     cfg, step, generation, scoring = arith_episodes(tok, tmp_path, "env.max_turns=2", "reward.overlong_buffer=390",
                                                     "reward.overlong_penalty=2.0")
-    flight = step.flight(generation, 0, *scoring.prompts(0))
-    rewards = scoring.rewards(flight.batch, flight.samples, 0)
+    flight = step.submit(generation, 0, *scoring.prompts(0))
+    generation.pop(0)
+    rewards = scoring.rewards(flight.batch, flight.samples, 0, flight.episodes)
     sampled = [sum(s.loss_mask) for s in flight.samples]
     assert all(len(s.completion_ids) > n > 10 for s, n in zip(flight.samples, sampled))
     assert rewards.per_fn["overlong"] == [-2.0 * (n - 10) / 390 for n in sampled]
