@@ -25,8 +25,8 @@ On a GPU (configs/h200_rl.yaml: vLLM compiled with CUDA graphs, one card, R3 off
         trainer.routing_replay=true && \
     python benchmarks/bench_replay.py --compare-runs runs/r3-off runs/r3-on
 
---compare-runs reads the two runs' metrics.jsonl: the median rollout seconds per step (steps 2..: step 1
-carries the engine's first-call costs) and their ratio, with the R3 run's routing agreement, k3 and
+--compare-runs reads the two runs' metrics.jsonl: the median rollout tokens/s and seconds per step (steps 2..:
+step 1 carries the engine's first-call costs) and their ratios, with the R3 run's routing agreement, k3 and
 max |dlogp| where the run logged them.
 """
 
@@ -107,14 +107,18 @@ def compare_runs(off_dir: str, on_dir: str) -> str:
     off, on = steps(off_dir), steps(on_dir)
     t_off = statistics.median(r["time/rollout_s"] for r in off)
     t_on = statistics.median(r["time/rollout_s"] for r in on)
+    # The two runs train differently (R3 changes the gradients), so their completions' lengths drift apart:
+    # the sampler's tokens per second is the like-for-like speed, the seconds per step the driver's view.
+    v_off = statistics.median(r["throughput/rollout_tokens_per_s"] for r in off)
+    v_on = statistics.median(r["throughput/rollout_tokens_per_s"] for r in on)
     keys = [k for k in ("routing/agree", "mismatch/k3_kl", "mismatch/abs_logp_diff_max") if k in on[-1] or k in off[-1]]
-    lines = [header(), "", "| run | median rollout s (steps 2..) | " + " | ".join(keys) + " |",
-             "|---|---|" + "---|" * len(keys)]
-    for name, rows, t in ((off_dir, off, t_off), (on_dir, on, t_on)):
+    lines = [header(), "", "| run | median rollout s (steps 2..) | median rollout tokens/s | " + " | ".join(keys) + " |",
+             "|---|---|---|" + "---|" * len(keys)]
+    for name, rows, t, v in ((off_dir, off, t_off, v_off), (on_dir, on, t_on, v_on)):
         vals = [f"{statistics.median(r[k] for r in rows if k in r):.4g}" if any(k in r for r in rows) else "-"
                 for k in keys]
-        lines.append(f"| {name} | {t:.3f} | " + " | ".join(vals) + " |")
-    lines += ["", f"rollout speed with R3 / without: {t_off / t_on:.3f}x"]
+        lines.append(f"| {name} | {t:.3f} | {v:.0f} | " + " | ".join(vals) + " |")
+    lines += ["", f"rollout with R3 / without: {v_on / v_off:.3f}x in tokens/s, {t_off / t_on:.3f}x in seconds per step"]
     return "\n".join(lines)
 
 
