@@ -2,12 +2,14 @@
 
     .venv/bin/python -m pytest -q tests/rl/test_rl_async.py
 
-Three `megamoe-rl train` runs of one async config (k=1, 5 steps, routing replay on, the test reward of
-tests/rl/test_rl_loop.py injecting the faults): one whose RolloutWorker is killed with the next
-step's batch queued on it, and one stopped by Ctrl-C after step 2 and resumed. Every result of the
-two must agree value for value (the lag is fixed, the in-flight batches are in the checkpoint, the
-dead worker's queue is replayed from the policy versions it needed). A file of its own, so that
-`make test`'s workers (--dist loadfile) can run it beside tests/rl/test_rl_faults.py.
+Two `megamoe-rl train` runs of one async config (k=1, 5 steps, routing replay on, the test reward of
+tests/rl/test_rl_loop.py injecting the faults): one whose RolloutWorker is killed with the next step's
+batch queued on it, and a copy of its run folder as it stood at step 2's checkpoint (step 3's batch in
+flight), resumed with evaluation on and stopped by Ctrl-C during step 4. Every training result of the two
+must agree value for value (the lag is fixed, the in-flight batches are in the checkpoint, the dead
+worker's queue is replayed from the policy versions it needed, evaluation leaves training alone), and
+the batch in flight at the Ctrl-C checkpoint must be the one the killed run trained at step 5. A file of
+its own, so that `make test`'s workers (--dist loadfile) can run it beside tests/rl/test_rl_faults.py.
 The config refusals are pure config tests (tests/rl/test_config.py).
 
 Also here, without a run: the checks every async run goes through (check_sampled_by_version, which
@@ -23,7 +25,8 @@ from typing import Callable
 
 import pytest
 
-from test_rl_loop import STEP_KEYS, explain, fp32_mismatch_over_bounds, numeric_finite, run_train, write_reward_module
+from test_rl_loop import (EVAL, STEP_KEYS, explain, fp32_mismatch_over_bounds, numeric_finite, run_train,
+                          write_reward_module)
 from rl.metrics import read_jsonl
 
 
@@ -103,27 +106,39 @@ def result_differences(a: list[dict], b: list[dict]) -> list[tuple]:
 
 # ---- async (run.max_async_steps=1): lag, reproducibility, resume, a rollout worker killed ---------
 
-ASYNC = ("run.steps=5", "run.max_async_steps=1", "trainer.checkpoint_every=2", "run.plot=false",
-         "run.export_final=false", "run.tensorboard=false", "run.samples_every=1", "trainer.routing_replay=true")
+# trainer.keep_checkpoints=3: the killed run keeps step 2's checkpoint (steps 2, 4, 5) for the resumed one.
+ASYNC = ("run.steps=5", "run.max_async_steps=1", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=3",
+         "run.plot=false", "run.export_final=false", "run.tensorboard=false", "run.samples_every=1",
+         "trainer.routing_replay=true")
 
 
 @pytest.fixture(scope="module")
 def async_runs(tmp_path_factory):
-    """Two runs of one async config: `killed` loses its RolloutWorker while step 4's batch is queued
-    on it (the reward's 3rd call, during step 3); `stopped` gets Ctrl-C during step 2 (a checkpoint
-    with step 3's batch in flight) and is resumed."""
+    """Two runs of one async config. `killed` loses its RolloutWorker while step 4's batch is queued on it
+    (the reward's 3rd call, during step 3) and runs to step 5 (checkpoints after steps 2, 4, 5). `resumed`:
+    a copy of that run folder as it stood when step 2's checkpoint was the latest (step 3's batch in flight;
+    the later checkpoints removed, the later log lines for the resume to drop), resumed with evaluation on
+    (test_rl_loop.py's EVAL: every step) and stopped by Ctrl-C during step 4 (the reward's 2nd call there):
+    step 4 finishes and its checkpoint holds step 5's batch in flight."""
+    import shutil
+
     work = tmp_path_factory.mktemp("rl_async")
     reward = write_reward_module(work)
-    killed_dir, stopped_dir = work / "killed", work / "stopped"
+    killed_dir, resumed_dir = work / "killed", work / "resumed"
     killed = run_train(killed_dir, *ASYNC, "--reward", reward, action="kill_rollout@3", cwd=work)
-    stopped = run_train(stopped_dir, *ASYNC, "--reward", reward, action="sigint@2", cwd=work)
-    inflight = json.loads((stopped_dir / "checkpoints" / "step_000002" / "inflight.json").read_text())
-    resumed = run_train(stopped_dir, *ASYNC, "--reward", reward, "--resume", cwd=work)
-    return {"killed": killed, "killed_dir": killed_dir, "stopped": stopped, "inflight": inflight,
-            "resumed": resumed, "stopped_dir": stopped_dir}
+    inflight = json.loads((killed_dir / "checkpoints" / "step_000002" / "inflight.json").read_text())
+    resumed = None
+    if killed.returncode == 0:
+        shutil.copytree(killed_dir, resumed_dir)
+        for later in sorted((resumed_dir / "checkpoints").glob("step_*"))[1:]:
+            shutil.rmtree(later)
+        (resumed_dir / "checkpoints" / "latest.json").write_text(json.dumps({"step": 2, "path": "step_000002"}))
+        resumed = run_train(resumed_dir, *ASYNC, *EVAL, "--reward", reward, "--resume", action="sigint@2", cwd=work)
+    return {"killed": killed, "killed_dir": killed_dir, "inflight": inflight, "resumed": resumed,
+            "resumed_dir": resumed_dir}
 
 
-@pytest.mark.slow  # three `megamoe-rl train` runs (the module's `async_runs`)
+@pytest.mark.slow  # two `megamoe-rl train` runs (the module's `async_runs`)
 def test_async_lag_is_fixed_and_a_killed_rollout_worker_regenerates_its_queue(async_runs):
     p = async_runs["killed"]
     assert p.returncode == 0, explain(p)
@@ -149,23 +164,44 @@ def test_async_lag_is_fixed_and_a_killed_rollout_worker_regenerates_its_queue(as
         assert r["routing/unrouted_tokens"] == 16 and r["routing/replayed_tokens"] > 0, (r["step"], r)
         if r["step"] not in stale:
             assert r["routing/agree"] == 1.0, (r["step"], r["routing/agree"])
+    # The checkpoint after step 2 holds step 3's batch, sampled by version 1 (the resumed run trains on it).
+    assert [(b["step"], b["version"], len(b["samples"])) for b in async_runs["inflight"]] == [(2, 1, 16)]
+
+
+def _inflight(run_dir, step: int) -> list[dict]:
+    return json.loads((run_dir / "checkpoints" / f"step_{step:06d}" / "inflight.json").read_text())
 
 
 @pytest.mark.slow
-def test_async_run_interrupted_and_resumed_equals_the_uninterrupted_one(async_runs):
-    assert async_runs["stopped"].returncode == 130, explain(async_runs["stopped"])
-    assert async_runs["resumed"].returncode == 0, explain(async_runs["resumed"])
-    # The checkpoint after step 2 holds step 3's batch, sampled by version 1 before the Ctrl-C.
-    assert [(b["step"], b["version"], len(b["samples"])) for b in async_runs["inflight"]] == [(2, 1, 16)]
-    a = read_jsonl(async_runs["killed_dir"] / "metrics.jsonl")
-    b = read_jsonl(async_runs["stopped_dir"] / "metrics.jsonl")
-    assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
-    # Every result of the run equals, value for value, the other run's, the one whose RolloutWorker
-    # died with a batch queued on it: one config, one seed, one run, whatever happened to it.
-    differ = result_differences(a, b)
+def test_async_run_resumed_with_evaluation_and_stopped_equals_the_killed_one(async_runs):
+    a_dir, b_dir = async_runs["killed_dir"], async_runs["resumed_dir"]
+    p = async_runs["resumed"]
+    assert p is not None, "the killed run failed, so nothing was resumed"
+    assert p.returncode == 130, explain(p)  # Ctrl-C: step 4 finished and checkpointed, then exit 130
+    log = (b_dir / "train.log").read_text()
+    assert "resume: 1 batch(es) in flight at the checkpoint (steps [3])" in log
+    assert "stopped by Ctrl-C after step 4; continue with --resume" in log
+    a = read_jsonl(a_dir / "metrics.jsonl")
+    b = read_jsonl(b_dir / "metrics.jsonl")
+    # The copy's lines of steps 3-5 were dropped by the resume and steps 3-4 written again (with evaluation).
+    assert [r["step"] for r in b] == [1, 2, 3, 4], explain(p)
+    assert [k for r in b[2:] for k in ("eval/reward_mean", "eval/pass@4") if not isinstance(r.get(k), float)] == []
+    assert [r["eval/policy_version"] for r in b[2:]] == [3, 4]
+    # Every training result equals, value for value, the killed run's (which never evaluated): the one whose
+    # RolloutWorker died with a batch queued on it, uninterrupted. Evaluation adds its eval/* keys and nothing else.
+    b_train = [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in b]
+    assert [sorted(set(x) ^ set(y)) for x, y in zip(a, b_train)] == [[]] * 4
+    differ = result_differences(a[:4], b_train)
     assert differ == [], differ[:5]
-    assert "resume: 1 batch(es) in flight at the checkpoint (steps [3])" in \
-        (async_runs["stopped_dir"] / "train.log").read_text()
+    rows_a, rows_b = read_jsonl(a_dir / "samples.jsonl"), read_jsonl(b_dir / "samples.jsonl")
+    assert [(r["step"], r["completion"], r["reward"]) for r in rows_b] == \
+        [(r["step"], r["completion"], r["reward"]) for r in rows_a if r["step"] <= 4]
+    # The Ctrl-C checkpoint holds step 5's batch, sampled by version 3 after an evaluation of version 3 on the
+    # same engine: every sample equal (ids, logprobs, routing) to the batch the killed run had in flight at
+    # its step 4 checkpoint and trained at step 5.
+    got, want = _inflight(b_dir, 4), _inflight(a_dir, 4)
+    assert [(f["step"], f["version"], len(f["samples"])) for f in got] == [(4, 3, 16)]
+    assert [f["samples"] for f in got] == [f["samples"] for f in want]
 
 
 def test_sleep_mode_is_refused_on_cpu_saying_why_and_at_k_1_says_what_it_costs(caplog):
