@@ -136,6 +136,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--samplers", default="megamoe,stock")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eager", action="store_true", help="megamoe's engine eager too (no torch.compile: a quicker "
+                   "start, the capture on the same op path as compiled on CPU)")
     p.add_argument("--out", default=None, help="also write the table (markdown) here")
     p.add_argument("--compare-runs", nargs=2, metavar=("OFF_RUN", "ON_RUN"), default=None,
                    help="compare two megamoe-rl train runs' metrics.jsonl (R3 off, R3 on) instead of benchmarking")
@@ -163,7 +165,7 @@ def main() -> None:
     rows = []
     for impl in a.samplers.split(","):
         w = RolloutWorker(model_dir, impl, dtype="bfloat16", seed=a.seed, max_model_len=256,
-                          kv_cache_memory_bytes=128 << 20, return_routing=True, enforce_eager=impl == "stock")
+                          kv_cache_memory_bytes=128 << 20, return_routing=True, enforce_eager=a.eager or impl == "stock")
         try:
             from vllm import SamplingParams
 

@@ -251,13 +251,13 @@ def test_bench_async_smallest_run_prints_its_row():
 
 
 # bench_replay.py's smallest run: a 1-layer model, 2 prompts x 2 samples of 2 tokens, the megamoe
-# sampler only (one vLLM CPU engine), one rep per R3 setting.
+# sampler only (one vLLM CPU engine, eager: torch.compile was most of this test's time), one rep per R3 setting.
 @pytest.mark.smoke
 @pytest.mark.slow
 def test_bench_replay_smallest_run_prints_both_r3_rows():
     out = _run("benchmarks/bench_replay.py", "--layers", "1", "--hidden", "64", "--experts", "4", "--topk", "2",
                "--intermediate", "32", "--prompts", "2", "--n", "2", "--max-tokens", "2", "--micro-batch", "4",
-               "--reps", "1", "--samplers", "megamoe")
+               "--reps", "1", "--samplers", "megamoe", "--eager")
     assert "| sampler | R3 | routing agreement | k3 | max abs dlogp |" in out, out
     num = r"[\d.e+-]+"
     for r3 in ("off", "on"):
