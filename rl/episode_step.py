@@ -178,10 +178,10 @@ class EpisodeStep:
         return f
 
     def extra_draws(self, gen):
-        """Dynamic sampling's extra draws (Scoring.score's `generate(batch, prompts, sampling)`): a collected Flight
-        of episodes (for Scoring's rewards), by the version last published, behind the flights in flight."""
+        """Dynamic sampling's extra draws (Scoring.score's `generate(batch, prompts, sampling) -> (samples,
+        episodes)`): a flight of episodes by the version last published, behind the flights in flight, collected."""
         def generate(batch, prompts: list, sampling: dict):
             f = self.flight(gen, None, batch, prompts, sampling)
             gen.collect(f)
-            return f
+            return f.samples, f.episodes
         return generate

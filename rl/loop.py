@@ -120,7 +120,7 @@ class Loop:
         t0 = time.perf_counter()
         flight = gen.pop(self.step)
         t_wait = time.perf_counter() - t0
-        scored = self.scoring.score(flight, self.step, episodes.extra_draws(gen) if episodes else gen.generate)
+        scored = self.scoring.score(flight, self.step, episodes.extra_draws(gen) if episodes else gen.extra_draws)
         flight.episodes = None  # scored: what training and the metrics need is in `scored`
         memory = {}
         # The probe is a call on rollout worker 0: under k >= 1 it would wait behind the queued generation.

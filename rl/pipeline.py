@@ -156,6 +156,10 @@ class Generation:
         self.updates = {v: u for v, u in self.updates.items() if v >= keep}
         return samples
 
+    def extra_draws(self, batch, prompts: list, sampling: dict) -> tuple[list[Sample], None]:
+        """Dynamic sampling's extra draws (Scoring.score's `generate`): `generate`'s samples, no episodes."""
+        return self.generate(batch, prompts, sampling), None
+
     def generate(self, batch, prompts: list, sampling: dict, n: int | None = None) -> list[Sample]:
         """One generate call now, by the version last queued, behind the generations in flight
         (evaluation, dynamic sampling's extra calls); the step's queue is unchanged."""
@@ -311,8 +315,8 @@ class Scoring:
 
     def score(self, f: Flight, step: int, generate: Callable) -> Scored:
         """Score step `step`'s collected flight (one scored at a checkpoint already: its Scored); with
-        data.dynamic_sampling, extra calls `generate(batch, prompts, sampling) -> samples` (multi-turn: a
-        collected Flight, for its episodes) replace the groups without signal."""
+        data.dynamic_sampling, extra calls `generate(batch, prompts, sampling) -> (samples, episodes)` (episodes:
+        multi-turn's, for their rewards; None for single-turn) replace the groups without signal."""
         from rl.advantages import group_advantages
         from rl.config import scale_by_std
         from rl.dynamic_sampling import Draw, fill_batch
@@ -327,9 +331,7 @@ class Scoring:
                 batch, prompts, samples, episodes = f.batch, f.prompts, f.samples, f.episodes
             else:
                 batch, prompts, sampling = self.prompts(step, call)
-                samples, episodes = generate(batch, prompts, sampling), None
-                if isinstance(samples, Flight):
-                    samples, episodes = samples.samples, samples.episodes
+                samples, episodes = generate(batch, prompts, sampling)
             t1 = time.perf_counter()
             rewards = self.rewards(batch, samples, step, episodes)
             return Draw(prompts, samples, [s.text for s in samples], rewards,
