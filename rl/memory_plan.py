@@ -21,6 +21,11 @@ The plan is arithmetic on the model's dimensions and the config, for one GPU tha
 - the engine: its weights (model.dtype), its KV cache (rollout.kv_cache_bytes) and ENGINE_OVERHEAD
   (activations, CUDA graphs, workspaces: an estimate, not measured for this model);
 - CUDA_CONTEXT per process (two processes on the card when colocated).
+The engine's start-up gate (colocated): vLLM refuses to start unless the card's free memory is at least
+gpu_memory_utilization x its total (rollout.engine_kwargs, else vLLM's default); with kv_cache_memory_bytes set,
+as the project always does, that is all the fraction does. The trainer rank and the engine are built
+concurrently, so the trainer's whole state may already be on the card then: the plan fits only if the gate
+passes with it resident.
 Phases: rollout (the trainer's state stays resident, the engine awake), train (the engine asleep as
 rollout.sleep_level says: 0 keeps weights and KV, 1 moves weights to host and frees KV, 2 frees both),
 sync (the engine's weights back, the trainer's IPC bucket of rollout.ipc_bucket_bytes, one merged tensor).
@@ -29,6 +34,7 @@ sync (the engine's weights back, the trainer's IPC bucket of rollout.ipc_bucket_
 from __future__ import annotations
 
 import json
+import math
 
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +44,8 @@ KiB = 2**10
 MOE_ACT_PER_TOKEN_H2048 = 24 * KiB  # fused kernel, per token per MoE layer, Qwen3 bf16 (benchmarks/RESULTS.md)
 ENGINE_OVERHEAD = 3 * GiB           # vLLM's activations, CUDA graphs, workspaces (estimate)
 CUDA_CONTEXT = GiB // 2             # per process on the card (estimate)
+VLLM_GPU_MEMORY_UTILIZATION = 0.92
+"""vLLM 0.26's default gpu_memory_utilization (vllm/config/cache.py), used where rollout.engine_kwargs sets none."""
 CARDS = {"H200": 139 * GiB, "H100": 78 * GiB}  # usable memory of the lent cards (torch.cuda.mem_get_info's total)
 
 
@@ -105,6 +113,8 @@ class Plan:
     dims: Dims
     phases: dict[str, dict[str, int]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    gate_utilization: float | None = None  # colocated: the engine's gpu_memory_utilization (the start-up gate)
+    resident_at_engine_start: int = 0       # the trainer's state and both CUDA contexts
 
     def total(self, phase: str) -> int:
         return sum(self.phases[phase].values())
@@ -114,7 +124,21 @@ class Plan:
         return max(self.total(p) for p in self.phases)
 
     def fits(self, card_bytes: int) -> bool:
-        return self.peak <= card_bytes
+        return self.peak <= card_bytes and self.engine_gate(card_bytes) is None
+
+    def engine_gate(self, card_bytes: int) -> str | None:
+        """None when a colocated engine passes vLLM's start-up gate on this card (module docstring), else why not."""
+        if self.gate_utilization is None:
+            return None
+        free = card_bytes - self.resident_at_engine_start
+        asked = math.ceil(card_bytes * self.gate_utilization)
+        if asked <= free:
+            return None
+        most = math.floor(100 * max(free, 0) / card_bytes) / 100
+        return (f"rollout.engine_kwargs.gpu_memory_utilization {self.gate_utilization} makes vLLM ask for "
+                f"{asked / GiB:.1f} GiB free at the engine's start, but with the trainer's state on the card "
+                f"({self.resident_at_engine_start / GiB:.1f} GiB) {free / GiB:.1f} GiB are free: set it to at most "
+                f"{most:.2f} (the KV cache is rollout.kv_cache_bytes either way)")
 
     def render(self, card_bytes: int | None = None, card: str = "the card") -> str:
         d = self.dims
@@ -125,8 +149,11 @@ class Plan:
             lines.append(f"  {phase:8s} {self.total(phase) / GiB:7.1f} GiB = {parts}")
         lines += [f"  note: {n}" for n in self.notes]
         if card_bytes is not None:
-            verdict = "fits" if self.fits(card_bytes) else "does NOT fit"
+            verdict = "fits" if self.peak <= card_bytes else "does NOT fit"
             lines.append(f"  peak {self.peak / GiB:.1f} GiB {verdict} {card} ({card_bytes / GiB:.1f} GiB)")
+            gate = self.engine_gate(card_bytes)
+            if gate is not None:
+                lines.append(f"  the engine does NOT start on {card}: {gate}")
         return "\n".join(lines)
 
 
@@ -172,6 +199,9 @@ def memory_plan(cfg, dims: Dims | None = None) -> Plan:
         if colocated else {}
     ctx = CUDA_CONTEXT * (2 if colocated else 1)
     plan.phases["rollout"] = {**trainer_state, **engine, "CUDA contexts": ctx}
+    if colocated:
+        plan.gate_utilization = float(r.engine_kwargs.get("gpu_memory_utilization", VLLM_GPU_MEMORY_UTILIZATION))
+        plan.resident_at_engine_start = sum(trainer_state.values()) + ctx
     asleep = dict(engine)
     if colocated and r.sleep_level >= 1:
         asleep["engine weights"] = 0  # level 1: to host memory; level 2: freed
@@ -215,7 +245,9 @@ def report(cfg, card: tuple[str, int] | None) -> tuple[bool | None, str]:
     if card is None:
         text = plan.render() + "\n" + "\n".join(
             f"  {name} ({b / GiB:.0f} GiB): {'fits' if plan.fits(b) else 'does NOT fit'}; "
-            f"at most {max_layers(cfg, b)} layers of this model fit" for name, b in CARDS.items())
+            f"at most {max_layers(cfg, b)} layers of this model fit"
+            + (f"; the engine does not start: {plan.engine_gate(b)}" if plan.engine_gate(b) else "")
+            for name, b in CARDS.items())
         return None, text
     name, b = card
     text = plan.render(b, name)

@@ -197,6 +197,37 @@ def test_the_30b_config_fits_an_h200_and_not_an_h100_with_the_layer_counts():
     assert fits is True and "fits NVIDIA H200" in text
 
 
+def test_the_engine_start_gate_of_a_colocated_plan():
+    """vLLM starts an engine only with gpu_memory_utilization x the card free (vllm/v1/worker/utils.py
+    request_memory); colocated, the trainer's state may be resident by then. Seen on an H100 (2026-12-07):
+    the 30B config at 8 layers without the fraction failed with "Free memory on device cuda:0 (67.19/79.18 GiB)
+    on startup is less than desired GPU memory utilization (0.92, 72.84 GiB)"."""
+    from rl import config as C
+    from rl.memory_plan import CUDA_CONTEXT, GiB, memory_plan, report
+
+    path = ROOT / "configs" / "qwen3_30b_a3b_1gpu.yaml"
+    bare = C.load(path, ["model.make.layers=8", "rollout.engine_kwargs={max_num_seqs: 128}"])
+    plan = memory_plan(bare)
+    assert plan.gate_utilization == 0.92  # vLLM 0.26's default
+    state = plan.phases["rollout"]["base (frozen)"] + plan.phases["rollout"]["adapters + AdamW"]
+    assert plan.resident_at_engine_start == state + 2 * CUDA_CONTEXT
+    assert plan.peak <= 78 * GiB and not plan.fits(78 * GiB)  # the phases fit; the engine does not start
+    why = plan.engine_gate(78 * GiB)
+    assert "rollout.engine_kwargs.gpu_memory_utilization 0.92" in why and "at most 0.8" in why, why
+    fits, text = report(bare, ("NVIDIA H100 80GB HBM3", 78 * GiB))
+    assert fits is False and "the engine does NOT start on NVIDIA H100" in text
+    # the config's own fraction passes at the layer counts its header names, on both cards
+    for layers, card in ((8, 78), (25, 78), (48, 139)):
+        cfg = C.load(path, [f"model.make.layers={layers}"])
+        assert memory_plan(cfg).engine_gate(card * GiB) is None, (layers, card)
+    # the gate is exact: a fraction that asks for one byte more than is free fails
+    free = 139 * GiB - memory_plan(C.load(path)).resident_at_engine_start
+    over = C.load(path, [f"rollout.engine_kwargs.gpu_memory_utilization={(free + 1) / (139 * GiB)}"])
+    assert memory_plan(over).engine_gate(139 * GiB) is not None
+    under = C.load(path, [f"rollout.engine_kwargs.gpu_memory_utilization={(free - 1) / (139 * GiB)}"])
+    assert memory_plan(under).engine_gate(139 * GiB) is None
+
+
 def test_dry_run_prints_the_plan_of_a_gpu_config():
     proc = subprocess.run([sys.executable, "-m", "rl.cli", "train", "--config", "configs/qwen3_30b_a3b_1gpu.yaml",
                            "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=120,
