@@ -19,8 +19,8 @@ shards start) or given with --gpu-free-gib. --mem-per-shard-gib is the most GPU 
 the selection holds; 0 turns the sizing off (a CPU selection). DEFAULT_SHARD_GIB is an estimate for
 the op's and the trainer's GPU tests, not a measured peak: eight processes fit the H200's 139.8 GiB
 (98 of 98 passed), and on an 80 GB H100 eight failed 2 of 98 tests with CUDA out-of-memory (both pass
-alone), so together they peaked above ~79 GiB. 16 GiB keeps eight on the H200 and gives four on the
-H100. The peak per process can be read on the GPU machine with
+alone), so together they peaked above ~79 GiB, while six passed 98 of 98 in 506 s (2026-12-07). 12 GiB
+keeps eight on the H200 and gives six on the H100 (16 GiB gave four there: too slow for a call). The peak per process can be read on the GPU machine with
 `nvidia-smi --query-compute-apps=pid,used_memory --format=csv -l 1` during a run.
 
 Each shard writes its log and a JUnit XML file under --out; the outcome of a test is read from the
@@ -38,7 +38,7 @@ import time
 import xml.etree.ElementTree as ET
 
 GIB = 1 << 30
-DEFAULT_SHARD_GIB = 16.0
+DEFAULT_SHARD_GIB = 12.0
 """GPU memory one pytest process of `-m gpu` tests/megamoe/test_fused.py test_expert_options.py
 tests/trainer/test_trainer_gpu.py may hold at its peak, in GiB: an estimate (module docstring)."""
 
