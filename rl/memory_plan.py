@@ -46,6 +46,7 @@ ENGINE_OVERHEAD = 3 * GiB           # vLLM's activations, CUDA graphs, workspace
 CUDA_CONTEXT = GiB // 2             # per process on the card (estimate)
 VLLM_GPU_MEMORY_UTILIZATION = 0.92
 """vLLM 0.26's default gpu_memory_utilization (vllm/config/cache.py), used where rollout.engine_kwargs sets none."""
+MAX_LAYERS_SEARCHED = 1024  # max_layers' bound (a plan that still fits there reports it)
 CARDS = {"H200": 139 * GiB, "H100": 78 * GiB}  # usable memory of the lent cards (torch.cuda.mem_get_info's total)
 
 
@@ -221,7 +222,7 @@ def max_layers(cfg, card_bytes: int, dims: Dims | None = None) -> int:
     """The most decoder layers of this model (other dimensions kept) whose plan fits `card_bytes` (0: none)."""
     d = dims or dims_of(cfg)
     best = 0
-    for n in range(1, 4 * d.layers + 1):
+    for n in range(1, MAX_LAYERS_SEARCHED + 1):  # the plan grows with the layer count: stop at the first misfit
         if memory_plan(cfg, Dims(**{**d.__dict__, "layers": n})).fits(card_bytes):
             best = n
         else:

@@ -191,6 +191,8 @@ def test_the_30b_config_fits_an_h200_and_not_an_h100_with_the_layer_counts():
     assert plan.fits(139 * GiB) and not plan.fits(78 * GiB)
     assert round(plan.peak / GiB, 1) == 134.7
     assert max_layers(cfg, 78 * GiB) == 25 and max_layers(cfg, 139 * GiB) == 49
+    two = C.load(ROOT / "configs" / "qwen3_30b_a3b_1gpu.yaml", ["model.make.layers=2"])
+    assert max_layers(two, 78 * GiB) == 25 and max_layers(two, 139 * GiB) == 49  # not bounded by the config's count
     fits, text = report(cfg, ("NVIDIA H100 80GB HBM3", 78 * GiB))
     assert fits is False and "does NOT fit NVIDIA H100" in text and "at most 25 layers" in text
     fits, text = report(cfg, ("NVIDIA H200", 139 * GiB))
