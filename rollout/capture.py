@@ -2,12 +2,13 @@
 engine generated it (prefill and decode steps alike), per request (rollout routing replay,
 docs/ROUTING_REPLAY.md).
 
-The MoE ops write each step's routing into static per-layer buffers, row r = the r-th token of the step's
-batch (rollout/moe_method.py: capture_routing). While a session is on, a wrapper around the model runner's
+The MoE ops write each step's routing into one static buffer, a slot per layer, row r = the r-th token of the
+step's batch (rollout/moe_method.py: capture_routing). While a session is on, a wrapper around the model runner's
 `execute_model` queues a copy of the step's rows to the host right after the step was launched (on CUDA
 behind it on the stream, into pinned memory, without waiting: the next step is prepared meanwhile, as
-vLLM's asynchronous scheduling intends) and, once the copy has landed, files them under the request they
-belong to, at the token's position in its sequence, from the runner's own view of the step it just ran:
+vLLM's asynchronous scheduling intends; a constant number of operations per step, whatever its numbers of
+layers and requests); `take` files every landed step's rows under the request they belong to, at the token's
+position in its sequence, from the runner's own view of each step it ran:
 `input_batch.req_ids` (the batch's request order), the scheduler's `num_scheduled_tokens` per request
 (the rows are laid out request after request in that order) and the runner's `positions` (each row's
 position in its sequence). A token computed twice (a preempted request recomputed) keeps its last routing;
@@ -46,25 +47,27 @@ class _Session:
     def __init__(self):
         self.on = False
         self.layers: list[int] | None = None
-        self.requests: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
         self.pending: deque = deque()  # steps whose rows are on their way to the host, oldest first
+        self.landed: list[tuple[list[str], np.ndarray, np.ndarray, np.ndarray]] = []  # (req_ids, counts, positions, ids)
         self.steps = 0
         self.read_s = 0.0
 
     def after_step(self, runner, scheduler_output) -> None:
         """Queue the copy of the step's rows and positions to the host (on CUDA behind the step, without waiting
-        for it: vLLM's asynchronous scheduling keeps preparing the next step meanwhile), and file the earlier
-        steps whose copies have landed."""
+        for it: vLLM's asynchronous scheduling keeps preparing the next step meanwhile), and keep the earlier
+        steps whose copies have landed. A constant number of calls per step, whatever its number of requests:
+        the rows are split into requests once, in `take`."""
         rows = int(scheduler_output.total_num_scheduled_tokens)
         if rows == 0:
             return
         t0 = time.perf_counter()
         batch = runner.input_batch
         req_ids = list(batch.req_ids[:batch.num_reqs])
-        counts = [int(scheduler_output.num_scheduled_tokens.get(r, 0)) for r in req_ids]
-        if sum(counts) != rows or set(scheduler_output.num_scheduled_tokens) - set(req_ids):
+        scheduled = scheduler_output.num_scheduled_tokens
+        counts = [int(scheduled.get(r, 0)) for r in req_ids]
+        if sum(counts) != rows or len(scheduled) != sum(1 for r in req_ids if r in scheduled):
             raise RuntimeError(f"routing capture: the batch's requests {req_ids} with {counts} scheduled tokens do "
-                               f"not lay out the step's {rows} rows ({dict(scheduler_output.num_scheduled_tokens)})")
+                               f"not lay out the step's {rows} rows ({dict(scheduled)})")
         layers, ids = moe_method.read_routing(rows)
         if self.layers is None:
             self.layers = layers
@@ -77,13 +80,13 @@ class _Session:
             landed = torch.cuda.Event()
             landed.record()
         self.pending.append((req_ids, counts, ids_host, positions_host, landed))
-        self._file(wait=False)
+        self._land(wait=False)
         self.steps += 1
         self.read_s += time.perf_counter() - t0
 
-    def _file(self, wait: bool) -> None:
-        """File the pending steps under their requests, in step order: those whose copies have landed, or
-        (wait) all of them."""
+    def _land(self, wait: bool) -> None:
+        """Move the pending steps to `landed`, in step order, checked: those whose copies have landed, or (wait)
+        all of them. The host buffers go back to the allocator here."""
         while self.pending:
             req_ids, counts, ids_host, positions_host, landed = self.pending[0]
             if landed is not None and not landed.query():
@@ -92,26 +95,40 @@ class _Session:
                 landed.synchronize()
             self.pending.popleft()
             moe_method.check_written(self.layers, ids_host)
-            positions, ids_np = positions_host.to(torch.int32).numpy(), ids_host.numpy()
-            start = 0
-            for req, n in zip(req_ids, counts):
-                if n:
-                    pos = positions[start:start + n]
-                    if n > 1 and not (np.diff(pos) == 1).all():
-                        raise RuntimeError(f"routing capture: request {req}'s rows hold positions {pos.tolist()}, "
-                                           "expected consecutive ones")
-                    self.requests.setdefault(req, []).append((pos.copy(), ids_np[start:start + n].copy()))
-                start += n
+            positions, counts = positions_host.to(torch.int32).numpy().copy(), np.asarray(counts, dtype=np.int64)
+            # within a step a request's rows are consecutive positions (a prefill chunk)
+            request = np.repeat(np.arange(len(counts)), counts)
+            broken = np.flatnonzero((request[1:] == request[:-1]) & (np.diff(positions) != 1))
+            if broken.size:
+                i = int(request[broken[0]])
+                start = int(counts[:i].sum())
+                raise RuntimeError(f"routing capture: request {req_ids[i]}'s rows hold positions "
+                                   f"{positions[start:start + counts[i]].tolist()}, expected consecutive ones")
+            self.landed.append((req_ids, counts, positions, ids_host.numpy().copy()))
+
+    def _by_request(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Every landed row under its request, in step order: {request id: (positions, ids [n, L, k])}, the
+        requests in order of first appearance."""
+        if not self.landed:
+            return {}
+        names: dict[str, int] = {}
+        codes = np.concatenate([np.repeat(np.fromiter((names.setdefault(r, len(names)) for r in req_ids),
+                                                      dtype=np.int64, count=len(req_ids)), counts)
+                                for req_ids, counts, _, _ in self.landed])
+        positions = np.concatenate([p for _, _, p, _ in self.landed])
+        ids = np.concatenate([i for _, _, _, i in self.landed])
+        order = np.argsort(codes, kind="stable")  # grouped by request, step order kept within each
+        ends = np.cumsum(np.bincount(codes, minlength=len(names)))
+        positions, ids = positions[order], ids[order]
+        return {name: (positions[ends[c] - n:ends[c]], ids[ends[c] - n:ends[c]])
+                for name, c in names.items() for n in [int(ends[c] - (ends[c - 1] if c else 0))]}
 
     def take(self) -> dict:
         t0 = time.perf_counter()
-        self._file(wait=True)
+        self._land(wait=True)
+        out = {req: (pos.astype(np.int32).tobytes(), ids.tobytes(), list(ids.shape))
+               for req, (pos, ids) in self._by_request().items()}
         self.read_s += time.perf_counter() - t0
-        out = {}
-        for req, parts in self.requests.items():
-            pos = np.concatenate([p for p, _ in parts])
-            ids = np.concatenate([i for _, i in parts])
-            out[req] = (pos.astype(np.int32).tobytes(), ids.tobytes(), list(ids.shape))
         got = {"layers": self.layers or [], "requests": out, "steps": self.steps, "read_s": self.read_s}
         on = self.on
         self.__init__()

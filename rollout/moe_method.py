@@ -69,17 +69,20 @@ def reset_moe_calls() -> None:
 
 # Routing capture (rollout routing replay, docs/ROUTING_REPLAY.md): while the engine was started with
 # MEGAMOE_ROUTING_CAPTURE=1 (RolloutWorker(return_routing=True) sets it before vLLM's processes exist), every
-# MoE call that knows its layer writes the experts it routed each row to into a static per-layer buffer,
+# MoE call that knows its layer writes the experts it routed each row to into its slot of one static buffer,
 # row r = the r-th token of the engine step's batch. The write is one tensor copy into a buffer that exists
 # before vLLM captures its CUDA graphs (vLLM's warm-up forwards run first, eagerly, at the largest batch), so
 # a replayed graph writes it too; on CPU the op's Python runs on every call, compiled or eager. The host
 # side (rollout/capture.py) copies the step's rows out after each step (queued on the stream, no wait) and marks
-# them unwritten again, so a row an op did not write this step is an error there, never stale routing.
+# them unwritten again, so a row an op did not write this step is an error there, never stale routing. One
+# buffer for all layers: reading a step and marking it unwritten are one copy and one fill, whatever the
+# number of layers (per-layer buffers cost 2L + 1 device operations per engine step on vLLM's host thread).
 CAPTURE_ENV_VAR = "MEGAMOE_ROUTING_CAPTURE"
 UNWRITTEN = -1
-_BUFFERS: dict[int, torch.Tensor] = {}  # model layer index -> int16 [rows, k] on the MoE's device
+_STORE: dict[str, torch.Tensor] = {}  # "ids": int16 [slots, rows, k] on the MoE's device
+_SLOTS: dict[int, int] = {}           # model layer index -> its slot in _STORE["ids"], in order of first write
 _MIN_ROWS = 256
-_IN_GRAPH = {"seen": False}  # a write was recorded into a CUDA graph: buffers may no longer be replaced
+_IN_GRAPH = {"seen": False}  # a write was recorded into a CUDA graph: the buffer may no longer be replaced
 
 
 def capture_enabled() -> bool:
@@ -87,43 +90,52 @@ def capture_enabled() -> bool:
 
 
 def capture_routing(layer: int, topk_ids_Tk: torch.Tensor) -> None:
-    """Write one MoE call's routing into layer `layer`'s buffer (layer < 0: a call that does not know its
+    """Write one MoE call's routing into layer `layer`'s slot (layer < 0: a call that does not know its
     layer; nothing is written unless the capture is enabled)."""
     if layer < 0 or not capture_enabled():
         return
     T, k = topk_ids_Tk.shape
-    buf = _BUFFERS.get(layer)
-    if buf is None or buf.shape[0] < T or buf.shape[1] != k or buf.device != topk_ids_Tk.device:
+    store = _STORE.get("ids")
+    slot = _SLOTS.get(layer)
+    if slot is None or store.shape[1] < T or store.shape[2] != k or store.device != topk_ids_Tk.device:
         capturing = topk_ids_Tk.is_cuda and torch.cuda.is_current_stream_capturing()
         if capturing or _IN_GRAPH["seen"]:
             # A CUDA graph holds the old buffer's address: a new one would never be written by its replays.
             raise RuntimeError(f"routing capture: layer {layer} saw {T} rows (k={k}) during/after a CUDA-graph "
-                               f"capture, more than its buffer of {None if buf is None else tuple(buf.shape)} made "
-                               "by the eager warm-up forwards")
-        rows = max(T, _MIN_ROWS, 0 if buf is None else buf.shape[0])
-        buf = torch.full((rows, k), UNWRITTEN, dtype=torch.int16, device=topk_ids_Tk.device)
-        _BUFFERS[layer] = buf
+                               f"capture, more than the buffer of {None if store is None else tuple(store.shape)} "
+                               "(slots, rows, k) made by the eager warm-up forwards")
+        if store is not None and (store.shape[2] != k or store.device != topk_ids_Tk.device):
+            raise RuntimeError(f"routing capture: layer {layer} routes to k={k} experts on {topk_ids_Tk.device}, "
+                               f"the layers before it to k={store.shape[2]} on {store.device}")
+        slots = len(_SLOTS) + (slot is None)
+        rows = max(T, _MIN_ROWS, 0 if store is None else store.shape[1])
+        new = torch.full((slots, rows, k), UNWRITTEN, dtype=torch.int16, device=topk_ids_Tk.device)
+        if store is not None:
+            new[:store.shape[0], :store.shape[1]].copy_(store)
+        if slot is None:
+            slot = _SLOTS[layer] = slots - 1
+        _STORE["ids"] = store = new
     if topk_ids_Tk.is_cuda and torch.cuda.is_current_stream_capturing():
         _IN_GRAPH["seen"] = True
-    buf[:T].copy_(topk_ids_Tk)
+    store[slot, :T].copy_(topk_ids_Tk)
 
 
 def read_routing(rows: int) -> tuple[list[int], torch.Tensor]:
-    """(model layer indices, int16 [rows, L, k] on the buffers' device): a copy of the first `rows` rows of
-    every layer's buffer, which are then marked unwritten again. Nothing here waits for the device: on CUDA
+    """(model layer indices, int16 [rows, L, k] on the buffer's device): a copy of the first `rows` rows of
+    every layer's slot, which are then marked unwritten again. Nothing here waits for the device: on CUDA
     the copy and the marking are queued on the current stream behind the step that wrote the rows, and the
-    caller checks the copy with `check_written` once it is on the host. Raises when a layer has no buffer."""
-    layers = sorted(_BUFFERS)
-    if not layers:
+    caller checks the copy with `check_written` once it is on the host. Raises when no layer wrote."""
+    store = _STORE.get("ids")
+    if store is None:
         raise RuntimeError("routing capture: no MoE layer wrote its routing (was the engine started with "
                            f"{CAPTURE_ENV_VAR}=1?)")
-    for layer in layers:
-        if _BUFFERS[layer].shape[0] < rows:
-            raise RuntimeError(f"routing capture: layer {layer}'s buffer has {_BUFFERS[layer].shape[0]} rows, "
-                               f"the step ran {rows}")
-    ids = torch.stack([_BUFFERS[layer][:rows] for layer in layers], dim=1)
-    for layer in layers:
-        _BUFFERS[layer][:rows].fill_(UNWRITTEN)
+    if store.shape[1] < rows:
+        raise RuntimeError(f"routing capture: the buffer has {store.shape[1]} rows, the step ran {rows}")
+    layers = sorted(_SLOTS)
+    order = [_SLOTS[layer] for layer in layers]
+    view = store[:, :rows]
+    ids = (view if order == list(range(len(order))) else view[order]).transpose(0, 1).contiguous()
+    view.fill_(UNWRITTEN)
     return layers, ids
 
 

@@ -22,7 +22,8 @@ L, K, E = 2, 3, 8
 @pytest.fixture(autouse=True)
 def enabled(monkeypatch):
     monkeypatch.setenv(moe_method.CAPTURE_ENV_VAR, "1")
-    monkeypatch.setattr(moe_method, "_BUFFERS", {})
+    monkeypatch.setattr(moe_method, "_STORE", {})
+    monkeypatch.setattr(moe_method, "_SLOTS", {})
     monkeypatch.setattr(capture, "_SESSION", capture._Session())
     yield
 
@@ -74,7 +75,7 @@ def test_a_row_no_op_wrote_this_step_raises():
 
 
 def test_a_step_is_filed_once_its_copy_has_landed_and_take_waits_for_the_rest():
-    """On CUDA a step's rows reach the host behind the step (an event marks their landing): after_step files
+    """On CUDA a step's rows reach the host behind the step (an event marks their landing): after_step keeps
     only the steps whose copies have landed, in order, without waiting; take waits for every pending one.
     Stand-in events here (the CUDA path itself runs in the GPU rollout tests)."""
 
@@ -95,11 +96,11 @@ def test_a_step_is_filed_once_its_copy_has_landed_and_take_waits_for_the_rest():
     first, second = Landing(), Landing()
     s.pending.append((["b-00000000"], [1], torch.full((1, L, K), 5, dtype=torch.int16), torch.tensor([0]), first))
     s.pending.append((["c-00000000"], [1], torch.full((1, L, K), 6, dtype=torch.int16), torch.tensor([0]), second))
-    s._file(wait=False)
-    assert list(s.requests) == ["a-00000000"] and len(s.pending) == 2  # neither landed: nothing filed, no wait
+    s._land(wait=False)
+    assert [step[0] for step in s.landed] == [["a-00000000"]] and len(s.pending) == 2  # neither landed: no wait
     second.done = True
-    s._file(wait=False)
-    assert list(s.requests) == ["a-00000000"] and len(s.pending) == 2  # in order: the second waits for the first
+    s._land(wait=False)
+    assert [step[0] for step in s.landed] == [["a-00000000"]] and len(s.pending) == 2  # in order: the second waits
     got = capture.routing_capture(None, "take", ())
     assert first.waited and not second.waited and not s.pending
     assert sorted(got["requests"]) == ["a-00000000", "b-00000000", "c-00000000"]
@@ -138,10 +139,52 @@ def test_buffers_off_without_the_variable_and_fixed_once_in_a_cuda_graph(monkeyp
     ids = torch.randint(0, E, (5, K), generator=torch.Generator().manual_seed(3))
     monkeypatch.delenv(moe_method.CAPTURE_ENV_VAR)
     moe_method.capture_routing(0, ids)
-    assert moe_method._BUFFERS == {}
+    assert moe_method._STORE == {}
     monkeypatch.setenv(moe_method.CAPTURE_ENV_VAR, "1")
     moe_method.capture_routing(0, ids)
-    assert torch.equal(moe_method._BUFFERS[0][:5].long(), ids)
+    assert torch.equal(moe_method._STORE["ids"][moe_method._SLOTS[0], :5].long(), ids)
     monkeypatch.setitem(moe_method._IN_GRAPH, "seen", True)  # a graph holds the buffer: it may not be replaced
     with pytest.raises(RuntimeError, match=r"layer 0 saw 9999 rows .* during/after a CUDA-graph capture"):
         moe_method.capture_routing(0, torch.zeros(9999, K, dtype=torch.long))
+
+
+def test_layers_in_any_write_order_and_requests_across_steps():
+    """Slots follow the order layers first write (here 1 before 0), the rows come back by sorted layer; a request
+    seen in several steps among others keeps its rows in step order, a recomputed position included (the
+    later routing wins in split_requests); positions that jump inside one step's rows raise; a layer routing to
+    another k than the layers before it raises."""
+    gen = torch.Generator().manual_seed(4)
+    s = capture._SESSION
+    s.on = True
+    steps = []
+    for reqs in ([("a-00000000", 0, 2), ("b-00000000", 0, 1)], [("c-00000000", 0, 3), ("a-00000000", 2, 1)],
+                 [("a-00000000", 2, 1), ("b-00000000", 1, 1)]):  # a's position 2 twice (a recompute)
+        rows = sum(n for _, _, n in reqs)
+        ids = {layer: torch.randint(0, E, (rows, K), generator=gen) for layer in (1, 0)}
+        for layer in (1, 0):
+            moe_method.capture_routing(layer, ids[layer])
+        runner = types.SimpleNamespace(input_batch=types.SimpleNamespace(req_ids=[r for r, _, _ in reqs],
+                                                                         num_reqs=len(reqs)),
+                                       positions=torch.cat([torch.arange(p, p + n) for _, p, n in reqs]))
+        s.after_step(runner, types.SimpleNamespace(total_num_scheduled_tokens=rows,
+                                                   num_scheduled_tokens={r: n for r, _, n in reqs}))
+        steps.append(torch.stack([ids[0], ids[1]], dim=1))
+    assert moe_method._SLOTS == {1: 0, 0: 1}
+    got = capture.routing_capture(None, "take", ())
+    assert got["layers"] == [0, 1] and list(got["requests"]) == ["a-00000000", "b-00000000", "c-00000000"]
+    a, b, c = capture.split_requests(got, ["a", "b", "c"], [4, 3, 4])
+    assert torch.equal(torch.from_numpy(a[:2]).long(), steps[0][:2]) and torch.equal(
+        torch.from_numpy(a[2]).long(), steps[2][0])  # the recompute's routing, not step 2's
+    assert torch.equal(torch.from_numpy(b[:2]).long(), torch.stack([steps[0][2], steps[2][1]]))
+    assert torch.equal(torch.from_numpy(c[:3]).long(), steps[1][:3]) and (c[3] == moe_method.UNWRITTEN).all()
+    pos_a = np.frombuffer(got["requests"]["a-00000000"][0], dtype=np.int32)
+    assert pos_a.tolist() == [0, 1, 2, 2]
+    # positions that jump inside one step's rows
+    for layer in (0, 1):
+        moe_method.capture_routing(layer, torch.randint(0, E, (2, K), generator=gen))
+    runner = types.SimpleNamespace(input_batch=types.SimpleNamespace(req_ids=["d-00000000"], num_reqs=1),
+                                   positions=torch.tensor([0, 2]))
+    with pytest.raises(RuntimeError, match=r"request d-00000000's rows hold positions \[0, 2\], expected consecutive"):
+        s.after_step(runner, types.SimpleNamespace(total_num_scheduled_tokens=2, num_scheduled_tokens={"d-00000000": 2}))
+    with pytest.raises(RuntimeError, match=r"layer 2 routes to k=2 experts .* the layers before it to k=3"):
+        moe_method.capture_routing(2, torch.zeros(1, 2, dtype=torch.long))
