@@ -53,6 +53,7 @@ MIN_VOCAB = len(SPECIAL_TOKENS) + N_BYTE_TOKENS
 # (and Qwen3's 151936, for a random model at Qwen3-30B-A3B's dimensions: reserved tokens fill the rest).
 MAX_VOCAB = 151936
 DTYPES = ("float32", "bfloat16")
+DEVICES = ("cpu", "cuda")
 DEFAULT_VOCAB = 512
 MAX_POSITIONS = 2048
 MARKER_FILE = "make_model.json"
@@ -163,6 +164,17 @@ def check_args(*, arch: str = "qwen3_moe", layers: int = 2, hidden: int = 64, ex
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed: expected a non-negative int, got {seed!r}")
     return DEFAULT_VOCAB if vocab is None else vocab
+
+
+def check_device(device: str) -> None:
+    """make_model's `device` must be one of DEVICES, and "cuda" needs a CUDA device (imports torch for it)."""
+    if device not in DEVICES:
+        raise ValueError(f"device (--device): expected one of {DEVICES}, got {device!r}")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"device (--device): 'cuda', but torch {torch.__version__} sees no CUDA device")
 
 
 def check_out_dir(out: Path, overwrite: bool) -> None:
@@ -332,12 +344,19 @@ def _gpt_oss_config(common: dict, *, experts: int, intermediate: int):
 def make_model(out_dir: str | os.PathLike, *, arch: str = "qwen3_moe", layers: int = 2,
                hidden: int = 64, experts: int = 8, topk: int = 2, intermediate: int = 32,
                vocab: int | None = None, seed: int = 0, heads: int | None = None, kv_heads: int | None = None,
-               head_dim: int | None = None, dtype: str = "float32", overwrite: bool = False) -> Path:
+               head_dim: int | None = None, dtype: str = "float32", overwrite: bool = False,
+               device: str = "cpu") -> Path:
     """Write a random-init MoE checkpoint + tokenizer into `out_dir`; return its absolute path.
 
     heads / kv_heads / head_dim: an explicit head layout (all three; default head_layout(hidden)). dtype:
     the weights' dtype, in memory while building and on disk (bfloat16 halves the host memory a large
     model needs: Qwen3-30B-A3B's dimensions are 61 GB in bf16, 122 GB in fp32).
+
+    device: where the weights are drawn, "cpu" or "cuda" (the current CUDA device). The CPU's draws are
+    slow: 8 of Qwen3-30B-A3B's layers took 2 min 45 s on the lent GPU machine's host (48: ~16
+    minutes); the GPU's are a small fraction of that, the copy to the host and the write remaining. The two
+    devices' generators give different weights for the same seed (each is reproducible on its own); make_model.json
+    records "device" when it is not "cpu".
 
     Every argument is checked before anything is written; the directory appears complete or not
     at all (built in a sibling temporary directory, then renamed).
@@ -348,6 +367,7 @@ def make_model(out_dir: str | os.PathLike, *, arch: str = "qwen3_moe", layers: i
     out = Path(out_dir).absolute()
     check_out_dir(out, overwrite)
 
+    check_device(device)
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -359,7 +379,8 @@ def make_model(out_dir: str | os.PathLike, *, arch: str = "qwen3_moe", layers: i
         config = build_config(arch=arch, layers=layers, hidden=hidden, experts=experts, topk=topk,
                               intermediate=intermediate, vocab=vocab, pad_id=pad_id, eos_id=eos_id, dtype=dtype,
                               **heads_args)
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device == "cuda" else []), \
+                torch.device(device):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
             if arch == "deepseek_v3":
@@ -375,6 +396,9 @@ def make_model(out_dir: str | os.PathLike, *, arch: str = "qwen3_moe", layers: i
                     for name, p in model.named_parameters():
                         if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
                             p.normal_(0.0, config.initializer_range)
+        if device != "cpu":
+            model = model.to("cpu")
+            torch.cuda.empty_cache()
         # Generation stops at the end of a chat turn or at the end of a plain document. No sampling
         # defaults here: vLLM would silently apply them to every request that leaves them unset.
         model.generation_config = GenerationConfig(
@@ -384,6 +408,8 @@ def make_model(out_dir: str | os.PathLike, *, arch: str = "qwen3_moe", layers: i
         args = dict(arch=arch, layers=layers, hidden=hidden, experts=experts, topk=topk,
                     intermediate=intermediate, vocab=vocab, seed=seed)
         args.update(heads_args, dtype=dtype)
+        if device != "cpu":
+            args["device"] = device
         (tmp / MARKER_FILE).write_text(json.dumps(args, indent=2) + "\n")
         if out.exists():
             # Empty, or (checked above) an earlier make_model output that overwrite replaces.

@@ -464,3 +464,40 @@ def test_vllm_generates_with_logprobs_matching_transformers(built, vllm_outputs)
     assert worst <= TOL_LOGPROB_FP32
     # Distinct per-request seeds must give distinct samples.
     assert vllm_outputs[0].outputs[0].token_ids != vllm_outputs[1].outputs[0].token_ids
+
+
+# --- the device the weights are drawn on --------------------------------------------------------
+
+def test_device_is_checked_before_anything_is_written(tmp_path):
+    out = tmp_path / "m"
+    with pytest.raises(ValueError, match=r"^device \(--device\): expected one of \('cpu', 'cuda'\), got 'tpu'"):
+        make_model(out, device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"^device \(--device\): 'cuda', but torch .* sees no CUDA device"):
+            make_model(out, device="cuda")
+        proc = _cli("make-model", "--out", str(out), "--device", "cuda")
+        assert proc.returncode == 2 and "device (--device): 'cuda', but torch" in proc.stderr, proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_weights_drawn_on_the_gpu_are_seeded_and_leave_the_rngs_alone(tmp_path):
+    """device="cuda": the same seed gives the same weights, another seed others; the CPU's draws differ from the
+    GPU's for the same seed (recorded in make_model.json); the caller's CPU and CUDA generators are untouched."""
+    torch.manual_seed(7)
+    want_cpu, want_gpu = torch.rand(3), torch.rand(3, device="cuda")
+    torch.manual_seed(7)
+    a = make_model(tmp_path / "a", layers=1, seed=0, dtype="bfloat16", device="cuda")
+    assert torch.equal(torch.rand(3), want_cpu) and torch.equal(torch.rand(3, device="cuda"), want_gpu)
+    b = make_model(tmp_path / "b", layers=1, seed=0, dtype="bfloat16", device="cuda")
+    c = make_model(tmp_path / "c", layers=1, seed=0, dtype="bfloat16")
+    sa, sb, sc = (_load(p).state_dict() for p in (a, b, c))
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    random_keys = [k for k in sa if "norm" not in k]
+    assert not [k for k in random_keys if torch.equal(sa[k], sc[k])]
+    from safetensors.torch import load_file
+
+    assert {v.dtype for v in load_file(a / "model.safetensors").values()} == {torch.bfloat16}
+    assert json.loads((a / mm.MARKER_FILE).read_text())["device"] == "cuda"
+    assert "device" not in json.loads((c / mm.MARKER_FILE).read_text())
