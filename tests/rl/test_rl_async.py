@@ -162,6 +162,7 @@ def test_async_lag_is_fixed_and_a_killed_rollout_worker_regenerates_its_queue(as
     # last token, never fed back to the engine, has none (16 a step).
     for r in records:
         assert r["routing/unrouted_tokens"] == 16 and r["routing/replayed_tokens"] > 0, (r["step"], r)
+        assert "routing/load_cv_l0" in r, r  # the routing's expert-load metrics, every step
         if r["step"] not in stale:
             assert r["routing/agree"] == 1.0, (r["step"], r["routing/agree"])
     # The checkpoint after step 2 holds step 3's batch, sampled by version 1 (the resumed run trains on it).

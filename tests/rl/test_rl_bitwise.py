@@ -1,6 +1,7 @@
 """run.numerics=bitwise end to end on vLLM CPU (fp32): the trainer's logprobs of the sampled tokens are the
-logprobs vLLM reported while sampling them, bit for bit, in `megamoe-rl consistency` and at every step of
-`megamoe-rl train` (weights pushed to the engine between steps).
+logprobs vLLM reported while sampling them, bit for bit, in `megamoe-rl consistency` (here) and at every step of
+`megamoe-rl train` with LoRA adapters, merged weights pushed to the engine between steps and after a rollout
+restart: the end-to-end run of tests/rl/test_rl_loop.py (BITWISE_LORA; test_e2e_metrics_are_finite_every_step).
 
 What makes the zeros non-vacuous: the same tokens scored by the trainer in numerics=fast (torch's sdpa and
 GEMMs) differ from the sampler's; the sampler's engine only starts when every linear and attention layer
@@ -18,11 +19,9 @@ import json
 
 import pytest
 
-from test_rollout_archs import ROOT, train_tiny
+from test_rl_loop import ROOT, TEMPERATURE  # TEMPERATURE 0.8, not 1: the sampler divides by a tensor, the trainer by a float
 
-pytestmark = pytest.mark.slow  # a consistency run (one vLLM engine) and a `megamoe-rl train` run
-
-TEMPERATURE = 0.8  # not 1: the sampler divides its logits by a temperature tensor, the trainer by a float
+pytestmark = pytest.mark.slow  # a consistency run (one vLLM engine)
 
 
 @pytest.fixture(scope="module")
@@ -81,23 +80,3 @@ def test_trainer_scores_the_same_bits_in_any_batch_and_fast_numerics_do_not(repo
     diff = max(abs(a - b) for g, s in zip(got, sampler) for a, b in zip(g, s))
     print(f"numerics=fast trainer vs bitwise sampler: max |dlogp| {diff:.2e}")
     assert diff > 0.0
-
-
-def test_train_steps_bitwise_after_weight_pushes_with_lora(tmp_path):
-    from test_rl_loop import explain
-
-    from rl.metrics import read_jsonl
-
-    run_dir = tmp_path / "run"
-    # With LoRA on attention and experts (trainer/lora.py): the trainer computes with W + scale * B@A, the
-    # engine with the merged weights the sync pushed after step 1, bitwise the same tensors.
-    proc = train_tiny(ROOT / "configs" / "tiny.yaml", run_dir, "run.numerics=bitwise",
-                      f"rollout.temperature={TEMPERATURE}", "trainer.lora.enabled=true", "trainer.lr=0.01")
-    assert proc.returncode == 0, explain(proc)
-    records = read_jsonl(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2], explain(proc)
-    for r in records:
-        print(f"[bitwise grpo, LoRA] step {r['step']}: max |dlogp| {r['mismatch/abs_logp_diff_max']}, "
-              f"k3 {r['mismatch/k3_kl']}, weight sync {r.get('time/weight_sync_s')}")
-        assert r["train/optimizer_steps"] == r["step"] and r["train/grad_norm"] > 0, r
-        assert r["mismatch/abs_logp_diff_max"] == 0.0 and r["mismatch/k3_kl"] == 0.0, r

@@ -87,14 +87,33 @@ def exported(request, runs):
     return runs(request.param)
 
 
-@pytest.fixture(params=["mixtral"])
-def served(request, runs):
-    """The architectures whose export a fast-numerics vLLM engine serves here (an engine start is ~25 s on
-    2 cores): Mixtral, a LoRA run (LORA_RUNS: the merged weights); the Qwen3-MoE export is served by test_export_serves_bitwise_in_vllm's engine (the
-    same loading, and logprobs held to the fast trainer's bound too); an OLMoE export holds the base
-    layout bitwise (above), and make-model's OLMoE folders are served by vLLM in
+@pytest.fixture(scope="module")
+def served(runs):
+    """The Mixtral export (a LoRA run, LORA_RUNS: the merged weights) served by one vLLM CPU engine in
+    run.numerics=bitwise (an engine start is ~25 s on 2 cores, so one engine serves both tests below): its
+    logprobs of the probe, a greedy generation, and the bitwise trainer's logprobs on the same folder. The
+    Qwen3-MoE export is served by `megamoe-rl eval` on the e2e run's final/ (tests/rl/test_rl_loop.py: the run's
+    own evaluation, completion for completion); make-model's OLMoE folders by vLLM in
     tests/rollout/test_rollout_archs_olmoe.py and tests/rl/test_consistency.py."""
-    return runs(request.param)
+    from rollout.worker import RolloutWorker
+    from trainer.testing import free_port
+    from trainer.worker import TrainerWorker
+
+    exported = runs("mixtral")
+    out, probe = str(exported["out"]), exported["probe"]
+    trainer = TrainerWorker(0, 1, "127.0.0.1", free_port(), out, "megamoe",
+                            {"dtype": "float32", "device": "cpu", "numerics": "bitwise"})
+    try:
+        bitwise_trainer = trainer.logprobs(probe.prompt_ids, probe.completion_ids)
+    finally:
+        trainer.close()
+    engine = RolloutWorker(exported["out"], "megamoe", dtype="float32", seed=0, max_model_len=64, numerics="bitwise")
+    try:
+        scores = engine.score(probe.prompt_ids, probe.completion_ids)
+        samples = engine.generate(["1 + 2 ="], 1, {"temperature": 0.0, "max_tokens": 4})
+    finally:
+        engine.close()
+    return {**exported, "scores": scores, "samples": samples, "bitwise_trainer_logprobs": bitwise_trainer}
 
 
 @pytest.fixture
@@ -181,50 +200,22 @@ def test_lora_export_writes_a_peft_adapter_that_rebuilds_the_merged_weights(runs
             assert not torch.equal(base[f"{ex}.{param}"], merged[f"{ex}.{param}"])
 
 
+@pytest.mark.slow  # a vLLM engine (the module's `served`)
 def test_export_serves_in_vllm(served):
+    """The exported folder loads in vLLM CPU: its logprobs within the (fast) trainer's bound, and it generates."""
     from rollout.testing import max_abs_diff
-    from rollout.worker import RolloutWorker
 
-    exported = served
-    probe = exported["probe"]
-    engine = RolloutWorker(exported["out"], "megamoe", dtype="float32", seed=0, max_model_len=64)
-    try:
-        scores = engine.score(probe.prompt_ids, probe.completion_ids)
-        samples = engine.generate(["1 + 2 ="], 1, {"temperature": 0.0, "max_tokens": 4})
-    finally:
-        engine.close()
-    err = max_abs_diff(scores, exported["trainer_logprobs"])
-    print(f"[export] vLLM CPU vs trainer: max |dlogp| {err:.2e}")
-    assert err <= FP32_LOGPROB_TOL and len(samples[0].completion_ids) == 4
+    err = max_abs_diff(served["scores"], served["trainer_logprobs"])
+    print(f"[export] vLLM CPU (bitwise) vs fast trainer: max |dlogp| {err:.2e}")
+    assert err <= FP32_LOGPROB_TOL and len(served["samples"][0].completion_ids) == 4
 
 
-@pytest.mark.slow  # a vLLM engine
-def test_export_serves_bitwise_in_vllm(exported_one):
-    """run.numerics=bitwise on the exported Qwen3-MoE folder: vLLM CPU's logprobs are the bitwise trainer's,
-    bit for bit, and within the fast trainer's bound of test_export_serves_in_vllm; it generates."""
-    from rollout.testing import max_abs_diff
-    from rollout.worker import RolloutWorker
-    from trainer.testing import free_port
-    from trainer.worker import TrainerWorker
-
-    out, probe = str(exported_one["out"]), exported_one["probe"]
-    trainer = TrainerWorker(0, 1, "127.0.0.1", free_port(), out, "megamoe",
-                            {"dtype": "float32", "device": "cpu", "numerics": "bitwise"})
-    try:
-        expected = trainer.logprobs(probe.prompt_ids, probe.completion_ids)
-    finally:
-        trainer.close()
-    engine = RolloutWorker(out, "megamoe", dtype="float32", seed=0, max_model_len=64, numerics="bitwise")
-    try:
-        got = engine.score(probe.prompt_ids, probe.completion_ids)
-        samples = engine.generate(["1 + 2 ="], 1, {"temperature": 0.0, "max_tokens": 4})
-    finally:
-        engine.close()
-    err = max_abs_diff(got, exported_one["trainer_logprobs"])
-    print(f"[export] vLLM CPU bitwise vs fast trainer: max |dlogp| {err:.2e}")
-    assert err <= FP32_LOGPROB_TOL and len(samples[0].completion_ids) == 4
-    assert got == expected
-    assert expected != exported_one["trainer_logprobs"]  # the fast trainer's differ: the equality is the mode's
+@pytest.mark.slow  # a vLLM engine (the module's `served`)
+def test_export_serves_bitwise_in_vllm(served):
+    """run.numerics=bitwise on the exported folder: vLLM CPU's logprobs are the bitwise trainer's, bit for bit;
+    the fast trainer's differ, so the equality is the mode's."""
+    assert served["scores"] == served["bitwise_trainer_logprobs"]
+    assert served["bitwise_trainer_logprobs"] != served["trainer_logprobs"]
 
 
 def test_export_in_bf16_and_in_shards(exported_one, tmp_path):

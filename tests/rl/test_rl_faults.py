@@ -74,8 +74,9 @@ def runs(tmp_path_factory):
     run_dir = work / "run"
     # Killed in step 4 (the reward's 4th call): step 3 is logged (metrics, samples, evaluation) after
     # the last checkpoint (step 2), so the resume has stale lines to drop.
-    common = ("trainer.checkpoint_every=2", "run.wandb.mode=offline", "run.samples_every=1", *EVAL, *EPISODES,
-              "--reward", reward)
+    # No plot or TensorBoard events (~2 s at each run's end; tests/rl/test_rl_loop.py's run checks both).
+    common = ("trainer.checkpoint_every=2", "run.wandb.mode=offline", "run.samples_every=1", "run.plot=false",
+              "run.tensorboard=false", *EVAL, *EPISODES, "--reward", reward)
     killed = run_train(run_dir, "run.steps=6", *common, action="kill_trainer@4", cwd=work)
     after_kill = {"metrics": read_jsonl(run_dir / "metrics.jsonl"), "latest": _latest(run_dir),
                   "inflight": json.loads((run_dir / "checkpoints" / "step_000002" / "inflight.json").read_text()),
@@ -207,6 +208,7 @@ def test_routing_replay_of_episodes_is_the_trainers_own_routing(runs):
         stale = stale_steps(records)
         for r in records:
             assert r["routing/unrouted_tokens"] == 16 and r["routing/replayed_tokens"] > 0, (r["step"], r)
+            assert "routing/load_cv_l0" in r, r  # the routing's expert-load metrics
             if r["step"] not in stale:
                 assert r["routing/agree"] == 1.0, (r["step"], r["routing/agree"])
 

@@ -6,7 +6,9 @@ both sides), plus its placement and run-folder logic.
 The end-to-end run is a few tiny steps of configs/tiny.yaml with a custom reward loaded by dotted
 path. That reward also drives the fault: on its 2nd call it kills the RolloutWorker's process
 (SIGKILL, pid from the run's actors.json), so the loop must replace the worker with the current
-weights and finish the run. Helpers here are shared with tests/rl/test_rl_faults.py.
+weights and finish the run. The run is in run.numerics=bitwise with LoRA adapters (BITWISE_LORA): the
+trainer's logprobs of the sampled tokens equal the sampler's bit for bit at every step, after weight pushes
+of merged LoRA weights and after the restart. Helpers here are shared with tests/rl/test_rl_faults.py.
 """
 
 from __future__ import annotations
@@ -131,8 +133,8 @@ def numeric_finite(record: dict, keys) -> list[str]:
 
 
 # The sampler-trainer mismatch of one step's samples when both sides hold the same fp32 weights (megamoe
-# on both sides), measured 2026-12-05 on the 2-core machine: this module's e2e run 4.8e-7 at every step
-# (the one after the rollout restart too); the soak's 300 steps 8.1e-6; the demo (configs/tiny.yaml,
+# on both sides), measured 2026-12-05 on the 2-core machine: this module's e2e run (then in fast numerics)
+# 4.8e-7 at every step (the one after the rollout restart too), as tests/rl/test_rl_faults.py's runs (2026-12-07); the soak's 300 steps 8.1e-6; the demo (configs/tiny.yaml,
 # 200 steps) 8.9e-6; the worst of the demo's tuning runs 5.9e-5 (64 prompts x 8 after 150 steps: the
 # mismatch grows as the policy sharpens; benchmarks/RESULTS.md "The CPU demo learns the digit").
 # 1e-4 is 11x the demo's worst step. A sampler whose layer-1 post-attention norm alone is 1e-2 off
@@ -209,6 +211,14 @@ def test_run_folder_rules(tmp_path):
 # ---- end to end -------------------------------------------------------------------------------
 
 OBJECTIVE = ["trainer.loss=gspo", "trainer.kl_coef=0.05", "reward.overlong_buffer=2", "reward.overlong_penalty=0.5"]
+# run.numerics=bitwise (docs/BITWISE.md) with LoRA on attention and experts (trainer/lora.py): the trainer
+# computes with W + scale * B@A, the engine with the merged weights each sync pushes, bitwise the same tensors.
+# Temperature 0.8, not 1: the sampler divides its logits by a temperature tensor, the trainer by a float.
+# Bitwise mode refuses trainer.routing_replay (it routes bitwise like the sampler): the loop's routing replay
+# runs end to end in tests/rl/test_rl_async.py and tests/rl/test_rl_faults.py.
+TEMPERATURE = 0.8
+BITWISE_LORA = ["run.numerics=bitwise", f"rollout.temperature={TEMPERATURE}", "trainer.lora.enabled=true",
+                "trainer.lr=0.01"]
 
 
 @pytest.fixture(scope="module")
@@ -219,10 +229,9 @@ def e2e(tmp_path_factory):
     # cwd=work: the reward module is importable from the working directory, like a user's own file.
     # Not the default objective, with a KL penalty and overlong shaping (docs/OBJECTIVES.md): their path
     # through Ray and FSDP2 (the reference policy sharded as the policy is) costs this run little.
-    # trainer.routing_replay: the loop's routing path (the sampler's routing carried to the trainer, replayed,
-    # the restarted engine returning it too); both sides megamoe fp32, so the replayed experts are the trainer's own.
+    # BITWISE_LORA: bitwise numerics with LoRA adapters (the former run of tests/rl/test_rl_bitwise.py).
     # Evaluation every step, samples.jsonl and W&B offline (docs/EVAL.md).
-    proc = run_train(run_dir, "run.steps=4", "trainer.checkpoint_every=2", *OBJECTIVE, "trainer.routing_replay=true",
+    proc = run_train(run_dir, "run.steps=4", "trainer.checkpoint_every=2", *OBJECTIVE, *BITWISE_LORA,
                      *EVAL, "run.samples_every=2", "run.wandb.mode=offline", "--reward", reward,
                      action="kill_rollout@2", cwd=work)
     return proc, run_dir
@@ -245,23 +254,26 @@ def test_e2e_metrics_are_finite_every_step(e2e):
         assert -0.5 <= r["reward/overlong/mean"] <= 0.0 and r["reward/overlong/errors"] == 0
         assert r["reward/first_char_is_answer/errors"] == 0  # per-function failure count, every step
         assert r["mismatch/k3_kl"] >= 0.0
-        # routing replay: every token the engine computed carried its sampler routing, identical to the trainer's
-        # (megamoe fp32); each sample's last token (sampled, never fed back to the engine) has none and is routed
-        # by the trainer: 4 prompts x 4 samples per step (its output feeds no logprob of the loss)
-        assert r["routing/agree"] == 1.0 and r["routing/unrouted_tokens"] == 16, r
-        assert r["routing/replayed_tokens"] > 0 and "routing/load_cv_l0" in r, r
+        assert r["train/optimizer_steps"] == r["step"], r  # one update a step (LoRA's adapters)
     # trainer.kl_coef: before the first update the policy is its reference (the same weights through the
     # same kernels): k1 = k3 = 0 exactly. The policy leaves the frozen reference once an update had a
     # gradient (from a group with signal; the KL term's own gradient is 0 at the reference): then every
     # later step's k3 > 0, else it stays 0 (two runs on 2026-12-06: k3 by step 0, 0, 2.2e-2, 2.3e-2 and,
-    # with no group with signal in any step, 0, 0, 0, 0).
+    # with no group with signal in any step, 0, 0, 0, 0; this bitwise LoRA run, 2026-12-07: 0, 0, 1.3e-2, 9.4e-3,
+    # LoRA's reference being the base weights the adapters start from).
     assert (records[0]["kl/ref_k1"], records[0]["kl/ref_k3"]) == (0.0, 0.0), records[0]
     moved = False
     for prev, r in zip(records, records[1:]):
         moved = moved or prev["train/grad_norm"] > 0
         assert (r["kl/ref_k3"] > 0) == moved, [(r["step"], r["train/grad_norm"], r["kl/ref_k3"]) for r in records]
-    # Both sides run megamoe in fp32 on the same weights at every step, the one after the restart too.
-    assert fp32_mismatch_over_bounds(records) == [], [(r["step"], r["mismatch/abs_logp_diff_max"]) for r in records]
+    # run.numerics=bitwise: the trainer's logprobs are the sampler's bit for bit at every step (the one after the
+    # restart too), and that after updates that moved the weights (the engine then holds pushed, merged LoRA
+    # weights): a step with a gradient before the last steps (this seeded run: step 2's, measured below).
+    print("[bitwise grpo, LoRA] (step, grad norm, max |dlogp|, k3, weight sync s):",
+          [(r["step"], r["train/grad_norm"], r["mismatch/abs_logp_diff_max"], r["mismatch/k3_kl"],
+            r.get("time/weight_sync_s")) for r in records])
+    assert [(r["mismatch/abs_logp_diff_max"], r["mismatch/k3_kl"]) for r in records] == [(0.0, 0.0)] * 4, records
+    assert any(r["train/grad_norm"] > 0 for r in records[:2]), [r["train/grad_norm"] for r in records]
 
 
 @pytest.mark.slow
@@ -272,12 +284,12 @@ def test_e2e_rollout_worker_killed_mid_step_is_restarted(e2e):
     assert [r["rollout/restarts_total"] for r in records] == [0, 1, 1, 1], explain(proc)
     log = (run_dir / "train.log").read_text()
     assert "RolloutWorker 0 died" in log and "restarting it with the current weights" in log
-    # The replacement samples from the trained weights (step 2's): step 3's mismatch is at the fp32
-    # bound (4.8e-7 measured, 2026-12-05). Without the restart's weight push (Loop.restart_rollout) it
-    # samples from the base model: step 3 measured max |dlogp| 0.67, k3 2.6e-2, and this assertion failed.
+    # The replacement samples from the trained weights (step 2's): step 3's mismatch is 0 (bitwise). Without the
+    # restart's weight push (Loop.restart_rollout) it samples from the base model: step 3 measured max |dlogp|
+    # 0.67, k3 2.6e-2 in fp32 numerics (2026-12-05), and this assertion failed.
     print("e2e mismatch max |dlogp| / k3 by step:",
           [(r["step"], r["mismatch/abs_logp_diff_max"], r["mismatch/k3_kl"]) for r in records])
-    assert fp32_mismatch_over_bounds(records[2:3]) == [], records[2]
+    assert fp32_mismatch_over_bounds(records[2:3]) == [] and records[2]["mismatch/abs_logp_diff_max"] == 0.0, records[2]
 
 
 @pytest.mark.slow
@@ -285,6 +297,7 @@ def test_e2e_run_folder_holds_config_plot_and_checkpoint(e2e):
     proc, run_dir = e2e
     cfg = C.load(run_dir / "config.yaml")
     assert (cfg.trainer.loss, cfg.trainer.kl_coef, cfg.reward.overlong_buffer) == ("gspo", 0.05, 2)
+    assert (cfg.run.numerics, cfg.trainer.lora.enabled) == ("bitwise", True)
     assert cfg.run.steps == 4 and [f.fn for f in cfg.reward.functions] == ["loop_test_rewards:first_char_is_answer"]
     png = run_dir / "plot.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", explain(proc)
@@ -296,6 +309,7 @@ def test_e2e_run_folder_holds_config_plot_and_checkpoint(e2e):
     # run.export_final: the last step's policy as a Hugging Face folder (tests/rl/test_rl_export.py checks one)
     assert json.loads((run_dir / "final" / "megamoe_export.json").read_text())["step"] == 4
     assert (run_dir / "final" / "model.safetensors").is_file() and (run_dir / "final" / "config.json").is_file()
+    assert (run_dir / "final" / "adapter" / "adapter_model.safetensors").is_file()  # LoRA: the merged weights + adapter/
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["run"]["out_dir"] == str(run_dir)
 
 
