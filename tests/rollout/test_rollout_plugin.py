@@ -52,6 +52,10 @@ def runs(tmp_path_factory):
     (shadow / "__init__.py").write_text('raise ImportError("megamoe deliberately broken for this test")\n')
 
     base = {k: v for k, v in os.environ.items() if k not in (plugin.ENV_VAR, "VLLM_PLUGINS", "PYTHONPATH")}
+    # The engine core in the process that calls LLM (as RolloutWorker places it on CPU): two processes per
+    # case, not three (a third would only import vLLM again, ~9 s each); the model still runs in vLLM
+    # CPU's worker process, where the worker extension looks for the hook.
+    base["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     cases = {
         "broken_dependency": ({plugin.ENV_VAR: "megamoe", "PYTHONPATH": str(shadow.parent)}, []),
         "bad_impl": ({plugin.ENV_VAR: "fused"}, []),
