@@ -2,7 +2,7 @@
 
     python benchmarks/bench_ep.py                                   # all GPUs of this host, NCCL
     python benchmarks/bench_ep.py --shapes qwen3 --tokens 4096 --reps 20 --out $OUT/bench_ep.md
-    python benchmarks/bench_ep.py --cpu --world 2 --shapes tiny --tokens 64 --reps 2   # gloo smoke run
+    python benchmarks/bench_ep.py --cpu --world 2 --shapes tiny --tokens 64 --reps 2   # gloo smoke run (--warmup 0: quicker)
 
 One process per rank (torch.multiprocessing, spawn), each with T tokens and E/W experts, bf16 on
 GPUs (fp32 on CPU). Per shape and T, forward and forward+backward, median over --reps of the
@@ -58,9 +58,10 @@ def _inputs(E, H, I, k, T, L, rank, device, dtype, seed=0):  # noqa: E741
     return x, w13, w2, tw, ids
 
 
-def _time(fn, reps, device, group) -> list[float]:
-    """Seconds per call on this rank, each call closed by a barrier (so: the slowest rank's time)."""
-    for _ in range(2):
+def _time(fn, reps, warmup, device, group) -> list[float]:
+    """Seconds per call on this rank after `warmup` untimed calls, each call closed by a barrier (so: the
+    slowest rank's time)."""
+    for _ in range(warmup):
         fn()
     out = []
     for _ in range(reps):
@@ -124,7 +125,7 @@ def _worker(rank, world, backend, store_path, args, out_dir):
                 runs[("one-launch EP", "fwd+bwd")] = fb(lambda *a, **k_: one_launch.ep_fused_moe(*a, ws, **kw1))
             times = {}
             for (impl, mode), fn in runs.items():
-                times[(impl, mode)] = _time(fn, args.reps, device, None)
+                times[(impl, mode)] = _time(fn, args.reps, args.warmup, device, None)
                 if rank == 0:  # as measured, so a run cut by a time limit keeps what it measured
                     print(f"  {name} T={T} {impl} {mode}: {statistics.median(times[(impl, mode)]) * 1e3:.3f} ms",
                           flush=True)
@@ -161,6 +162,7 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=["qwen3", "dsv3"], choices=sorted(SHAPES))
     p.add_argument("--tokens", nargs="+", type=int, default=[128, 4096, 16384], help="tokens per rank")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls before the timed ones (0: a smoke run)")
     p.add_argument("--world", type=int, default=None, help="ranks (default: every CUDA GPU; 2 with --cpu)")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU processes (a smoke run of the mechanics)")
     p.add_argument("--no-backward", action="store_true")
@@ -170,6 +172,8 @@ def main() -> None:
     args = p.parse_args()
     if args.reps < 1:
         p.error(f"--reps: expected >= 1, got {args.reps}")
+    if args.warmup < 0:
+        p.error(f"--warmup: expected >= 0, got {args.warmup}")
     if any(t < 1 for t in args.tokens):
         p.error(f"--tokens: expected positive counts, got {args.tokens}")
     backend = "gloo" if args.cpu else "nccl"

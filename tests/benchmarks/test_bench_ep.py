@@ -14,7 +14,7 @@ import pytest
 def test_bench_ep_smoke_run_prints_every_row(tmp_path):
     out = tmp_path / "ep.md"
     r = subprocess.run([sys.executable, "benchmarks/bench_ep.py", "--cpu", "--world", "2", "--shapes", "tiny",
-                        "--tokens", "16", "--reps", "1", "--out", str(out)],
+                        "--tokens", "16", "--reps", "1", "--warmup", "0", "--out", str(out)],
                        capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line for line in out.read_text().splitlines() if line.startswith("| tiny")]

@@ -432,17 +432,22 @@ def test_cli_make_model(tmp_path, built):
 
 @pytest.fixture(scope="module")
 def vllm_outputs(built):
-    """One vLLM CPU engine on the tiny qwen3_moe: two prompts, 8 sampled tokens each."""
+    """One vLLM CPU engine on the tiny qwen3_moe: two prompts, 8 sampled tokens each. As RolloutWorker places
+    it on CPU, its engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: no third process
+    importing vLLM again) and the model in a worker process of its own (the `mp` executor, which vLLM CPU
+    itself picks when the engine core has a process of its own: never this test process's threads)."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=str(built["qwen"]), dtype="float32", seed=0, kv_cache_memory_bytes=64 << 20,
-              max_model_len=256, max_num_seqs=2, enforce_eager=True)
-    try:
-        params = [SamplingParams(max_tokens=8, temperature=1.0, seed=i, logprobs=0, ignore_eos=True)
-                  for i in range(2)]
-        return llm.generate(["What is 12 + 30?", "Reverse the word cat."], params, use_tqdm=False)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        llm = LLM(model=str(built["qwen"]), dtype="float32", seed=0, kv_cache_memory_bytes=64 << 20,
+                  max_model_len=256, max_num_seqs=2, enforce_eager=True, distributed_executor_backend="mp")
+        try:
+            params = [SamplingParams(max_tokens=8, temperature=1.0, seed=i, logprobs=0, ignore_eos=True)
+                      for i in range(2)]
+            return llm.generate(["What is 12 + 30?", "Reverse the word cat."], params, use_tqdm=False)
+        finally:
+            llm.llm_engine.engine_core.shutdown()
 
 
 @pytest.mark.slow  # a vLLM engine

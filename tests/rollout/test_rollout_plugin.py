@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent("""
 
     def main():
         kwargs = dict(model=sys.argv[1], dtype="float32", max_model_len=64, enforce_eager=True,
-                      kv_cache_memory_bytes=32 << 20, distributed_executor_backend="uni")
+                      kv_cache_memory_bytes=32 << 20, distributed_executor_backend="mp")
         if len(sys.argv) > 2:
             kwargs["worker_extension_cls"] = sys.argv[2]
         llm = LLM(**kwargs)
@@ -52,6 +52,10 @@ def runs(tmp_path_factory):
     (shadow / "__init__.py").write_text('raise ImportError("megamoe deliberately broken for this test")\n')
 
     base = {k: v for k, v in os.environ.items() if k not in (plugin.ENV_VAR, "VLLM_PLUGINS", "PYTHONPATH")}
+    # As RolloutWorker places them on CPU: the engine core in the process that calls LLM and the model in a
+    # worker process (the script asks for the `mp` executor, which vLLM CPU picks itself when the engine
+    # core has a process of its own): two processes per case, not three (the third only imports vLLM again).
+    base["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     cases = {
         "broken_dependency": ({plugin.ENV_VAR: "megamoe", "PYTHONPATH": str(shadow.parent)}, []),
         "bad_impl": ({plugin.ENV_VAR: "fused"}, []),
