@@ -134,7 +134,10 @@ def read_routing(rows: int) -> tuple[list[int], torch.Tensor]:
     layers = sorted(_SLOTS)
     order = [_SLOTS[layer] for layer in layers]
     view = store[:, :rows]
-    ids = (view if order == list(range(len(order))) else view[order]).transpose(0, 1).contiguous()
+    # clone, not contiguous(): with one layer the transposed view is already "contiguous" and would be returned
+    # as a view of the buffer the fill below clears
+    ids = (view if order == list(range(len(order))) else view[order]).transpose(0, 1).clone(
+        memory_format=torch.contiguous_format)
     view.fill_(UNWRITTEN)
     return layers, ids
 

@@ -188,3 +188,13 @@ def test_layers_in_any_write_order_and_requests_across_steps():
         s.after_step(runner, types.SimpleNamespace(total_num_scheduled_tokens=2, num_scheduled_tokens={"d-00000000": 2}))
     with pytest.raises(RuntimeError, match=r"layer 2 routes to k=2 experts .* the layers before it to k=3"):
         moe_method.capture_routing(2, torch.zeros(1, 2, dtype=torch.long))
+
+
+def test_one_layer_read_is_a_copy_the_unwritten_marking_leaves_alone():
+    """With a single layer the buffer's [rows, 1, k] view is already contiguous: the read must still copy, or the
+    marking that follows it would clear the rows it returned (bench_replay's 1-layer run caught it)."""
+    ids = torch.randint(0, E, (5, K), generator=torch.Generator().manual_seed(5))
+    moe_method.capture_routing(0, ids)
+    layers, got = moe_method.read_routing(5)
+    assert layers == [0] and torch.equal(got[:, 0].long(), ids)
+    assert (moe_method._STORE["ids"][0, :5] == moe_method.UNWRITTEN).all()
