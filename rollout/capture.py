@@ -48,7 +48,8 @@ class _Session:
         self.on = False
         self.layers: list[int] | None = None
         self.pending: deque = deque()  # steps whose rows are on their way to the host, oldest first
-        self.landed: list[tuple[list[str], np.ndarray, np.ndarray, np.ndarray]] = []  # (req_ids, counts, positions, ids)
+        # steps on the host, in order: (req_ids, counts, positions, ids)
+        self.landed: list[tuple[list[str], np.ndarray, np.ndarray, np.ndarray]] = []
         self.steps = 0
         self.read_s = 0.0
 
@@ -118,10 +119,12 @@ class _Session:
         positions = np.concatenate([p for _, _, p, _ in self.landed])
         ids = np.concatenate([i for _, _, _, i in self.landed])
         order = np.argsort(codes, kind="stable")  # grouped by request, step order kept within each
-        ends = np.cumsum(np.bincount(codes, minlength=len(names)))
+        rows = np.bincount(codes, minlength=len(names))
+        ends = np.cumsum(rows)
+        starts = ends - rows
         positions, ids = positions[order], ids[order]
-        return {name: (positions[ends[c] - n:ends[c]], ids[ends[c] - n:ends[c]])
-                for name, c in names.items() for n in [int(ends[c] - (ends[c - 1] if c else 0))]}
+        # a request in a step's batch with no token scheduled there (and none elsewhere) has nothing to file
+        return {name: (positions[starts[c]:ends[c]], ids[starts[c]:ends[c]]) for name, c in names.items() if rows[c]}
 
     def take(self) -> dict:
         t0 = time.perf_counter()

@@ -488,7 +488,7 @@ def test_device_is_checked_before_anything_is_written(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_weights_drawn_on_the_gpu_are_seeded_and_leave_the_rngs_alone(tmp_path):
-    """device="cuda": the same seed gives the same weights, another seed others; the CPU's draws differ from the
+    """device="cuda": the same seed gives the same weights; the CPU's draws differ from the
     GPU's for the same seed (recorded in make_model.json); the caller's CPU and CUDA generators are untouched."""
     torch.manual_seed(7)
     want_cpu, want_gpu = torch.rand(3), torch.rand(3, device="cuda")

@@ -185,7 +185,8 @@ def test_layers_in_any_write_order_and_requests_across_steps():
     runner = types.SimpleNamespace(input_batch=types.SimpleNamespace(req_ids=["d-00000000"], num_reqs=1),
                                    positions=torch.tensor([0, 2]))
     with pytest.raises(RuntimeError, match=r"request d-00000000's rows hold positions \[0, 2\], expected consecutive"):
-        s.after_step(runner, types.SimpleNamespace(total_num_scheduled_tokens=2, num_scheduled_tokens={"d-00000000": 2}))
+        s.after_step(runner, types.SimpleNamespace(total_num_scheduled_tokens=2,
+                                                   num_scheduled_tokens={"d-00000000": 2}))
     with pytest.raises(RuntimeError, match=r"layer 2 routes to k=2 experts .* the layers before it to k=3"):
         moe_method.capture_routing(2, torch.zeros(1, 2, dtype=torch.long))
 
@@ -198,3 +199,20 @@ def test_one_layer_read_is_a_copy_the_unwritten_marking_leaves_alone():
     layers, got = moe_method.read_routing(5)
     assert layers == [0] and torch.equal(got[:, 0].long(), ids)
     assert (moe_method._STORE["ids"][0, :5] == moe_method.UNWRITTEN).all()
+
+
+def test_a_request_with_no_token_scheduled_is_not_filed():
+    """vLLM's batch can hold a request the step scheduled nothing for (absent from num_scheduled_tokens): its
+    count is 0, it owns no row, and a take without any of its rows does not list it."""
+    s = capture._SESSION
+    s.on = True
+    ids = {layer: torch.randint(0, E, (2, K), generator=torch.Generator().manual_seed(6)) for layer in range(L)}
+    for layer in range(L):
+        moe_method.capture_routing(layer, ids[layer])
+    batch = types.SimpleNamespace(req_ids=["w-00000000", "a-00000000"], num_reqs=2)
+    runner = types.SimpleNamespace(input_batch=batch, positions=torch.arange(2))
+    s.after_step(runner, types.SimpleNamespace(total_num_scheduled_tokens=2, num_scheduled_tokens={"a-00000000": 2}))
+    got = capture.routing_capture(None, "take", ())
+    assert list(got["requests"]) == ["a-00000000"]
+    assert torch.equal(torch.from_numpy(capture.split_requests(got, ["a"], [3])[0][:2]).long(),
+                       torch.stack([ids[0], ids[1]], dim=1))
