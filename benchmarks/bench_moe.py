@@ -14,7 +14,10 @@ device copy bandwidth measured in the same process; there megamoe's forward is a
 replayed CUDA graph (device time only, as vLLM runs decode steps). --graph times every implementation's
 forward that way at every T (rows "graph"; one that cannot be captured says n/a and why), which
 separates device time from the host time an eager call exposes. Liger comes from `liger-kernel`
-(pure-Python Triton package); when it is not importable its columns say so.
+(pure-Python Triton package); when it is not importable its columns say so. `--impls ... vllm` adds vLLM's
+own Triton fused MoE (`fused_experts`, what vLLM's stock MoE layer runs; forward only, its output checked
+against megamoe's first), the kernel the plugin replaces in the engine:
+    python benchmarks/bench_moe.py --shapes qwen3 --tokens 64 256 512 2048 --impls megamoe vllm --graph --rounds 3
 """
 
 from __future__ import annotations
@@ -151,6 +154,22 @@ def liger_fn():
     return LigerFusedMoEFunction, None
 
 
+VLLM_AGREE = 0.02
+"""vLLM's output may differ from megamoe's by at most this fraction of max |y| to be timed: both compute in the
+inputs' dtype with fp32 accumulation, so bf16 rounding of the intermediate (2^-8 relative) bounds the gap well
+below it; a layout mismatch (e.g. gate and up swapped) gives differences of the order of |y| itself."""
+
+
+def vllm_fn():
+    """vLLM's Triton fused MoE (`fused_experts`, the kernel vLLM's stock MoE layer runs unquantized), forward
+    only; (None, why) where vLLM is not importable."""
+    try:
+        from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+    except Exception as exc:  # noqa: BLE001
+        return None, f"not importable: {type(exc).__name__}: {exc}"
+    return fused_experts, None
+
+
 def bench_shape(name, T, reps, impls, bw, lines, records, rounds: int = 1, graph: bool = False):
     E, H, I, k = SHAPES[name]  # noqa: E741
     x, w13, w2, tw, ids = make_inputs(E, H, I, k, T)
@@ -171,6 +190,11 @@ def bench_shape(name, T, reps, impls, bw, lines, records, rounds: int = 1, graph
     }
     if liger is not None:
         fwd["liger"] = lambda: liger.apply(x, w13, w2, ids32, tw_bf)
+    vllm_experts, vllm_err = vllm_fn() if "vllm" in impls else (None, None)
+    if vllm_experts is not None and opts:
+        vllm_experts, vllm_err = None, "runs bias-free silu only here (no gpt-oss options)"
+    if vllm_experts is not None:
+        fwd["vllm"] = lambda: vllm_experts(x, w13, w2, tw, ids32)
 
     leaves = [t.detach().clone().requires_grad_(True) for t in (x, w13, w2)] + [tw.clone().requires_grad_(True)]
     bias_leaves = [opts[n].detach().clone().requires_grad_(True) for n in ("b13", "b2")] if opts else [None, None]
@@ -213,12 +237,27 @@ def bench_shape(name, T, reps, impls, bw, lines, records, rounds: int = 1, graph
         return run
 
     for impl in impls:
-        if impl == "liger" and liger is None:
+        if (impl == "liger" and liger is None) or (impl == "vllm" and vllm_experts is None):
             row[f"{impl}_fwd_ms"] = row[f"{impl}_fb_ms"] = None
-            row["liger_note"] = liger_err
+            row[f"{impl}_note"] = liger_err if impl == "liger" else vllm_err
+            print(f"  {name} T={T} {impl}: {row[f'{impl}_note']}", flush=True)
             continue
+        if impl == "vllm":  # the same problem as megamoe's: its output must agree before it is timed
+            want = fused_moe_fwd(x, w13, w2, tw, ids, check=False).float()
+            err = (vllm_experts(x, w13, w2, tw, ids32).float() - want).abs().max().item()
+            scale = want.abs().max().item()
+            row["vllm_max_abs_diff"] = err
+            print(f"  {name} T={T} vllm vs megamoe: max |dy| {err:.3e} (max |y| {scale:.3e})", flush=True)
+            if not err <= VLLM_AGREE * scale:
+                row["vllm_fwd_ms"] = row["vllm_fb_ms"] = None
+                row["vllm_note"] = f"output disagrees with megamoe's: max |dy| {err:.3e} > {VLLM_AGREE} x max |y|"
+                print(f"  {name} T={T} vllm: not timed: {row['vllm_note']}", flush=True)
+                continue
         timers[impl, "fwd"] = lambda f=fwd[impl]: time_ms(f, reps)
-        timers[impl, "fb"] = lambda f=fb(impl): time_ms(f, reps)
+        if impl == "vllm":
+            row["vllm_fb_ms"] = None  # vLLM's fused_experts has no backward
+        else:
+            timers[impl, "fb"] = lambda f=fb(impl): time_ms(f, reps)
         if graph:
             timers[impl, "graph"] = graph_timer(impl)
     # progress: a run cut by a time limit (Liger autotunes for minutes per new shape) keeps these
@@ -267,7 +306,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--tokens", nargs="+", type=int, default=[64, 512, 4096, 16384])
-    ap.add_argument("--impls", nargs="+", default=["megamoe", "reference", "liger"])
+    ap.add_argument("--impls", nargs="+", default=["megamoe", "reference", "liger"],
+                    choices=["megamoe", "reference", "liger", "vllm"],
+                    help="vllm: vLLM's Triton fused_experts, forward only (default: megamoe reference liger)")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=1,
                     help="time the implementations round-robin this many times, keep each one's least median")

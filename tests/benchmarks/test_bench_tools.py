@@ -269,3 +269,45 @@ def test_bench_capture_host_prints_a_row_per_shape():
     assert "| layers | requests | host us per step (median of reps) | take ms |" in out, out
     for layers in (2, 3):
         assert re.search(rf"^\| {layers} \| 4 \| [\d.]+ \| [\d.]+ \|$", out, re.M), out
+
+
+def test_bench_moe_times_vllm_only_where_its_output_agrees(monkeypatch):
+    """--impls vllm: vLLM's fused_experts (here a CPU stand-in with its signature) is checked against megamoe's
+    output before it is timed, forward and graph only (no backward: n/a in the fb row); a stand-in with gate
+    and up swapped (the layout mismatch the check is for) is not timed and its record says why."""
+    sys.path.insert(0, ROOT)
+    from benchmarks import bench_moe as bm
+    from megamoe.ref import moe_unfused
+
+    def standin(swap):
+        def fused_experts(x, w1, w2, topk_weights, topk_ids):
+            assert topk_ids.dtype == torch.int32
+            if swap:
+                half = w1.shape[1] // 2
+                w1 = torch.cat([w1[:, half:], w1[:, :half]], dim=1)
+            return moe_unfused(x, w1, w2, topk_weights, topk_ids.long(), check_ids=False)
+        return fused_experts
+
+    timed = []
+    make = bm.make_inputs
+    monkeypatch.setitem(bm.SHAPES, "tiny", (4, 32, 16, 2))
+    monkeypatch.setattr(bm, "make_inputs", lambda *a, **kw: make(*a, device="cpu", dtype=torch.float32))
+    monkeypatch.setattr(bm, "time_ms", lambda fn, reps, warmup=0: (timed.append(fn), fn(), 2.0)[2])
+    monkeypatch.setattr(bm, "graph_ms", lambda fn, reps: (fn(), 1.0)[1])
+    for swap in (False, True):
+        monkeypatch.setattr(bm, "vllm_fn", lambda swap=swap: (standin(swap), None))
+        lines, records = [], []
+        timed.clear()
+        bm.bench_shape("tiny", 16, 1, ["megamoe", "vllm"], 1e12, lines, records, graph=True)
+        row = records[0]
+        if not swap:
+            assert row["vllm_max_abs_diff"] < 1e-5 and row["vllm_fwd_ms"] == 2.0 and row["vllm_graph_ms"] == 1.0
+            assert row["vllm_fb_ms"] is None and len(timed) == 3  # megamoe fwd + fb, vllm fwd
+            assert "1.00x vs vllm" in lines[0] and "vllm      n/a" in lines[1] and "1.00x vs vllm" in lines[2]
+        else:
+            assert row["vllm_fwd_ms"] is None and "output disagrees with megamoe's" in row["vllm_note"]
+            assert len(timed) == 2 and "vs vllm" not in lines[0]
+    monkeypatch.setattr(bm, "vllm_fn", lambda: (None, "not importable: ModuleNotFoundError: No module named 'vllm'"))
+    lines, records = [], []
+    bm.bench_shape("tiny", 16, 1, ["megamoe", "vllm"], 1e12, lines, records)
+    assert records[0]["vllm_fwd_ms"] is None and records[0]["vllm_note"].startswith("not importable")
