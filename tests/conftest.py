@@ -1,10 +1,14 @@
 """Shared pytest fixtures: GPU skips with computed reasons, the files with `slow` tests first, NaN-poisoned
-megamoe allocations."""
+megamoe allocations, one Ray cluster per test process for the `megamoe-rl train` launches."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -56,3 +60,70 @@ def nan_fill():
     from megamoe import alloc
     with alloc.poison(float("nan")):
         yield
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """The environment for this test process's `megamoe-rl train` launches to join one Ray cluster
+    ($RAY_ADDRESS, which rl.cluster.start_ray joins instead of starting a local instance: about 5 s a
+    launch), started at the first test that asks for it, stopped when the session ends (its tests passed
+    or not) and when this process dies (the parent-death signal of the `ray start --block` process, which
+    stops its node's processes on SIGTERM).
+
+    Nothing else finds it: this process's environment stays as it was (only the launches' get these
+    variables), and `ray start` writes its address file into its own --temp-dir, not /tmp/ray, where an
+    address-less `ray.init()` would look. Its ports are free ones (the other test process may run a
+    cluster beside it). Token authentication, as Ray gives a local instance, with a token of its own
+    (RAY_AUTH_TOKEN_PATH): Ray turns it on for `ray start` when ~/.ray/auth_token exists but never for a
+    driver joining by address, so both sides are told (RAY_AUTH_MODE). 2 logical CPUs, as a launch's
+    local instance on the 2-core machine (the tiny plans need 2)."""
+    import shutil
+
+    from ray._private.authentication.authentication_token_generator import generate_new_authentication_token
+
+    temp = tempfile.mkdtemp(prefix="mmray", dir="/tmp")  # short: Ray's socket paths live under it
+    token = Path(temp) / "auth_token"
+    token.write_text(generate_new_authentication_token())
+    token.chmod(0o600)
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    log = open(os.path.join(temp, "ray_start.log"), "w")
+    argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={_free_port()}",
+            f"--ray-client-server-port={_free_port()}", "--num-cpus=2", "--include-dashboard=false",
+            "--disable-usage-stats", f"--temp-dir={temp}"]
+    # prctl(PR_SET_PDEATHSIG, SIGTERM), kept across exec: the node goes down with this process.
+    wrapper = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
+               "os.execv(sys.argv[1], sys.argv[1:])")
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **auth}
+    proc = subprocess.Popen([sys.executable, "-c", wrapper, *argv], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True, env=env)
+    address_file = Path(temp) / "ray_current_cluster"
+    try:
+        deadline = time.monotonic() + 120
+        while not (address_file.is_file() and address_file.read_text().strip()):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"`ray start` failed (exit {proc.poll()}):\n" + Path(log.name).read_text()[-3000:])
+            time.sleep(0.2)
+        yield {"RAY_ADDRESS": address_file.read_text().strip(), **auth}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and \
+                os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+            time.sleep(0.2)
+        # Whatever of the node's session is left: its own process group, whose leader is not reaped yet
+        # (so that group id is still this one's).
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        log.close()
+        shutil.rmtree(temp, ignore_errors=True)

@@ -113,7 +113,7 @@ ASYNC = ("run.steps=5", "run.max_async_steps=1", "trainer.checkpoint_every=2", "
 
 
 @pytest.fixture(scope="module")
-def async_runs(tmp_path_factory):
+def async_runs(tmp_path_factory, ray_cluster):
     """Two runs of one async config. `killed` loses its RolloutWorker while step 4's batch is queued on it
     (the reward's 3rd call, during step 3) and runs to step 5 (checkpoints after steps 2, 4, 5). `resumed`:
     a copy of that run folder as it stood when step 2's checkpoint was the latest (step 3's batch in flight;
@@ -125,7 +125,7 @@ def async_runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("rl_async")
     reward = write_reward_module(work)
     killed_dir, resumed_dir = work / "killed", work / "resumed"
-    killed = run_train(killed_dir, *ASYNC, "--reward", reward, action="kill_rollout@3", cwd=work)
+    killed = run_train(killed_dir, *ASYNC, "--reward", reward, action="kill_rollout@3", cwd=work, ray=ray_cluster)
     inflight = json.loads((killed_dir / "checkpoints" / "step_000002" / "inflight.json").read_text())
     resumed = None
     if killed.returncode == 0:
@@ -133,7 +133,8 @@ def async_runs(tmp_path_factory):
         for later in sorted((resumed_dir / "checkpoints").glob("step_*"))[1:]:
             shutil.rmtree(later)
         (resumed_dir / "checkpoints" / "latest.json").write_text(json.dumps({"step": 2, "path": "step_000002"}))
-        resumed = run_train(resumed_dir, *ASYNC, *EVAL, "--reward", reward, "--resume", action="sigint@2", cwd=work)
+        resumed = run_train(resumed_dir, *ASYNC, *EVAL, "--reward", reward, "--resume", action="sigint@2", cwd=work,
+                            ray=ray_cluster)
     return {"killed": killed, "killed_dir": killed_dir, "inflight": inflight, "resumed": resumed,
             "resumed_dir": resumed_dir}
 

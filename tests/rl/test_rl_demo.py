@@ -11,6 +11,7 @@ bounds of tests/rl/test_rl_loop.py at every step of the run.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -34,13 +35,14 @@ EXACT_MATCH_BAR = 0.5
 
 
 @pytest.mark.slow
-def test_tiny_demo_learns_the_digit_not_only_the_format(tmp_path):
+def test_tiny_demo_learns_the_digit_not_only_the_format(tmp_path, ray_cluster):
     run_dir = tmp_path / "demo"
     steps = C.load(TINY).run.steps
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "rl.cli", "train", "--config", str(TINY),
                            f"run.out_dir={run_dir}", "run.progress=false"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900, start_new_session=True)
+                          cwd=ROOT, env={**os.environ, **ray_cluster}, capture_output=True, text=True, timeout=900,
+                          start_new_session=True)
     wall = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr[-6000:]
     records = read_jsonl(run_dir / "metrics.jsonl")

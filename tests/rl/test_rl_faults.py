@@ -68,7 +68,7 @@ EPISODES = ("env.environment=loop_test_rewards:AskAgain", "env.max_turns=3", "ro
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, ray_cluster):
     work = tmp_path_factory.mktemp("rl_faults")
     reward = write_reward_module(work)
     run_dir = work / "run"
@@ -77,7 +77,8 @@ def runs(tmp_path_factory):
     # No plot or TensorBoard events (~2 s at each run's end; tests/rl/test_rl_loop.py's run checks both).
     common = ("trainer.checkpoint_every=2", "run.wandb.mode=offline", "run.samples_every=1", "run.plot=false",
               "run.tensorboard=false", *EVAL, *EPISODES, "--reward", reward)
-    killed = run_train(run_dir, "run.steps=6", *common, action="kill_trainer@4", cwd=work)
+    killed = run_train(run_dir, "run.steps=6", *common, action="kill_trainer@4", cwd=work,
+                       ray=ray_cluster)
     after_kill = {"metrics": read_jsonl(run_dir / "metrics.jsonl"), "latest": _latest(run_dir),
                   "inflight": json.loads((run_dir / "checkpoints" / "step_000002" / "inflight.json").read_text()),
                   "pids": json.loads((run_dir / "actors.json").read_text()),
@@ -90,8 +91,10 @@ def runs(tmp_path_factory):
         pytest.fail("the killed run printed no command to continue it\n" + explain(killed))
     words = shlex.split(said[-1].split("continue the run with: ", 1)[1])
     assert words[:2] == ["megamoe-rl", "train"], said
-    resumed = run_cli([sys.executable, "-m", "rl.cli", *words[1:]], run_dir, action="sigint@1", cwd=work)
-    return {"dir": run_dir, "killed": killed, "after_kill": after_kill, "resumed": resumed, "resume_argv": words}
+    resumed = run_cli([sys.executable, "-m", "rl.cli", *words[1:]], run_dir, action="sigint@1", cwd=work,
+                      ray=ray_cluster)
+    return {"dir": run_dir, "killed": killed, "after_kill": after_kill, "resumed": resumed, "resume_argv": words,
+            "ray": ray_cluster["RAY_ADDRESS"]}
 
 
 @pytest.mark.slow  # two `megamoe-rl train` runs (the module's `runs`)
@@ -211,6 +214,16 @@ def test_routing_replay_of_episodes_is_the_trainers_own_routing(runs):
             assert "routing/load_cv_l0" in r, r  # the routing's expert-load metrics
             if r["step"] not in stale:
                 assert r["routing/agree"] == 1.0, (r["step"], r["routing/agree"])
+
+
+@pytest.mark.slow
+def test_both_runs_join_the_ray_cluster_of_ray_address_and_leave_it_up(runs):
+    """$RAY_ADDRESS (tests/conftest.py's `ray_cluster`): each start joins that cluster rather than starting a
+    local instance (tests/rl/test_rl_loop.py's run starts one), and the killed run's end leaves it up for the
+    resumed run (Loop's _run shuts down only a Ray instance it started)."""
+    log = (runs["dir"] / "train.log").read_text()
+    assert log.count(f"joining the Ray cluster at {runs['ray']}") == 2, log[-3000:]
+    assert "starting a local Ray instance" not in log
 
 
 @pytest.mark.slow

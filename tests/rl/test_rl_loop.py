@@ -105,15 +105,20 @@ def write_reward_module(folder: Path) -> str:
     return "loop_test_rewards:first_char_is_answer"
 
 
-def run_train(run_dir: Path, *args: str, action: str = "", cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run_train(run_dir: Path, *args: str, action: str = "", cwd: Path | None = None,
+              ray: dict | None = None) -> subprocess.CompletedProcess:
     """`megamoe-rl train` on configs/tiny.yaml in a subprocess (its own session, as from a terminal)."""
-    return run_cli(CLI + [f"run.out_dir={run_dir}", *SMALL, *args], run_dir, action=action, cwd=cwd)
+    return run_cli(CLI + [f"run.out_dir={run_dir}", *SMALL, *args], run_dir, action=action, cwd=cwd, ray=ray)
 
 
-def run_cli(argv: list[str], run_dir: Path, *, action: str = "", cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """A command line (`argv`) in a subprocess, with the test reward's fault `action` for `run_dir`."""
+def run_cli(argv: list[str], run_dir: Path, *, action: str = "", cwd: Path | None = None,
+            ray: dict | None = None) -> subprocess.CompletedProcess:
+    """A command line (`argv`) in a subprocess, with the test reward's fault `action` for `run_dir`;
+    `ray`: the environment of a Ray cluster to join (tests/conftest.py's `ray_cluster`), else a `train`
+    starts a local instance of its own."""
     env = dict(os.environ, RL_TEST_RUN_DIR=str(run_dir), RL_TEST_ACTION=action)
     env.pop("RAY_ADDRESS", None)
+    env.update(ray or {})
     return subprocess.run(argv, cwd=cwd or run_dir.parent, env=env, capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S, start_new_session=True)
 
@@ -241,6 +246,9 @@ def e2e(tmp_path_factory):
 def test_e2e_run_completes(e2e):
     proc, run_dir = e2e
     assert proc.returncode == 0, explain(proc)
+    # Without $RAY_ADDRESS the run starts a Ray instance of its own (the other launches of the suite join
+    # tests/conftest.py's `ray_cluster`: tests/rl/test_rl_faults.py checks that).
+    assert "starting a local Ray instance" in (run_dir / "train.log").read_text()
 
 
 @pytest.mark.slow

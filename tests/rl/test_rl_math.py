@@ -126,7 +126,7 @@ DYNAMIC = ["data.dynamic_sampling=true", "data.max_extra_generates=1", "run.max_
 
 
 @pytest.fixture(scope="module")
-def math_run(tmp_path_factory):
+def math_run(tmp_path_factory, ray_cluster):
     work = tmp_path_factory.mktemp("rl_math")
     (work / "math_probe.py").write_text(PROBE)
     run_dir = work / "run"
@@ -135,7 +135,7 @@ def math_run(tmp_path_factory):
             "run.plot=false", *DYNAMIC,
             "reward.functions=[{fn: math, weight: 1.0}, {fn: 'math_probe:probe', weight: 0.0}, "
             "{fn: 'math_probe:signal', weight: 1.0}]", *EVAL]
-    proc = run_cli(argv, run_dir, cwd=work)
+    proc = run_cli(argv, run_dir, cwd=work, ray=ray_cluster)
     return proc, run_dir
 
 

@@ -35,17 +35,18 @@ ROOT = Path(__file__).resolve().parents[2]
 LOGPROB_TOL_FP32 = 1e-4  # as in test_rollout.py; measured ~1e-6 (OLMoE GRPO steps: 4.8e-7)
 
 
-def train_tiny(config: Path, run_dir: Path, *overrides: str):
+def train_tiny(config: Path, run_dir: Path, *overrides: str, ray: dict | None = None):
     """`megamoe-rl train --config <config> [overrides]` for two steps into run_dir, in a subprocess of its
     own session (Ray, one vLLM CPU engine, one FSDP2 trainer rank), sized as tests/rl/test_rl_loop.py's
-    runs; the finished process (the family files' end-to-end runs, tests/rl/test_bitwise.py's)."""
+    runs; the finished process (the family files' end-to-end runs, tests/rl/test_bitwise.py's). `ray`: the
+    environment of a Ray cluster to join (tests/conftest.py's `ray_cluster`), else it starts its own."""
     import os
     import subprocess
     import sys
 
     from test_rl_loop import RUN_TIMEOUT_S, SMALL
 
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **(ray or {})}
     return subprocess.run([sys.executable, "-m", "rl.cli", "train", "--config", str(config), f"run.out_dir={run_dir}",
                            *SMALL, "run.steps=2", *overrides], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S, start_new_session=True)

@@ -35,7 +35,7 @@ DSV3_SYNCED_LOGPROB_TOL_FP32 = 5e-2
 
 
 @pytest.fixture(scope="module")
-def dsv3_run(tmp_path_factory):
+def dsv3_run(tmp_path_factory, ray_cluster):
     """Two GRPO steps of configs/tiny_deepseek_v3.yaml (a subprocess, as olmoe_run), then `megamoe-rl
     consistency` in this process (as test_rollout_archs_gpt_oss.py's; a subprocess of its own imported
     torch, transformers and vLLM again) on the model that run made, megamoe on both sides (one engine)."""
@@ -46,7 +46,7 @@ def dsv3_run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("dsv3")
     run_dir = root / "run"
-    train = train_tiny(TINY_DSV3, run_dir)
+    train = train_tiny(TINY_DSV3, run_dir, ray=ray_cluster)
     if not (run_dir / "model" / "config.json").is_file():  # the run failed before it made the model
         return train, run_dir, None, "no model folder: the training run failed before it made one"
     buf = io.StringIO()

@@ -29,7 +29,7 @@ GPT_OSS_TRAINED = (".mlp.experts.gate_up_proj", ".mlp.experts.gate_up_proj_bias"
 
 
 @pytest.fixture(scope="module")
-def gpt_oss_run(tmp_path_factory):
+def gpt_oss_run(tmp_path_factory, ray_cluster):
     """Two GRPO steps of configs/tiny_gpt_oss.yaml (a subprocess, as olmoe_run), then `megamoe-rl
     consistency` in this process on the policy the run exported (final/), megamoe on both sides (one engine)."""
     import contextlib
@@ -39,7 +39,7 @@ def gpt_oss_run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("gpt_oss")
     run_dir = root / "run"
-    train = train_tiny(TINY_GPT_OSS, run_dir)
+    train = train_tiny(TINY_GPT_OSS, run_dir, ray=ray_cluster)
     if train.returncode != 0:
         return train, run_dir, None, ""
     buf = io.StringIO()

@@ -28,10 +28,10 @@ TINY_OLMOE = ROOT / "configs" / "tiny_olmoe.yaml"
 
 
 @pytest.fixture(scope="module")
-def olmoe_run(tmp_path_factory):
+def olmoe_run(tmp_path_factory, ray_cluster):
     """`megamoe-rl train --config configs/tiny_olmoe.yaml` for two steps (test_rollout_archs.train_tiny)."""
     run_dir = tmp_path_factory.mktemp("olmoe_grpo") / "run"
-    return train_tiny(TINY_OLMOE, run_dir), run_dir
+    return train_tiny(TINY_OLMOE, run_dir, ray=ray_cluster), run_dir
 
 
 def test_olmoe_trains_grpo_steps_with_megamoe_on_both_sides(olmoe_run):
