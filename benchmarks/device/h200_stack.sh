@@ -5,7 +5,7 @@
 # .gpu-ray/ (carry both); the kernel stages (kernel_tests, bench, tune) run without them.
 # Stages: versions | rollout (tests/rollout/test_rollout_gpu.py) | sync_tests (tests/rollout/test_rollout_sync_gpu.py: the CUDA IPC
 # weight sync) | async_gpu (tests/rl/test_rl_async_gpu.py: async RL over ipc at k = 0 and 1, bitwise, a rollout worker killed mid-queue; ~4-6 min) | bench_sync (benchmarks/bench_weight_sync.py; SYNC_ARGS overrides its arguments) | consistency_tests (gpu tests of the
-# consistency issue) | invariance | consistency (the CLI, 8 layers H=1024 E=64 k=8 bf16) | bitwise (run.numerics=bitwise: divergence + consistency at two shapes) | bitwise_families (the same for the tiny OLMoE and Mixtral) | dsv3 (consistency for the tiny DeepSeek-V3, MLA off) | rl_megamoe |
+# consistency issue) | invariance | consistency (the CLI, 8 layers H=1024 E=64 k=8 bf16) | bitwise (run.numerics=bitwise: divergence + consistency at two shapes) | bitwise_families (the same for the tiny OLMoE and Mixtral) | dsv3 (consistency for the tiny DeepSeek-V3, MLA off) | q30b (configs/qwen3_30b_a3b_1gpu.yaml: make-model --device cuda, then Q30B_STEPS LoRA steps) | rl_megamoe |
 # rl_reference | kernel_tests (the op's bf16 GPU tests + the trainer's) | kernel_tests_fp32 (the op's fp32
 # and TMA-weight GPU tests) | gpu_tests (both of those and the trainer's, as 8 concurrent pytest processes) | bench (bench_moe.py; carry .whl with the
 # Liger wheel; BENCH_ARGS overrides its shapes/tokens) | tune (tune_moe.py: stage split, tile
@@ -83,6 +83,24 @@ for stage in "$@"; do
     rl_reference) timeout 330 $PY -m rl.cli train --config configs/h200_rl.yaml "${RL_ARGS[@]}" rollout.moe_impl=reference \
         trainer.moe_impl=reference run.out_dir="$RUNS/rl-reference" run.progress=false --overwrite; rc=$?
       cp "$RUNS/rl-reference/metrics.jsonl" "$LOG/rl-reference-metrics.jsonl" ;;
+    # configs/qwen3_30b_a3b_1gpu.yaml (LoRA at Qwen3-30B-A3B's dims): the model drawn on the GPU (Q30B_LAYERS: the
+    # largest the card holds by the memory plan, 25 on an H100, 48 on an H200, fewer where /tmp's disk is short,
+    # 1.16 GiB a layer), then Q30B_STEPS steps with Triton attention (the bundle has no FlashAttention). An H100
+    # made 25 layers in 75 s; the train's start reached vLLM's memory profile in 107 s.
+    q30b) card=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+      free=$(df -BG --output=avail /tmp | tail -1 | tr -dc 0-9); most=25; [ "$card" -gt 100000 ] && most=48
+      fit=$(( (free - 6) * 100 / 116 )); L=${Q30B_LAYERS:-$(( fit < most ? fit : most ))}
+      if [ "$(cat /tmp/q30b/.layers 2>/dev/null)" != "$L" ]; then
+        rm -rf /tmp/q30b && timeout 300 $PY -m rl.cli make-model --out /tmp/q30b --layers "$L" --hidden 2048 --experts 128 \
+          --topk 8 --intermediate 768 --vocab 151936 --heads 32 --kv-heads 4 --head-dim 128 --dtype bfloat16 --device cuda \
+          > "$LOG/q30b-make.log" 2>&1 && echo "$L" > /tmp/q30b/.layers
+        echo "made $L layers: rc=$? in $(( $(date +%s) - t0 )) s"
+      fi
+      timeout "${Q30B_LIMIT:-540}" $PY -m rl.cli train --config configs/qwen3_30b_a3b_1gpu.yaml model.make=null model.path=/tmp/q30b \
+        run.steps="${Q30B_STEPS:-3}" "rollout.engine_kwargs.attention_config={backend: TRITON_ATTN}" "${RL_ARGS[@]}" \
+        run.out_dir="$RUNS/q30b" run.progress=false --overwrite > "$LOG/q30b.log" 2>&1; rc=$?
+      cp "$RUNS/q30b/metrics.jsonl" "$LOG/q30b-metrics.jsonl" 2>/dev/null
+      grep -E "ERROR|Error|OutOfMemory" "$LOG/q30b.log" | head -5; tail -3 "$LOG/q30b.log" ;;
     # the op's GPU tests outlast one call together: two stages, one per call (docs/CONTRIBUTING.md)
     kernel_tests) timeout 540 $PY -m pytest -p no:cacheprovider -q -rA -m gpu tests/megamoe/test_fused.py tests/trainer/test_trainer_gpu.py \
         -k "bf16 or opcheck or graph or repeated or nan or dw_tma or trainer" > "$LOG/kernel_tests.log" 2>&1; rc=$?
