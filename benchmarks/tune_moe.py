@@ -1,6 +1,12 @@
 """Tile-config sweep for the megamoe kernels on one GPU (bf16), with a per-stage time split.
 
     python benchmarks/tune_moe.py [--shape qwen3] [--tokens 4096 16384] [--reps 20]
+    python benchmarks/tune_moe.py --decode [--shape qwen3] [--tokens 64 256]
+
+--decode: the forward at decode sizes as the engine runs it (fused_moe_fwd replayed as a CUDA graph), the
+bf16 CUDA default and variants of it (DECODE), beside vLLM's Triton fused_experts in the same process where
+vLLM imports; per variant the time, the ratio to vLLM's and whether its output is bitwise the default's (a
+decode-only tile must keep every bit for batch invariance: the defaults' tiles never depend on T).
 
 Prints, per forward config: the persistent launch's time (routing metadata included: it is the
 launch's phase 0) and, for T >= 4096, the best ticket lag; per backward config: the persistent
@@ -19,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from benchmarks.bench_moe import SHAPES, expert_options, make_inputs, time_ms  # noqa: E402
+from benchmarks.bench_moe import SHAPES, expert_options, graph_ms, make_inputs, time_ms, vllm_fn  # noqa: E402
 from megamoe import fused  # noqa: E402
 from megamoe.fused import KernelConfig  # noqa: E402
 
@@ -44,6 +50,59 @@ GU = [
 ]
 
 
+# the forward at decode sizes: changes to the bf16 CUDA default (default_config), one or two fields each
+DECODE = [
+    dict(BM=64),
+    dict(BM=64, num_warps=4),
+    dict(BN1=64),
+    dict(BN2=128),
+    dict(BK1=128),
+    dict(small_stages=3),
+    dict(small_stages=5),
+    dict(group_tiles=1),
+    dict(BLK=256),
+]
+
+
+def decode_sweep(shape: str, tokens: list[int], reps: int, variants=DECODE, timer=graph_ms, device="cuda") -> list[dict]:
+    """The --decode table: one row per (T, config), the default first and vLLM's fused_experts last (where it
+    imports), each {"T", "config", "ms", "vs_vllm", "bitwise"} (bitwise: the output equals the default
+    config's bit for bit; None for vLLM) or {"T", "config", "error"} for a variant that fails to run."""
+    from megamoe.fused import default_config, fused_moe_fwd, set_config
+
+    E, H, I, k = SHAPES[shape]  # noqa: E741
+    vllm_experts, vllm_err = vllm_fn()
+    rows = []
+    for T in tokens:
+        x, w13, w2, tw, ids = make_inputs(E, H, I, k, T, device=device)
+        base = default_config(x.dtype, x.device)
+        got = {}
+        for change in [{}] + list(variants):
+            name = ",".join(f"{a}={b}" for a, b in change.items()) or "default"
+            try:
+                cfg = dataclasses.replace(base, **change)
+                set_config(cfg)
+                out = fused_moe_fwd(x, w13, w2, tw, ids, check=False)
+                ms = timer(lambda: fused_moe_fwd(x, w13, w2, tw, ids, check=False), reps)
+            except Exception as exc:  # noqa: BLE001  (a tile the kernel or the card cannot take)
+                rows.append({"T": T, "config": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"})
+                continue
+            finally:
+                set_config(None)
+            got.setdefault("default", out)
+            rows.append({"T": T, "config": name, "ms": ms, "bitwise": torch.equal(out, got["default"])})
+        if vllm_experts is not None:
+            ids32 = ids.to(torch.int32)
+            ms = timer(lambda: vllm_experts(x, w13, w2, tw, ids32), reps)
+            rows.append({"T": T, "config": "vllm fused_experts", "ms": ms, "bitwise": None})
+            for r in rows:
+                if r["T"] == T and "ms" in r:
+                    r["vs_vllm"] = ms / r["ms"]
+        else:
+            rows.append({"T": T, "config": "vllm fused_experts", "error": vllm_err})
+    return rows
+
+
 def short(c: KernelConfig) -> str:
     d = dataclasses.asdict(c)
     base = dataclasses.asdict(KernelConfig())
@@ -57,7 +116,22 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--lags", nargs="*", type=int, default=[1, 2, 4],
                     help="phase-2 lags to try, in units of group_tiles row tiles (KernelConfig.lag)")
+    ap.add_argument("--decode", action="store_true",
+                    help="the forward at decode sizes as CUDA graphs, DECODE's variants beside vLLM's fused_experts "
+                         "(default --tokens then: 64 256)")
     args = ap.parse_args()
+    if args.decode:
+        tokens = args.tokens if args.tokens != ap.get_default("tokens") else [64, 256]
+        print(f"forward at decode sizes, {args.shape}, bf16, replayed CUDA graphs, median of {args.reps}; "
+              "vs_vllm > 1: faster than vLLM's fused_experts; bitwise: the same output bits as the default")
+        for r in decode_sweep(args.shape, tokens, args.reps):
+            if "error" in r:
+                print(f"  T={r['T']:5d} [{r['config']}] {r['error']}", flush=True)
+            else:
+                vs = f" {r['vs_vllm']:.2f}x vs vllm" if "vs_vllm" in r else ""
+                bits = "" if r["bitwise"] is None else f" bitwise {r['bitwise']}"
+                print(f"  T={r['T']:5d} [{r['config']}] {r['ms']:.3f} ms{vs}{bits}", flush=True)
+        return
     E, H, I, k = SHAPES[args.shape]  # noqa: E741
     # topk ids made contiguous: the raw launchers below index them as a dense array (the public
     # wrappers do this themselves; before 2026-12-01 this script passed the strided slice, so the

@@ -311,3 +311,40 @@ def test_bench_moe_times_vllm_only_where_its_output_agrees(monkeypatch):
     lines, records = [], []
     bm.bench_shape("tiny", 16, 1, ["megamoe", "vllm"], 1e12, lines, records)
     assert records[0]["vllm_fwd_ms"] is None and records[0]["vllm_note"].startswith("not importable")
+
+
+def test_tune_moe_decode_rows_flag_changed_bits_and_failing_tiles(monkeypatch):
+    """tune_moe.py --decode's table: the default config first, each variant with its time, its ratio to vLLM's
+    fused_experts (here a stand-in, timed last) and whether its output is bitwise the default's; a variant the
+    config refuses becomes an error row and the sweep goes on; the forced config is reset after each variant."""
+    sys.path.insert(0, ROOT)
+    from benchmarks import bench_moe as bm
+    from benchmarks import tune_moe as tm
+    from megamoe import fused
+    from megamoe.ref import moe_unfused
+
+    real_fwd = fused.fused_moe_fwd
+
+    def fwd(x, w13, w2, tw, ids, check=True):
+        y = real_fwd(x, w13, w2, tw, ids, check=check)
+        return y + 1e-3 if fused.config_for(x).BM == 32 else y  # the BM=32 variant changes bits
+
+    times = iter([2.0, 1.0, 4.0] * 2)
+    make = bm.make_inputs
+    monkeypatch.setitem(bm.SHAPES, "tiny", (4, 32, 16, 2))
+    monkeypatch.setattr(bm, "make_inputs", lambda *a, **kw: make(*a[:5], dtype=torch.float32, device="cpu"))
+    monkeypatch.setattr(tm, "make_inputs", bm.make_inputs)
+    monkeypatch.setattr(fused, "fused_moe_fwd", fwd)
+    monkeypatch.setattr(tm, "vllm_fn", lambda: (lambda x, w1, w2, tw, ids32: moe_unfused(x, w1, w2, tw, ids32.long(),
+                                                                                        check_ids=False), None))
+    rows = tm.decode_sweep("tiny", [8, 16], 1, variants=[dict(BM=32), dict(BM=48)],
+                           timer=lambda fn, reps: (fn(), next(times))[1], device="cpu")
+    assert [r["config"] for r in rows] == ["default", "BM=32", "BM=48", "vllm fused_experts"] * 2
+    default, bm32, bm48, vllm = rows[:4]
+    assert default["bitwise"] is True and bm32["bitwise"] is False and vllm["bitwise"] is None
+    assert default["vs_vllm"] == 2.0 and bm32["vs_vllm"] == 4.0 and vllm["vs_vllm"] == 1.0
+    assert "error" in bm48 and "BM" in bm48["error"]
+    assert fused.config_for(torch.zeros(1)) == fused.default_config(torch.float32, torch.device("cpu"))
+    monkeypatch.setattr(tm, "vllm_fn", lambda: (None, "not importable: no vllm"))
+    rows = tm.decode_sweep("tiny", [8], 1, variants=[], timer=lambda fn, reps: 1.0, device="cpu")
+    assert rows[-1] == {"T": 8, "config": "vllm fused_experts", "error": "not importable: no vllm"} and "vs_vllm" not in rows[0]
