@@ -170,6 +170,17 @@ def vllm_fn():
     return fused_experts, None
 
 
+def vllm_disagreement(vllm_experts, x, w13, w2, tw, ids) -> tuple[float, float, str | None]:
+    """(max |dy|, max |y|, why not to time it or None): vLLM's output against megamoe's on the same inputs,
+    refused beyond VLLM_AGREE of max |y|."""
+    want = fused_moe_fwd(x, w13, w2, tw, ids, check=False).float()
+    err = (vllm_experts(x, w13, w2, tw, ids.to(torch.int32)).float() - want).abs().max().item()
+    scale = want.abs().max().item()
+    why = None if err <= VLLM_AGREE * scale else \
+        f"output disagrees with megamoe's: max |dy| {err:.3e} > {VLLM_AGREE} x max |y|"
+    return err, scale, why
+
+
 def bench_shape(name, T, reps, impls, bw, lines, records, rounds: int = 1, graph: bool = False):
     E, H, I, k = SHAPES[name]  # noqa: E741
     x, w13, w2, tw, ids = make_inputs(E, H, I, k, T)
@@ -243,14 +254,12 @@ def bench_shape(name, T, reps, impls, bw, lines, records, rounds: int = 1, graph
             print(f"  {name} T={T} {impl}: {row[f'{impl}_note']}", flush=True)
             continue
         if impl == "vllm":  # the same problem as megamoe's: its output must agree before it is timed
-            want = fused_moe_fwd(x, w13, w2, tw, ids, check=False).float()
-            err = (vllm_experts(x, w13, w2, tw, ids32).float() - want).abs().max().item()
-            scale = want.abs().max().item()
+            err, scale, why = vllm_disagreement(vllm_experts, x, w13, w2, tw, ids)
             row["vllm_max_abs_diff"] = err
             print(f"  {name} T={T} vllm vs megamoe: max |dy| {err:.3e} (max |y| {scale:.3e})", flush=True)
-            if not err <= VLLM_AGREE * scale:
+            if why:
                 row["vllm_fwd_ms"] = row["vllm_fb_ms"] = None
-                row["vllm_note"] = f"output disagrees with megamoe's: max |dy| {err:.3e} > {VLLM_AGREE} x max |y|"
+                row["vllm_note"] = why
                 print(f"  {name} T={T} vllm: not timed: {row['vllm_note']}", flush=True)
                 continue
         timers[impl, "fwd"] = lambda f=fwd[impl]: time_ms(f, reps)

@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from benchmarks.bench_moe import SHAPES, expert_options, graph_ms, make_inputs, time_ms, vllm_fn  # noqa: E402
+from benchmarks.bench_moe import (SHAPES, expert_options, graph_ms, make_inputs, time_ms,  # noqa: E402
+                                  vllm_disagreement, vllm_fn)
 from megamoe import fused  # noqa: E402
 from megamoe.fused import KernelConfig  # noqa: E402
 
@@ -66,8 +67,9 @@ DECODE = [
 
 def decode_sweep(shape: str, tokens: list[int], reps: int, variants=DECODE, timer=graph_ms, device="cuda") -> list[dict]:
     """The --decode table: one row per (T, config), the default first and vLLM's fused_experts last (where it
-    imports), each {"T", "config", "ms", "vs_vllm", "bitwise"} (bitwise: the output equals the default
-    config's bit for bit; None for vLLM) or {"T", "config", "error"} for a variant that fails to run."""
+    imports and its output agrees with megamoe's: bench_moe.vllm_disagreement), each {"T", "config", "ms",
+    "vs_vllm", "bitwise"} (bitwise: the output equals the default config's bit for bit; None for vLLM and where
+    the default failed) or {"T", "config", "error"} for a variant that fails to run."""
     from megamoe.fused import default_config, fused_moe_fwd, set_config
 
     E, H, I, k = SHAPES[shape]  # noqa: E741
@@ -76,7 +78,7 @@ def decode_sweep(shape: str, tokens: list[int], reps: int, variants=DECODE, time
     for T in tokens:
         x, w13, w2, tw, ids = make_inputs(E, H, I, k, T, device=device)
         base = default_config(x.dtype, x.device)
-        got = {}
+        default_out = None
         for change in [{}] + list(variants):
             name = ",".join(f"{a}={b}" for a, b in change.items()) or "default"
             try:
@@ -89,9 +91,12 @@ def decode_sweep(shape: str, tokens: list[int], reps: int, variants=DECODE, time
                 continue
             finally:
                 set_config(None)
-            got.setdefault("default", out)
-            rows.append({"T": T, "config": name, "ms": ms, "bitwise": torch.equal(out, got["default"])})
-        if vllm_experts is not None:
+            if not change:
+                default_out = out
+            rows.append({"T": T, "config": name, "ms": ms,
+                         "bitwise": None if default_out is None else torch.equal(out, default_out)})
+        why = vllm_err if vllm_experts is None else vllm_disagreement(vllm_experts, x, w13, w2, tw, ids)[2]
+        if why is None:
             ids32 = ids.to(torch.int32)
             ms = timer(lambda: vllm_experts(x, w13, w2, tw, ids32), reps)
             rows.append({"T": T, "config": "vllm fused_experts", "ms": ms, "bitwise": None})
@@ -99,7 +104,7 @@ def decode_sweep(shape: str, tokens: list[int], reps: int, variants=DECODE, time
                 if r["T"] == T and "ms" in r:
                     r["vs_vllm"] = ms / r["ms"]
         else:
-            rows.append({"T": T, "config": "vllm fused_experts", "error": vllm_err})
+            rows.append({"T": T, "config": "vllm fused_experts", "error": why})
     return rows
 
 

@@ -348,3 +348,9 @@ def test_tune_moe_decode_rows_flag_changed_bits_and_failing_tiles(monkeypatch):
     monkeypatch.setattr(tm, "vllm_fn", lambda: (None, "not importable: no vllm"))
     rows = tm.decode_sweep("tiny", [8], 1, variants=[], timer=lambda fn, reps: 1.0, device="cpu")
     assert rows[-1] == {"T": 8, "config": "vllm fused_experts", "error": "not importable: no vllm"} and "vs_vllm" not in rows[0]
+    # vLLM's output is checked as bench_moe checks it: gate and up swapped is not timed
+    swapped = (lambda x, w1, w2, tw, ids32: moe_unfused(x, torch.cat([w1[:, w1.shape[1] // 2:], w1[:, :w1.shape[1] // 2]], 1),
+                                                        w2, tw, ids32.long(), check_ids=False))
+    monkeypatch.setattr(tm, "vllm_fn", lambda: (swapped, None))
+    rows = tm.decode_sweep("tiny", [8], 1, variants=[], timer=lambda fn, reps: 1.0, device="cpu")
+    assert "output disagrees with megamoe's" in rows[-1]["error"] and "vs_vllm" not in rows[0]
