@@ -366,6 +366,10 @@ class RunConfig:
                                     "batches; 0 = on-policy, generate then train; every transport, evaluation, "
                                     "dynamic sampling, sleep mode and multi-turn episodes work at any k "
                                     "(docs/ASYNC.md)")
+    check_memory: bool = field(True, "before a GPU run (trainer.gpus_per_rank > 0) starts, check its memory plan "
+                                     "(what `megamoe-rl doctor --config` prints) against the first GPU this machine "
+                                     "shows and refuse one that does not fit, naming the most layers that would; "
+                                     "false starts it anyway (the plan is an estimate)")
     samples_every: int = field(0, "every N steps, append that step's samples (prompt, completion, rewards, "
                                   "advantage) to <out_dir>/samples.jsonl; 0 = never")
     wandb: WandbConfig = field(doc="Weights & Biases logging (default disabled)", factory=WandbConfig)

@@ -325,8 +325,8 @@ def train(cfg: Config, *, resume: bool = False, command: str | None = None, rewa
     functions `rl.rewards.load_rewards(cfg.reward)` returned, where the caller loaded them already
     (the CLI does, to refuse a bad one first); None loads them here.
 
-    Every check happens before Ray starts: the run folder, the checkpoint to resume, the model
-    (check_model), the rewards, the dataset and every prompt's length (Loop). A refused start
+    Every check happens before Ray starts: the run folder, the checkpoint to resume, a GPU run's
+    memory plan (run.check_memory), the model (check_model), the rewards, the dataset and every prompt's length (Loop). A refused start
     raises (ConfigError, DataError, RunDirError: exit 2 from the CLI) and a fresh run then removes
     what it created in run.out_dir. From then on a failure (an actor that raises or dies, Ray
     itself) ends the run with one paragraph in train.log and on the terminal (failure_paragraph):
@@ -344,6 +344,10 @@ def train(cfg: Config, *, resume: bool = False, command: str | None = None, rewa
             if start_step >= cfg.run.steps:  # finished: say so, change nothing (not even config.yaml)
                 log.info("the run already has %d steps (run.steps=%d); nothing to do", start_step, cfg.run.steps)
                 return EXIT_OK
+        if cfg.trainer.gpus_per_rank > 0 and cfg.run.check_memory:  # before model.make builds anything
+            from rl.memory_plan import check_run
+
+            log.info("%s", check_run(cfg))
         loop = Loop(cfg, run_dir, start_step, resolve_model(cfg, run_dir), rewards)
         if resume:
             log_config_changes(run_dir, cfg)

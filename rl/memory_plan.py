@@ -4,6 +4,7 @@
     plan.fits(card_bytes)  -> bool           # every phase's total within the card
     print(plan.render(card_bytes))           # the table `megamoe-rl doctor --config` and `train --dry-run` print
     max_layers(cfg, card_bytes)              # the most decoder layers of this model that fit
+    check_run(cfg)                           # `megamoe-rl train`: refuse a GPU run that does not fit this machine's card
 
 The plan is arithmetic on the model's dimensions and the config, for one GPU that holds a trainer rank and
 (colocated) an engine. What is counted, in bytes:
@@ -35,6 +36,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -259,3 +263,35 @@ def report(cfg, card: tuple[str, int] | None) -> tuple[bool | None, str]:
 
 
 
+
+
+def card_seen_by_child() -> tuple[str, int] | None:
+    """card_bytes_seen() from a child process: the run's driver then holds no CUDA context of its own (about
+    0.5 GiB of the card the run needs, for the whole run). None without a CUDA device."""
+    code = "import json; from rl.memory_plan import card_bytes_seen; print(json.dumps(card_bytes_seen()))"
+    here = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(f"could not read the GPU's memory for the memory plan: {proc.stderr.strip()[-600:]}")
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    return (seen[0], int(seen[1])) if seen else None
+
+
+def check_run(cfg, card: tuple[str, int] | None | bool = True) -> str:
+    """Before a GPU run starts (`megamoe-rl train`, unless run.check_memory is false): its plan against the first
+    GPU this machine shows (`card`: True asks a child process; None: no GPU here). Returns the line for the run's
+    log; raises ConfigError (the plan, and the most layers that fit) where the plan does not fit."""
+    from trainer.config import ConfigError
+
+    if card is True:
+        card = card_seen_by_child()
+    if card is None:
+        return ("memory plan not checked: this machine shows no GPU (the run's GPUs are elsewhere in the Ray "
+                "cluster; `megamoe-rl doctor --config` on a GPU machine checks it)")
+    fits, text = report(cfg, card)
+    if not fits:
+        raise ConfigError(f"run.check_memory: the run's GPU memory plan does not fit {card[0]} "
+                         f"({card[1] / GiB:.1f} GiB):\n{text}\n(the plan is an estimate, rl/memory_plan.py; "
+                         "run.check_memory=false starts the run anyway)")
+    return f"memory plan: peak {memory_plan(cfg).peak / GiB:.1f} GiB fits {card[0]} ({card[1] / GiB:.1f} GiB)"

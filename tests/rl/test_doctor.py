@@ -236,3 +236,54 @@ def test_dry_run_prints_the_plan_of_a_gpu_config():
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
     assert "# memory plan: 48 layers" in proc.stdout and "#   H200 (139 GiB): fits" in proc.stdout, proc.stdout
+
+
+def test_train_refuses_a_gpu_run_whose_plan_does_not_fit_before_it_builds_anything(tmp_path, monkeypatch, caplog):
+    """`megamoe-rl train` checks the plan against this machine's card (run.check_memory) before model.make
+    builds the model: the 30B config at 48 layers on an H100 is refused with the plan and the most layers that
+    fit, and the fresh run folder is removed; false skips the check. The card is injected (this machine has
+    none); resolve_model stands for everything after the check."""
+    import pytest
+
+    import rl.loop as L
+    import rl.memory_plan as M
+    from rl import config as C
+    from trainer.config import ConfigError
+
+    class Built(Exception):
+        pass
+
+    def built(*a, **k):
+        raise Built
+
+    monkeypatch.setattr(L, "resolve_model", built)
+    monkeypatch.setattr(M, "card_seen_by_child", lambda: ("NVIDIA H100 80GB HBM3", 78 * M.GiB))
+    path = ROOT / "configs" / "qwen3_30b_a3b_1gpu.yaml"
+    out = tmp_path / "run"
+    cfg = C.load(path, [f"run.out_dir={out}", "run.progress=false", "run.tensorboard=false"])
+    with pytest.raises(ConfigError) as e:
+        L.train(cfg)
+    msg = str(e.value)
+    assert msg.startswith("run.check_memory: the run's GPU memory plan does not fit NVIDIA H100 80GB HBM3 (78.0 GiB)")
+    assert "peak 134.7 GiB does NOT fit" in msg and "at most 25 layers" in msg and "run.check_memory=false" in msg
+    assert not out.exists()
+    with pytest.raises(Built), caplog.at_level("INFO", "megamoe.rl"):  # 25 layers fit: the run goes on
+        L.train(C.load(path, [f"run.out_dir={out}", "model.make.layers=25", "run.progress=false"]))
+    assert "memory plan: peak 77.8 GiB fits NVIDIA H100 80GB HBM3 (78.0 GiB)" in caplog.text
+
+    def no_card_asked():
+        raise AssertionError("run.check_memory=false asked for the card")
+
+    monkeypatch.setattr(M, "card_seen_by_child", no_card_asked)
+    with pytest.raises(Built):
+        L.train(C.load(path, [f"run.out_dir={tmp_path / 'off'}", "run.check_memory=false", "run.progress=false"]))
+
+
+def test_the_card_is_read_in_a_child_process():
+    """The driver creates no CUDA context: the card comes from a child process; this machine shows none."""
+    import rl.memory_plan as M
+    from rl import config as C
+
+    assert M.card_seen_by_child() is None
+    assert M.check_run(C.load(ROOT / "configs" / "qwen3_30b_a3b_1gpu.yaml")).startswith(
+        "memory plan not checked: this machine shows no GPU")
