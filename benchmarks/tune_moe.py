@@ -65,8 +65,9 @@ DECODE = [
 ]
 
 
-def decode_sweep(shape: str, tokens: list[int], reps: int, variants=DECODE, timer=graph_ms, device="cuda") -> list[dict]:
-    """The --decode table: one row per (T, config), the default first and vLLM's fused_experts last (where it
+def decode_sweep(shape: str, tokens: list[int], reps: int, variants=DECODE, timer=graph_ms, device="cuda"):
+    """The --decode table, yielded one T at a time (a list of rows, so a run cut short keeps the sizes it
+    finished): one row per config, the default first and vLLM's fused_experts last (where it
     imports and its output agrees with megamoe's: bench_moe.vllm_disagreement), each {"T", "config", "ms",
     "vs_vllm", "bitwise"} (bitwise: the output equals the default config's bit for bit; None for vLLM and where
     the default failed) or {"T", "config", "error"} for a variant that fails to run."""
@@ -74,8 +75,8 @@ def decode_sweep(shape: str, tokens: list[int], reps: int, variants=DECODE, time
 
     E, H, I, k = SHAPES[shape]  # noqa: E741
     vllm_experts, vllm_err = vllm_fn()
-    rows = []
     for T in tokens:
+        rows = []
         x, w13, w2, tw, ids = make_inputs(E, H, I, k, T, device=device)
         base = default_config(x.dtype, x.device)
         default_out = None
@@ -105,7 +106,7 @@ def decode_sweep(shape: str, tokens: list[int], reps: int, variants=DECODE, time
                     r["vs_vllm"] = ms / r["ms"]
         else:
             rows.append({"T": T, "config": "vllm fused_experts", "error": why})
-    return rows
+        yield rows
 
 
 def short(c: KernelConfig) -> str:
@@ -129,7 +130,7 @@ def main():
         tokens = args.tokens if args.tokens != ap.get_default("tokens") else [64, 256]
         print(f"forward at decode sizes, {args.shape}, bf16, replayed CUDA graphs, median of {args.reps}; "
               "vs_vllm > 1: faster than vLLM's fused_experts; bitwise: the same output bits as the default")
-        for r in decode_sweep(args.shape, tokens, args.reps):
+        for r in (r for rows in decode_sweep(args.shape, tokens, args.reps) for r in rows):
             if "error" in r:
                 print(f"  T={r['T']:5d} [{r['config']}] {r['error']}", flush=True)
             else:

@@ -337,8 +337,8 @@ def test_tune_moe_decode_rows_flag_changed_bits_and_failing_tiles(monkeypatch):
     monkeypatch.setattr(fused, "fused_moe_fwd", fwd)
     monkeypatch.setattr(tm, "vllm_fn", lambda: (lambda x, w1, w2, tw, ids32: moe_unfused(x, w1, w2, tw, ids32.long(),
                                                                                         check_ids=False), None))
-    rows = tm.decode_sweep("tiny", [8, 16], 1, variants=[dict(BM=32), dict(BM=48)],
-                           timer=lambda fn, reps: (fn(), next(times))[1], device="cpu")
+    rows = sum(tm.decode_sweep("tiny", [8, 16], 1, variants=[dict(BM=32), dict(BM=48)],
+                               timer=lambda fn, reps: (fn(), next(times))[1], device="cpu"), [])
     assert [r["config"] for r in rows] == ["default", "BM=32", "BM=48", "vllm fused_experts"] * 2
     default, bm32, bm48, vllm = rows[:4]
     assert default["bitwise"] is True and bm32["bitwise"] is False and vllm["bitwise"] is None
@@ -346,11 +346,11 @@ def test_tune_moe_decode_rows_flag_changed_bits_and_failing_tiles(monkeypatch):
     assert "error" in bm48 and "BM" in bm48["error"]
     assert fused.config_for(torch.zeros(1)) == fused.default_config(torch.float32, torch.device("cpu"))
     monkeypatch.setattr(tm, "vllm_fn", lambda: (None, "not importable: no vllm"))
-    rows = tm.decode_sweep("tiny", [8], 1, variants=[], timer=lambda fn, reps: 1.0, device="cpu")
+    rows = sum(tm.decode_sweep("tiny", [8], 1, variants=[], timer=lambda fn, reps: 1.0, device="cpu"), [])
     assert rows[-1] == {"T": 8, "config": "vllm fused_experts", "error": "not importable: no vllm"} and "vs_vllm" not in rows[0]
     # vLLM's output is checked as bench_moe checks it: gate and up swapped is not timed
     swapped = (lambda x, w1, w2, tw, ids32: moe_unfused(x, torch.cat([w1[:, w1.shape[1] // 2:], w1[:, :w1.shape[1] // 2]], 1),
                                                         w2, tw, ids32.long(), check_ids=False))
     monkeypatch.setattr(tm, "vllm_fn", lambda: (swapped, None))
-    rows = tm.decode_sweep("tiny", [8], 1, variants=[], timer=lambda fn, reps: 1.0, device="cpu")
+    rows = sum(tm.decode_sweep("tiny", [8], 1, variants=[], timer=lambda fn, reps: 1.0, device="cpu"), [])
     assert "output disagrees with megamoe's" in rows[-1]["error"] and "vs_vllm" not in rows[0]
