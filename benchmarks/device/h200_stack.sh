@@ -86,7 +86,8 @@ for stage in "$@"; do
     # configs/qwen3_30b_a3b_1gpu.yaml (LoRA at Qwen3-30B-A3B's dims): the model drawn on the GPU (Q30B_LAYERS: the
     # largest the card holds by the memory plan, 25 on an H100, 48 on an H200, fewer where /tmp's disk is short,
     # 1.16 GiB a layer), then Q30B_STEPS steps with Triton attention (the bundle has no FlashAttention). An H100
-    # made 25 layers in 75 s; the train's start reached vLLM's memory profile in 107 s.
+    # made 25 layers in 75 s; the train's start reached vLLM's memory profile in 107 s. No final export: the merged
+    # policy is as large as the model (1.16 GiB a layer), which /tmp's disk does not hold a second time.
     q30b) card=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
       free=$(df -BG --output=avail /tmp | tail -1 | tr -dc 0-9); most=25; [ "$card" -gt 100000 ] && most=48
       fit=$(( (free - 6) * 100 / 116 )); L=${Q30B_LAYERS:-$(( fit < most ? fit : most ))}
@@ -97,7 +98,7 @@ for stage in "$@"; do
         echo "made $L layers: rc=$? in $(( $(date +%s) - t0 )) s"
       fi
       timeout "${Q30B_LIMIT:-540}" $PY -m rl.cli train --config configs/qwen3_30b_a3b_1gpu.yaml model.make=null model.path=/tmp/q30b \
-        run.steps="${Q30B_STEPS:-3}" "rollout.engine_kwargs.attention_config={backend: TRITON_ATTN}" "${RL_ARGS[@]}" \
+        run.steps="${Q30B_STEPS:-3}" "rollout.engine_kwargs.attention_config={backend: TRITON_ATTN}" run.export_final=false "${RL_ARGS[@]}" \
         run.out_dir="$RUNS/q30b" run.progress=false --overwrite > "$LOG/q30b.log" 2>&1; rc=$?
       cp "$RUNS/q30b/metrics.jsonl" "$LOG/q30b-metrics.jsonl" 2>/dev/null
       grep -E "ERROR|Error|OutOfMemory" "$LOG/q30b.log" | head -5; tail -3 "$LOG/q30b.log" ;;
