@@ -55,8 +55,8 @@ from rl.export import export_final
 from rl.failures import ANSI, failure_paragraph
 from rl.logs import close_run_logging, setup_run_logging
 from rl.pipeline import Flight, Generation, Publication, Scoring, Training
-from rl.run_dir import (Created, checkpoints_dir, holds_run, latest_checkpoint, log_config_changes, prepare_run_dir,
-                        resume_checkpoint, write_atomic)
+from rl.run_dir import (Created, check_disk, checkpoints_dir, holds_run, latest_checkpoint, log_config_changes,
+                        prepare_run_dir, resume_checkpoint, write_atomic)
 
 log = logging.getLogger("megamoe.rl")
 
@@ -325,9 +325,10 @@ def train(cfg: Config, *, resume: bool = False, command: str | None = None, rewa
     functions `rl.rewards.load_rewards(cfg.reward)` returned, where the caller loaded them already
     (the CLI does, to refuse a bad one first); None loads them here.
 
-    Every check happens before Ray starts: the run folder, the checkpoint to resume, a GPU run's
-    memory plan (run.check_memory), the model (check_model), the rewards, the dataset and every prompt's length (Loop). A refused start
-    raises (ConfigError, DataError, RunDirError: exit 2 from the CLI) and a fresh run then removes
+    Every check happens before Ray starts: the run folder, the checkpoint to resume, the disk for the
+    model model.make makes and the final export (check_disk), a GPU run's memory plan
+    (run.check_memory), the model (check_model), the rewards, the dataset and every prompt's length
+    (Loop). A refused start raises (ConfigError, DataError, RunDirError: exit 2 from the CLI) and a fresh run then removes
     what it created in run.out_dir. From then on a failure (an actor that raises or dies, Ray
     itself) ends the run with one paragraph in train.log and on the terminal (failure_paragraph):
     which actor, which step, the root cause, the last complete checkpoint and `command` + --resume,
@@ -344,6 +345,7 @@ def train(cfg: Config, *, resume: bool = False, command: str | None = None, rewa
             if start_step >= cfg.run.steps:  # finished: say so, change nothing (not even config.yaml)
                 log.info("the run already has %d steps (run.steps=%d); nothing to do", start_step, cfg.run.steps)
                 return EXIT_OK
+        check_disk(cfg, run_dir)  # the model model.make makes and the final export fit run.out_dir's disk
         if cfg.trainer.gpus_per_rank > 0 and cfg.run.check_memory:  # before model.make builds anything
             from rl.memory_plan import check_run
 

@@ -151,6 +151,42 @@ def base_model_dir(cfg: Config, run_dir: Path) -> Path:
     return Path(cfg.model.path).absolute() if cfg.model.path is not None else run_dir / "model"
 
 
+def disk_needed(cfg: Config, run_dir: Path) -> dict[str, int]:
+    """Bytes a run writes into run.out_dir's file system besides its checkpoints: the model model.make makes
+    (where not made yet) and the final export (run.export_final: the base model's tensors again, in their dtype;
+    a LoRA run's adapter besides, small). The base's size: its *.safetensors files, or for a model still to be
+    made its parameter count (rl/memory_plan.py's arithmetic) x model.make.dtype's bytes."""
+    base = base_model_dir(cfg, run_dir)
+    made = (base / "config.json").is_file()
+    if cfg.model.path is not None or made:
+        size = sum(p.stat().st_size for p in base.glob("*.safetensors"))
+    else:
+        from rl.memory_plan import dims_of
+
+        size = dims_of(cfg).params * (4 if cfg.model.make.dtype == "float32" else 2)
+    need = {}
+    if cfg.model.make is not None and not made:
+        need["the model model.make makes"] = size
+    if cfg.run.export_final:
+        need["the final export (run.export_final)"] = size
+    return need
+
+
+def check_disk(cfg: Config, run_dir: Path) -> None:
+    """RunDirError before anything is written when run.out_dir's file system cannot hold disk_needed()."""
+    need = disk_needed(cfg, run_dir)
+    free = shutil.disk_usage(run_dir).free
+    if sum(need.values()) <= free:
+        return
+    GiB = 2**30
+    parts = ", ".join(f"{k} {v / GiB:.1f} GiB" for k, v in need.items())
+    raise RunDirError(f"run.out_dir: {str(run_dir)!r} is on a file system with {free / GiB:.1f} GiB free, and this "
+                      f"run writes about {sum(need.values()) / GiB:.1f} GiB there besides its checkpoints ({parts}): "
+                      "free space, choose another run.out_dir"
+                      + (", or set run.export_final=false (`megamoe-rl export` writes the policy from a checkpoint "
+                         "later)" if cfg.run.export_final else ""))
+
+
 class Created:
     """What a fresh run's start creates in run.out_dir, to remove when the start is refused: the
     folder itself (and any parents made for it) when it did not exist, else the entries it adds."""

@@ -242,7 +242,7 @@ def test_train_refuses_a_gpu_run_whose_plan_does_not_fit_before_it_builds_anythi
     """`megamoe-rl train` checks the plan against this machine's card (run.check_memory) before model.make
     builds the model: the 30B config at 48 layers on an H100 is refused with the plan and the most layers that
     fit, and the fresh run folder is removed; false skips the check. The card is injected (this machine has
-    none); resolve_model stands for everything after the check."""
+    none), the disk check left out; resolve_model stands for everything after the check."""
     import pytest
 
     import rl.loop as L
@@ -257,6 +257,7 @@ def test_train_refuses_a_gpu_run_whose_plan_does_not_fit_before_it_builds_anythi
         raise Built
 
     monkeypatch.setattr(L, "resolve_model", built)
+    monkeypatch.setattr(L, "check_disk", lambda cfg, run_dir: None)  # the 30B model's 57 GB (test_rl_preflight.py)
     monkeypatch.setattr(M, "card_seen_by_child", lambda: ("NVIDIA H100 80GB HBM3", 78 * M.GiB))
     path = ROOT / "configs" / "qwen3_30b_a3b_1gpu.yaml"
     out = tmp_path / "run"

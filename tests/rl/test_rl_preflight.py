@@ -140,3 +140,38 @@ def test_a_refused_start_removes_what_it_created_and_only_that(tmp_path, capsys,
     _train(capsys, kept, *bad, *_path(tmp_path / "no_such_model"))
     _train(capsys, kept, *bad, *_path(tiny_model))
     assert [p.name for p in kept.iterdir()] == ["notes.txt"]
+
+
+def test_a_run_the_disk_cannot_hold_is_refused_before_the_model_is_made(tmp_path, capsys, tiny_model, monkeypatch):
+    """run.out_dir's file system must hold the model model.make makes and the final export (run.export_final):
+    the 30B config on the GPU machine's 64 GB disk would otherwise fail after its last step. The free space is
+    injected; the sizes are the model's: model.make's from its parameter count, model.path's from its files."""
+    import collections
+
+    import rl.run_dir as R
+    from rl import config as C
+    from rl.memory_plan import dims_of
+
+    Usage = collections.namedtuple("Usage", "total used free")
+    free = {"bytes": 0}
+    monkeypatch.setattr(R.shutil, "disk_usage", lambda p: Usage(1 << 40, 0, free["bytes"]))
+    # model.make (fp32 by tiny.yaml): the model and its export, each params x 4 bytes
+    size = dims_of(C.load(TINY)).params * 4
+    free["bytes"] = 2 * size - 1
+    err = _train(capsys, tmp_path / "run")
+    assert (f"run writes about {2 * size / 2**30:.1f} GiB there besides its checkpoints (the model model.make makes "
+            f"{size / 2**30:.1f} GiB, the final export (run.export_final) {size / 2**30:.1f} GiB)") in err, err
+    assert "or set run.export_final=false" in err and not (tmp_path / "run").exists()
+    # without the export only the model is written: it fits; the start goes on to the next check
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1 + 2 =", "answer": "3"}\n[1, 2]\n')
+    err = _train(capsys, tmp_path / "run", "run.export_final=false", "data.task=null", f"data.path={bad}")
+    assert "expected a JSON object per line" in err and not (tmp_path / "run").exists()
+    # model.path: the export is its safetensors again
+    files = sum(p.stat().st_size for p in tiny_model.glob("*.safetensors"))
+    free["bytes"] = files - 1
+    err = _train(capsys, tmp_path / "run", *_path(tiny_model))
+    assert (f"besides its checkpoints (the final export (run.export_final) {files / 2**30:.1f} GiB)") in err, err
+    free["bytes"] = files
+    err = _train(capsys, tmp_path / "run", *_path(tiny_model), "data.task=null", f"data.path={bad}")
+    assert "expected a JSON object per line" in err
