@@ -7,7 +7,7 @@ No engine: a stand-in for vLLM's model runner and scheduler output (the attribut
 ops' writes done with moe_method.capture_routing, then `after_step` timed with a host clock, as vLLM's host
 thread pays it; on CUDA the copies it queues are not waited for (that is the point), so the number is the
 host time per step, not the device time. --steps decode steps of --requests requests (one row each), then one
-take; the median over --reps. Compare numbers only within one invocation's machine and load.
+take; the mean over the steps, the median over --reps. Compare numbers only within one invocation's machine and load.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def measure(layers: int, requests: int, steps: int, k: int, device: str) -> tuple[float, float]:
-    """(median host microseconds per after_step, milliseconds of the take) for one session."""
+    """(mean host microseconds per after_step, milliseconds of the take) for one session. The mean, not the
+    median: every capture.LAND_EVERY-th step files the landed ones, so the steps' costs differ."""
     import torch
 
     from rollout import capture, moe_method
@@ -51,7 +52,7 @@ def measure(layers: int, requests: int, steps: int, k: int, device: str) -> tupl
     got = capture.routing_capture(None, "take", ())
     take = time.perf_counter() - t0
     assert len(got["requests"]) == requests and got["steps"] == steps
-    return statistics.median(per_step) * 1e6, take * 1e3
+    return statistics.fmean(per_step) * 1e6, take * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench_capture_host.py: {args.device} ({torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}), "
           f"torch {torch.__version__}, {args.steps} decode steps, top-{args.topk}, load average "
           f"{os.getloadavg()[0]:.1f}")
-    print("| layers | requests | host us per step (median of reps) | take ms |")
+    print("| layers | requests | host us per step (mean over the steps, median of reps) | take ms |")
     print("|---|---|---|---|")
     for layers in args.layers:
         for requests in args.requests:

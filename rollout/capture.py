@@ -27,12 +27,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from itertools import chain, repeat
 
 import numpy as np
 import torch
 
 from rollout import moe_method
 
+LAND_EVERY = 16
+"""Steps queued before the landed ones are checked and filed together: fewer host calls per step, and a bound on
+the pinned host memory the queued copies hold (LAND_EVERY steps' rows, plus those still in flight)."""
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     """A host copy of `t`: on CUDA queued on the current stream into pinned memory (no wait), else a clone."""
@@ -55,9 +59,9 @@ class _Session:
 
     def after_step(self, runner, scheduler_output) -> None:
         """Queue the copy of the step's rows and positions to the host (on CUDA behind the step, without waiting
-        for it: vLLM's asynchronous scheduling keeps preparing the next step meanwhile), and keep the earlier
-        steps whose copies have landed. A constant number of calls per step, whatever its number of requests:
-        the rows are split into requests once, in `take`."""
+        for it: vLLM's asynchronous scheduling keeps preparing the next step meanwhile). A constant number of
+        calls per step, whatever its number of requests (the rows are split into requests once, in `take`);
+        every LAND_EVERY steps the landed ones are checked and filed together (_land)."""
         rows = int(scheduler_output.total_num_scheduled_tokens)
         if rows == 0:
             return
@@ -65,8 +69,9 @@ class _Session:
         batch = runner.input_batch
         req_ids = list(batch.req_ids[:batch.num_reqs])
         scheduled = scheduler_output.num_scheduled_tokens
-        counts = [int(scheduled.get(r, 0)) for r in req_ids]
-        if sum(counts) != rows or len(scheduled) != sum(1 for r in req_ids if r in scheduled):
+        counts = list(map(scheduled.get, req_ids, repeat(0)))
+        # every scheduled request in the batch (vLLM schedules at least one token for each it names)
+        if sum(counts) != rows or len(scheduled) != len(req_ids) - counts.count(0):
             raise RuntimeError(f"routing capture: the batch's requests {req_ids} with {counts} scheduled tokens do "
                                f"not lay out the step's {rows} rows ({dict(scheduled)})")
         layers, ids = moe_method.read_routing(rows)
@@ -81,31 +86,41 @@ class _Session:
             landed = torch.cuda.Event()
             landed.record()
         self.pending.append((req_ids, counts, ids_host, positions_host, landed))
-        self._land(wait=False)
+        if len(self.pending) >= LAND_EVERY:
+            self._land(wait=False)
         self.steps += 1
         self.read_s += time.perf_counter() - t0
 
     def _land(self, wait: bool) -> None:
-        """Move the pending steps to `landed`, in step order, checked: those whose copies have landed, or (wait)
-        all of them. The host buffers go back to the allocator here."""
+        """File the pending steps whose copies have landed (or, with `wait`, all of them), in step order, checked
+        together: every row written by every layer, each request's rows in a step consecutive positions. The
+        pinned host buffers go back to the allocator here."""
+        ready = []
         while self.pending:
-            req_ids, counts, ids_host, positions_host, landed = self.pending[0]
+            landed = self.pending[0][-1]
             if landed is not None and not landed.query():
                 if not wait:
-                    return
+                    break
                 landed.synchronize()
-            self.pending.popleft()
-            moe_method.check_written(self.layers, ids_host)
-            positions, counts = positions_host.to(torch.int32).numpy().copy(), np.asarray(counts, dtype=np.int64)
-            # within a step a request's rows are consecutive positions (a prefill chunk)
-            request = np.repeat(np.arange(len(counts)), counts)
-            broken = np.flatnonzero((request[1:] == request[:-1]) & (np.diff(positions) != 1))
-            if broken.size:
-                i = int(request[broken[0]])
-                start = int(counts[:i].sum())
-                raise RuntimeError(f"routing capture: request {req_ids[i]}'s rows hold positions "
-                                   f"{positions[start:start + counts[i]].tolist()}, expected consecutive ones")
-            self.landed.append((req_ids, counts, positions, ids_host.numpy().copy()))
+            ready.append(self.pending.popleft())
+        if not ready:
+            return
+        ids = torch.cat([step[2] for step in ready])
+        if bool((ids == moe_method.UNWRITTEN).all(dim=2).any()):
+            for step in ready:  # the step and row to name
+                moe_method.check_written(self.layers, step[2])
+        positions = torch.cat([step[3] for step in ready]).to(torch.int32).numpy()
+        counts = np.fromiter(chain.from_iterable(step[1] for step in ready), dtype=np.int64)
+        req_ids = [r for step in ready for r in step[0]]
+        # within a step a request's rows are consecutive positions (a prefill chunk); a code per (step, request)
+        request = np.repeat(np.arange(len(counts)), counts)
+        broken = np.flatnonzero((request[1:] == request[:-1]) & (np.diff(positions) != 1))
+        if broken.size:
+            i = int(request[broken[0]])
+            start = int(counts[:i].sum())
+            raise RuntimeError(f"routing capture: request {req_ids[i]}'s rows hold positions "
+                               f"{positions[start:start + counts[i]].tolist()}, expected consecutive ones")
+        self.landed.append((req_ids, counts, positions, ids.numpy()))
 
     def _by_request(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Every landed row under its request, in step order: {request id: (positions, ids [n, L, k])}, the

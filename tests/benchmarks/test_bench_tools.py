@@ -266,7 +266,7 @@ def test_bench_replay_smallest_run_prints_both_r3_rows():
 
 def test_bench_capture_host_prints_a_row_per_shape():
     out = _run("benchmarks/bench_capture_host.py", "--layers", "2", "3", "--requests", "4", "--steps", "5", "--reps", "1")
-    assert "| layers | requests | host us per step (median of reps) | take ms |" in out, out
+    assert "| layers | requests | host us per step (mean over the steps, median of reps) | take ms |" in out, out
     for layers in (2, 3):
         assert re.search(rf"^\| {layers} \| 4 \| [\d.]+ \| [\d.]+ \|$", out, re.M), out
 

@@ -70,8 +70,27 @@ def test_a_row_no_op_wrote_this_step_raises():
     s = capture._SESSION
     s.on = True
     _step(s, [("a-00000000", 0, 4)], gen)
-    with pytest.raises(RuntimeError, match=r"layer 1 did not write row 0 of a 2-row step"):
-        _step(s, [("a-00000000", 4, 2)], gen, write_layers=[0])
+    _step(s, [("a-00000000", 4, 2)], gen, write_layers=[0])
+    with pytest.raises(RuntimeError, match=r"layer 1 did not write row 0 of a 2-row step"):  # checked on landing
+        capture.routing_capture(None, "take", ())
+
+
+def test_steps_are_checked_and_filed_together_every_land_every_steps():
+    """after_step only queues; every LAND_EVERY queued steps the landed ones are checked and filed as one batch
+    (a code per step and request: the same request last in one step and first in the next is no jump)."""
+    gen = torch.Generator().manual_seed(5)
+    s = capture._SESSION
+    s.on = True
+    want = [_step(s, [("a-00000000", i, 1), ("b-00000000", 7, 1)], gen) for i in range(capture.LAND_EVERY - 1)]
+    assert not s.landed and len(s.pending) == capture.LAND_EVERY - 1
+    want.append(_step(s, [("b-00000000", 7, 1), ("a-00000000", capture.LAND_EVERY - 1, 1)], gen))
+    assert len(s.landed) == 1 and not s.pending
+    got = capture.routing_capture(None, "take", ())
+    assert got["steps"] == capture.LAND_EVERY
+    a, b = capture.split_requests(got, ["a", "b"], [capture.LAND_EVERY + 1, 9])
+    assert torch.equal(torch.from_numpy(a[:capture.LAND_EVERY]).long(),
+                       torch.stack([w[0] for w in want[:-1]] + [want[-1][1]]))
+    assert torch.equal(torch.from_numpy(b[7]).long(), want[-1][0])  # position 7 recomputed: the last step's
 
 
 def test_a_step_is_filed_once_its_copy_has_landed_and_take_waits_for_the_rest():
@@ -92,7 +111,7 @@ def test_a_step_is_filed_once_its_copy_has_landed_and_take_waits_for_the_rest():
     gen = torch.Generator().manual_seed(3)
     s = capture._SESSION
     s.on = True
-    want = _step(s, [("a-00000000", 0, 2)], gen)  # CPU: filed at once
+    want = _step(s, [("a-00000000", 0, 2)], gen)  # CPU: no event, filed at the next landing
     first, second = Landing(), Landing()
     s.pending.append((["b-00000000"], [1], torch.full((1, L, K), 5, dtype=torch.int16), torch.tensor([0]), first))
     s.pending.append((["c-00000000"], [1], torch.full((1, L, K), 6, dtype=torch.int16), torch.tensor([0]), second))
@@ -184,9 +203,9 @@ def test_layers_in_any_write_order_and_requests_across_steps():
         moe_method.capture_routing(layer, torch.randint(0, E, (2, K), generator=gen))
     runner = types.SimpleNamespace(input_batch=types.SimpleNamespace(req_ids=["d-00000000"], num_reqs=1),
                                    positions=torch.tensor([0, 2]))
+    s.after_step(runner, types.SimpleNamespace(total_num_scheduled_tokens=2, num_scheduled_tokens={"d-00000000": 2}))
     with pytest.raises(RuntimeError, match=r"request d-00000000's rows hold positions \[0, 2\], expected consecutive"):
-        s.after_step(runner, types.SimpleNamespace(total_num_scheduled_tokens=2,
-                                                   num_scheduled_tokens={"d-00000000": 2}))
+        capture.routing_capture(None, "take", ())
     with pytest.raises(RuntimeError, match=r"layer 2 routes to k=2 experts .* the layers before it to k=3"):
         moe_method.capture_routing(2, torch.zeros(1, 2, dtype=torch.long))
 
