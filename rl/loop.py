@@ -328,8 +328,8 @@ def train(cfg: Config, *, resume: bool = False, command: str | None = None, rewa
     Every check happens before Ray starts: the run folder, the checkpoint to resume, the disk for the
     model model.make makes and the final export (check_disk), a GPU run's memory plan
     (run.check_memory), the model (check_model), the rewards, the dataset and every prompt's length
-    (Loop). A refused start raises (ConfigError, DataError, RunDirError: exit 2 from the CLI) and a fresh run then removes
-    what it created in run.out_dir. From then on a failure (an actor that raises or dies, Ray
+    (Loop). A refused start raises (ConfigError, DataError, RunDirError: exit 2 from the CLI) and a
+    fresh run then removes what it created in run.out_dir. From then on a failure (an actor that raises or dies, Ray
     itself) ends the run with one paragraph in train.log and on the terminal (failure_paragraph):
     which actor, which step, the root cause, the last complete checkpoint and `command` + --resume,
     the way to continue (`command`: how the run was started, without --resume / --overwrite)."""
@@ -347,9 +347,9 @@ def train(cfg: Config, *, resume: bool = False, command: str | None = None, rewa
                 return EXIT_OK
         check_disk(cfg, run_dir)  # the model model.make makes and the final export fit run.out_dir's disk
         if cfg.trainer.gpus_per_rank > 0 and cfg.run.check_memory:  # before model.make builds anything
-            from rl.memory_plan import check_run
+            from rl.memory_plan import card_seen_by_child, check_run
 
-            log.info("%s", check_run(cfg))
+            log.info("%s", check_run(cfg, card_seen_by_child()))
         loop = Loop(cfg, run_dir, start_step, resolve_model(cfg, run_dir), rewards)
         if resume:
             log_config_changes(run_dir, cfg)

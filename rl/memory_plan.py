@@ -4,7 +4,7 @@
     plan.fits(card_bytes)  -> bool           # every phase's total within the card
     print(plan.render(card_bytes))           # the table `megamoe-rl doctor --config` and `train --dry-run` print
     max_layers(cfg, card_bytes)              # the most decoder layers of this model that fit
-    check_run(cfg)                           # `megamoe-rl train`: refuse a GPU run that does not fit this machine's card
+    check_run(cfg, card_seen_by_child())     # `megamoe-rl train`: refuse a run this machine's card cannot hold
 
 The plan is arithmetic on the model's dimensions and the config, for one GPU that holds a trainer rank and
 (colocated) an engine. What is counted, in bytes:
@@ -261,10 +261,6 @@ def report(cfg, card: tuple[str, int] | None) -> tuple[bool | None, str]:
     return plan.fits(b), text
 
 
-
-
-
-
 def card_seen_by_child() -> tuple[str, int] | None:
     """card_bytes_seen() from a child process: the run's driver then holds no CUDA context of its own (about
     0.5 GiB of the card the run needs, for the whole run). None without a CUDA device."""
@@ -278,17 +274,15 @@ def card_seen_by_child() -> tuple[str, int] | None:
     return (seen[0], int(seen[1])) if seen else None
 
 
-def check_run(cfg, card: tuple[str, int] | None | bool = True) -> str:
-    """Before a GPU run starts (`megamoe-rl train`, unless run.check_memory is false): its plan against the first
-    GPU this machine shows (`card`: True asks a child process; None: no GPU here). Returns the line for the run's
-    log; raises ConfigError (the plan, and the most layers that fit) where the plan does not fit."""
+def check_run(cfg, card: tuple[str, int] | None) -> str:
+    """Before a GPU run starts (`megamoe-rl train`, unless run.check_memory is false): its plan against `card`, the
+    first GPU this machine shows (card_seen_by_child(); None: none). Returns the line for the run's log; raises
+    ConfigError (the plan, and the most layers that fit) where the plan does not fit."""
     from trainer.config import ConfigError
 
-    if card is True:
-        card = card_seen_by_child()
     if card is None:
-        return ("memory plan not checked: this machine shows no GPU (the run's GPUs are elsewhere in the Ray "
-                "cluster; `megamoe-rl doctor --config` on a GPU machine checks it)")
+        return ("memory plan not checked: this machine shows no GPU (a driver on a CPU node of a Ray cluster; "
+                "`megamoe-rl doctor --config` on a GPU machine checks the plan)")
     fits, text = report(cfg, card)
     if not fits:
         raise ConfigError(f"run.check_memory: the run's GPU memory plan does not fit {card[0]} "

@@ -38,6 +38,7 @@ LAND_EVERY = 16
 """Steps queued before the landed ones are checked and filed together: fewer host calls per step, and a bound on
 the pinned host memory the queued copies hold (LAND_EVERY steps' rows, plus those still in flight)."""
 
+
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     """A host copy of `t`: on CUDA queued on the current stream into pinned memory (no wait), else a clone."""
     if not t.is_cuda:

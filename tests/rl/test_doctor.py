@@ -286,5 +286,5 @@ def test_the_card_is_read_in_a_child_process():
     from rl import config as C
 
     assert M.card_seen_by_child() is None
-    assert M.check_run(C.load(ROOT / "configs" / "qwen3_30b_a3b_1gpu.yaml")).startswith(
+    assert M.check_run(C.load(ROOT / "configs" / "qwen3_30b_a3b_1gpu.yaml"), None).startswith(
         "memory plan not checked: this machine shows no GPU")
