@@ -20,7 +20,13 @@ def resolve_model(cfg: Config, run_dir: Path) -> Path:
     if cfg.model.path is not None:
         check_model(path)
     elif not (path / "config.json").is_file():
-        from rl.make_model import make_model
+        from rl.config import ConfigError
+        from rl.make_model import check_host_memory, make_model
+
+        try:
+            check_host_memory(**dataclasses.asdict(cfg.model.make))
+        except ValueError as e:
+            raise ConfigError(f"model.make: {e} (or `megamoe-rl make-model` elsewhere and model.path)") from None
         make_model(path, **dataclasses.asdict(cfg.model.make))
         log.info("made a random-initialised model in %s", path)
     if cfg.run.numerics == BITWISE:

@@ -83,6 +83,7 @@ def run_make_model(args: argparse.Namespace) -> int:
     try:
         mm.check_args(**sizes)
         mm.check_device(args.device)
+        mm.check_host_memory(**sizes)
         mm.check_out_dir(Path(args.out).absolute(), args.overwrite)
     except ValueError as e:
         args.parser.error(str(e))
