@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import time
 from pathlib import Path
@@ -50,7 +51,7 @@ from records import Sample
 from rl.actors import Actors
 from rl.base_model import resolve_model
 from rl.cluster import start_ray
-from rl.config import Config, to_yaml
+from rl.config import Config, ConfigError, to_yaml
 from rl.export import export_final
 from rl.failures import ANSI, failure_paragraph
 from rl.logs import close_run_logging, setup_run_logging
@@ -326,8 +327,8 @@ def train(cfg: Config, *, resume: bool = False, command: str | None = None, rewa
     (the CLI does, to refuse a bad one first); None loads them here.
 
     Every check happens before Ray starts: the run folder, the checkpoint to resume, the disk for the
-    model model.make makes and the final export (check_disk), a GPU run's memory plan
-    (run.check_memory), the model (check_model), the rewards, the dataset and every prompt's length
+    model model.make makes and the final export (check_disk), a GPU run's GPU and memory plan
+    (check_gpus), the model (check_model), the rewards, the dataset and every prompt's length
     (Loop). A refused start raises (ConfigError, DataError, RunDirError: exit 2 from the CLI) and a
     fresh run then removes what it created in run.out_dir. From then on a failure (an actor that raises or dies, Ray
     itself) ends the run with one paragraph in train.log and on the terminal (failure_paragraph):
@@ -346,10 +347,8 @@ def train(cfg: Config, *, resume: bool = False, command: str | None = None, rewa
                 log.info("the run already has %d steps (run.steps=%d); nothing to do", start_step, cfg.run.steps)
                 return EXIT_OK
         check_disk(cfg, run_dir)  # the model model.make makes and the final export fit run.out_dir's disk
-        if cfg.trainer.gpus_per_rank > 0 and cfg.run.check_memory:  # before model.make builds anything
-            from rl.memory_plan import card_seen_by_child, check_run
-
-            log.info("%s", check_run(cfg, card_seen_by_child()))
+        if cfg.trainer.gpus_per_rank > 0 or cfg.rollout.gpus_per_worker > 0:  # before model.make builds anything
+            check_gpus(cfg)
         loop = Loop(cfg, run_dir, start_step, resolve_model(cfg, run_dir), rewards)
         if resume:
             log_config_changes(run_dir, cfg)
@@ -366,6 +365,24 @@ def train(cfg: Config, *, resume: bool = False, command: str | None = None, rewa
         raise
     finally:
         close_run_logging(handlers)
+
+
+def check_gpus(cfg: Config) -> None:
+    """A GPU run: the machine's first GPU (read in a child process, rl/memory_plan.py) holds its memory plan
+    (run.check_memory), and a run that starts a local Ray instance has a GPU at all (Ray would otherwise wait
+    for one and fail after cluster.place's timeout). ConfigError naming the key."""
+    from rl.memory_plan import card_seen_by_child, check_run
+
+    card = card_seen_by_child()
+    joining = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    if card is None and not joining:
+        asks = [f"{k}={v}" for k, v in (("trainer.gpus_per_rank", cfg.trainer.gpus_per_rank),
+                                         ("rollout.gpus_per_worker", cfg.rollout.gpus_per_worker)) if v > 0]
+        raise ConfigError(f"{', '.join(asks)}: the run asks for GPUs and starts a local Ray instance, but this machine "
+                          "shows none (torch.cuda): set them to 0 for a CPU run, or join a Ray cluster that has "
+                          "GPUs (ray.address or $RAY_ADDRESS)")
+    if cfg.trainer.gpus_per_rank > 0 and cfg.run.check_memory:
+        log.info("%s", check_run(cfg, card))
 
 
 def _run(loop: Loop, cfg: Config, run_dir: Path, command: str, env: dict[str, str]) -> int:

@@ -275,9 +275,40 @@ def test_train_refuses_a_gpu_run_whose_plan_does_not_fit_before_it_builds_anythi
     def no_card_asked():
         raise AssertionError("run.check_memory=false asked for the card")
 
-    monkeypatch.setattr(M, "card_seen_by_child", no_card_asked)
+    monkeypatch.setattr(M, "card_seen_by_child", lambda: None)  # check_memory off: the card only for the next check
     with pytest.raises(Built):
-        L.train(C.load(path, [f"run.out_dir={tmp_path / 'off'}", "run.check_memory=false", "run.progress=false"]))
+        L.train(C.load(path, [f"run.out_dir={tmp_path / 'off'}", "run.check_memory=false", "run.progress=false",
+                              "ray.address=auto"]))
+
+
+def test_a_gpu_run_on_a_machine_without_one_is_refused_unless_it_joins_a_cluster(tmp_path, monkeypatch):
+    """A GPU config that would start a local Ray instance on a machine showing no GPU is refused before anything
+    is built (Ray would wait for a GPU and fail after its placement timeout); joining a cluster passes, the
+    memory plan then not checked. This machine shows no GPU: the real child process, nothing injected."""
+    import pytest
+
+    import rl.loop as L
+    from rl import config as C
+    from trainer.config import ConfigError
+
+    class Built(Exception):
+        pass
+
+    def built(*a, **k):
+        raise Built
+
+    monkeypatch.setattr(L, "resolve_model", built)
+    monkeypatch.setattr(L, "check_disk", lambda cfg, run_dir: None)  # not this test's
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    path = ROOT / "configs" / "h200_rl.yaml"
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"^trainer\.gpus_per_rank=0\.5, rollout\.gpus_per_worker=0\.5: the run asks "
+                                          r"for GPUs and starts a local Ray instance, but this machine shows none"):
+        L.train(C.load(path, [f"run.out_dir={out}", "run.progress=false"]))
+    assert not out.exists()
+    monkeypatch.setenv("RAY_ADDRESS", "192.0.2.1:6379")
+    with pytest.raises(Built):
+        L.train(C.load(path, [f"run.out_dir={out}", "run.progress=false"]))
 
 
 def test_the_card_is_read_in_a_child_process():
