@@ -21,7 +21,8 @@ def resolve_model(cfg: Config, run_dir: Path) -> Path:
         check_model(path)
     elif not (path / "config.json").is_file():
         from rl.config import ConfigError
-        from rl.make_model import check_host_memory, make_model
+        from rl.make_model import make_model
+        from rl.memory_plan import check_host_memory
 
         try:
             check_host_memory(**dataclasses.asdict(cfg.model.make))

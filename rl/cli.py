@@ -76,6 +76,7 @@ def run_make_model(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from rl import make_model as mm
+    from rl.memory_plan import check_host_memory
 
     sizes = dict(arch=args.arch, layers=args.layers, hidden=args.hidden, experts=args.experts,
                  topk=args.topk, intermediate=args.intermediate, vocab=args.vocab, seed=args.seed,
@@ -83,7 +84,7 @@ def run_make_model(args: argparse.Namespace) -> int:
     try:
         mm.check_args(**sizes)
         mm.check_device(args.device)
-        mm.check_host_memory(**sizes)
+        check_host_memory(**sizes)
         mm.check_out_dir(Path(args.out).absolute(), args.overwrite)
     except ValueError as e:
         args.parser.error(str(e))

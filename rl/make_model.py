@@ -177,43 +177,6 @@ def check_device(device: str) -> None:
             raise ValueError(f"device (--device): 'cuda', but torch {torch.__version__} sees no CUDA device")
 
 
-def host_memory_available() -> int | None:
-    """Linux's MemAvailable in bytes (/proc/meminfo), None where it cannot be read."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def check_host_memory(*, arch: str = "qwen3_moe", layers: int = 2, hidden: int = 64, experts: int = 8, topk: int = 2,
-                      intermediate: int = 32, vocab: int | None = None, heads: int | None = None,
-                      kv_heads: int | None = None, head_dim: int | None = None, dtype: str = "float32",
-                      available: int | None = None, **_) -> None:
-    """ValueError when the host cannot hold the model while make_model builds and writes it (on either device
-    the whole model is in host memory before the write): its weights, the parameter count of
-    rl/memory_plan.py's arithmetic x dtype's bytes, against `available` (None: host_memory_available(); a host
-    whose MemAvailable cannot be read is not checked). Without it the kernel's out-of-memory killer ends the
-    process without a word."""
-    from rl.memory_plan import Dims
-
-    available = host_memory_available() if available is None else available
-    if available is None:
-        return
-    h, kv, hd = (heads, kv_heads, head_dim) if heads is not None else head_layout(hidden)
-    params = Dims(layers, hidden, experts, topk, intermediate, vocab or DEFAULT_VOCAB, h, kv, hd).params
-    need = params * (4 if dtype == "float32" else 2)
-    if need > available:
-        GiB = 2**30
-        raise ValueError(f"layers={layers}, hidden={hidden}, experts={experts}, intermediate={intermediate}, "
-                         f"dtype={dtype}: about {params / 1e9:.2f} B parameters, {need / GiB:.1f} GiB that make_model "
-                         f"holds in host memory while it builds and writes the model, but this machine has "
-                         f"{available / GiB:.1f} GiB available (MemAvailable): fewer layers"
-                         + (", bfloat16" if dtype == "float32" else "") + " or a machine with more memory")
-
-
 def check_out_dir(out: Path, overwrite: bool) -> None:
     """`out` must be new, empty, or (with overwrite) an earlier make_model output."""
     if out.exists() and not out.is_dir():
@@ -405,8 +368,6 @@ def make_model(out_dir: str | os.PathLike, *, arch: str = "qwen3_moe", layers: i
     check_out_dir(out, overwrite)
 
     check_device(device)
-    check_host_memory(arch=arch, layers=layers, hidden=hidden, experts=experts, topk=topk, intermediate=intermediate,
-                      vocab=vocab, dtype=dtype, **heads_args)
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 

@@ -5,6 +5,7 @@
     print(plan.render(card_bytes))           # the table `megamoe-rl doctor --config` and `train --dry-run` print
     max_layers(cfg, card_bytes)              # the most decoder layers of this model that fit
     check_run(cfg, card_seen_by_child())     # `megamoe-rl train`: refuse a run this machine's card cannot hold
+    check_host_memory(**model_make_args)     # make-model / model.make: refuse a model the host memory cannot hold
 
 The plan is arithmetic on the model's dimensions and the config, for one GPU that holds a trainer rank and
 (colocated) an engine. What is counted, in bytes:
@@ -289,3 +290,39 @@ def check_run(cfg, card: tuple[str, int] | None) -> str:
                          f"({card[1] / GiB:.1f} GiB):\n{text}\n(the plan is an estimate, rl/memory_plan.py; "
                          "run.check_memory=false starts the run anyway)")
     return f"memory plan: peak {memory_plan(cfg).peak / GiB:.1f} GiB fits {card[0]} ({card[1] / GiB:.1f} GiB)"
+
+
+def host_memory_available() -> int | None:
+    """Linux's MemAvailable in bytes (/proc/meminfo), None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_host_memory(*, arch: str = "qwen3_moe", layers: int = 2, hidden: int = 64, experts: int = 8, topk: int = 2,
+                      intermediate: int = 32, vocab: int | None = None, heads: int | None = None,
+                      kv_heads: int | None = None, head_dim: int | None = None, dtype: str = "float32",
+                      available: int | None = None, **_) -> None:
+    """ValueError when the host cannot hold the model while make_model builds and writes it (on either device
+    the whole model is in host memory before the write): its weights, Dims' parameter count x dtype's bytes,
+    against `available` (None: host_memory_available(); a host whose MemAvailable cannot be read is not
+    checked). Without it the kernel's out-of-memory killer ends the process without a word. The make-model
+    command and train's model.make (rl/base_model.py) call it before make_model."""
+    from rl.make_model import DEFAULT_VOCAB, head_layout
+
+    available = host_memory_available() if available is None else available
+    if available is None:
+        return
+    h, kv, hd = (heads, kv_heads, head_dim) if heads is not None else head_layout(hidden)
+    params = Dims(layers, hidden, experts, topk, intermediate, vocab or DEFAULT_VOCAB, h, kv, hd).params
+    need = params * (4 if dtype == "float32" else 2)
+    if need > available:
+        raise ValueError(f"layers={layers}, hidden={hidden}, experts={experts}, intermediate={intermediate}, "
+                         f"dtype={dtype}: about {params / 1e9:.2f} B parameters, {need / GiB:.1f} GiB that make_model "
+                         f"holds in host memory while it builds and writes the model, but this machine has "
+                         f"{available / GiB:.1f} GiB available (MemAvailable): fewer layers"
+                         + (", bfloat16" if dtype == "float32" else "") + " or a machine with more memory")
