@@ -193,10 +193,14 @@ class TrainerWorker:
         out = (model or self.model)(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
                                     position_ids=mb.position_ids, use_cache=False)
         logits = out.logits
-        if mb.position_ids is not None:  # packed: one row, viewed once per sequence (trainer/packing.py)
-            logits = logits.expand(mb.targets.shape[0], -1, -1)
-        V = logits.shape[-1]
-        picked = torch.gather(logits, 1, mb.positions.unsqueeze(-1).expand(-1, -1, V))
+        if mb.position_ids is not None:
+            # packed (trainer/packing.py): each sequence's rows picked from the one row by index, whose backward
+            # adds into a gradient of the row's size; a gather from the row expanded once per sequence would
+            # allocate sequences x tokens x vocab there (71 GiB at Qwen3's vocabulary and 8192 tokens)
+            picked = logits[0][mb.positions]
+        else:
+            V = logits.shape[-1]
+            picked = torch.gather(logits, 1, mb.positions.unsqueeze(-1).expand(-1, -1, V))
         return token_logprobs(picked, mb.targets, self.cfg.temperature, self.cfg.numerics)
 
     # --- routing replay (docs/ROUTING_REPLAY.md) ---
