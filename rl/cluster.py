@@ -182,12 +182,17 @@ def _needed_cpus(plan: dict) -> float:
     return sum(b.get("CPU", 0) for b in plan["trainer"] + (plan["rollout"] or []))
 
 
+def ray_address(cfg: Config) -> str | None:
+    """The Ray cluster a run joins: ray.address, else $RAY_ADDRESS; None: it starts a local instance."""
+    return cfg.ray.address or os.environ.get("RAY_ADDRESS") or None
+
+
 def start_ray(cfg: Config, plan: dict, env: dict[str, str] | None = None) -> bool:
     """Join cfg.ray.address / $RAY_ADDRESS, or start a local instance; True if we started it. Every
     actor gets `env` (vLLM's logging: rl.logs) and then ray.env in its environment."""
     import ray
 
-    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    address = ray_address(cfg)
     runtime_env = {"env_vars": {**(env or {}), **cfg.ray.env}}
     if address:
         log.info("joining the Ray cluster at %s", address)

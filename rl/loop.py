@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import time
 from pathlib import Path
@@ -50,7 +49,7 @@ from pathlib import Path
 from records import Sample
 from rl.actors import Actors
 from rl.base_model import resolve_model
-from rl.cluster import start_ray
+from rl.cluster import ray_address, start_ray
 from rl.config import Config, ConfigError, to_yaml
 from rl.export import export_final
 from rl.failures import ANSI, failure_paragraph
@@ -374,8 +373,7 @@ def check_gpus(cfg: Config) -> None:
     from rl.memory_plan import card_seen_by_child, check_run
 
     card = card_seen_by_child()
-    joining = cfg.ray.address or os.environ.get("RAY_ADDRESS")
-    if card is None and not joining:
+    if card is None and ray_address(cfg) is None:
         asks = [f"{k}={v}" for k, v in (("trainer.gpus_per_rank", cfg.trainer.gpus_per_rank),
                                          ("rollout.gpus_per_worker", cfg.rollout.gpus_per_worker)) if v > 0]
         raise ConfigError(f"{', '.join(asks)}: the run asks for GPUs and starts a local Ray instance, but this machine "

@@ -90,14 +90,21 @@ class Dims:
         return self.layers * self.layer_params + self.fixed_params
 
 
+def make_dims(*, layers: int, hidden: int, experts: int, topk: int, intermediate: int, vocab: int | None = None,
+              heads: int | None = None, kv_heads: int | None = None, head_dim: int | None = None, **_) -> Dims:
+    """The dimensions of the model make_model makes from these arguments (its defaults for vocab and heads)."""
+    from rl.make_model import DEFAULT_VOCAB, head_layout
+
+    h, kv, hd = (heads, kv_heads, head_dim) if heads is not None else head_layout(hidden)
+    return Dims(layers, hidden, experts, topk, intermediate, vocab or DEFAULT_VOCAB, h, kv, hd)
+
+
 def dims_of(cfg) -> Dims:
     """The model's dimensions from model.make, or from model.path's config.json (no torch)."""
     m = cfg.model.make
     if m is not None:
-        from rl.make_model import DEFAULT_VOCAB, head_layout
-
-        heads, kv, hd = (m.heads, m.kv_heads, m.head_dim) if m.heads is not None else head_layout(m.hidden)
-        return Dims(m.layers, m.hidden, m.experts, m.topk, m.intermediate, m.vocab or DEFAULT_VOCAB, heads, kv, hd)
+        return make_dims(layers=m.layers, hidden=m.hidden, experts=m.experts, topk=m.topk, intermediate=m.intermediate,
+                         vocab=m.vocab, heads=m.heads, kv_heads=m.kv_heads, head_dim=m.head_dim)
     c = json.loads((Path(cfg.model.path) / "config.json").read_text())
     heads = c["num_attention_heads"]
     return Dims(c["num_hidden_layers"], c["hidden_size"], c.get("num_experts") or c.get("num_local_experts"),
@@ -312,13 +319,11 @@ def check_host_memory(*, arch: str = "qwen3_moe", layers: int = 2, hidden: int =
     against `available` (None: host_memory_available(); a host whose MemAvailable cannot be read is not
     checked). Without it the kernel's out-of-memory killer ends the process without a word. The make-model
     command and train's model.make (rl/base_model.py) call it before make_model."""
-    from rl.make_model import DEFAULT_VOCAB, head_layout
-
     available = host_memory_available() if available is None else available
     if available is None:
         return
-    h, kv, hd = (heads, kv_heads, head_dim) if heads is not None else head_layout(hidden)
-    params = Dims(layers, hidden, experts, topk, intermediate, vocab or DEFAULT_VOCAB, h, kv, hd).params
+    params = make_dims(layers=layers, hidden=hidden, experts=experts, topk=topk, intermediate=intermediate,
+                       vocab=vocab, heads=heads, kv_heads=kv_heads, head_dim=head_dim).params
     need = params * (4 if dtype == "float32" else 2)
     if need > available:
         raise ValueError(f"layers={layers}, hidden={hidden}, experts={experts}, intermediate={intermediate}, "
